@@ -1,0 +1,3 @@
+from nondet.cli import main
+
+main()

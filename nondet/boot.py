@@ -1,0 +1,82 @@
+"""Entry point of a captured run: ``python -m nondet.boot`` (started by nondet, not by users).
+
+Seeds every RNG nondet knows, installs framework hooks for when a framework is imported,
+runs the user's script or module as ``__main__`` with its own ``sys.argv``, and always ends
+with an END message that says how the run ended.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import runpy
+import sys
+import traceback
+
+from nondet import capture, environment, frameworks, pyhooks
+from nondet.capture import ChildConfig, Session, StopRun
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def main() -> int:
+    config = ChildConfig.from_env()
+    session = Session(config)
+    capture._CURRENT = session
+    os.register_at_fork(after_in_child=_forget_session)
+
+    random.seed(config.seed)
+    try:
+        import numpy as np
+
+        np.random.seed(config.seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    pyhooks.install(session)
+    frameworks.install_import_hooks(session)
+    session.send_meta({"env": environment.base()})
+
+    status, code, error = "complete", 0, ""
+    try:
+        if config.module:
+            sys.argv = [config.module, *config.args]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(config.module, run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(str(config.script))
+            sys.argv = [script, *config.args]
+            sys.path.insert(0, os.path.dirname(script))
+            runpy.run_path(script, run_name="__main__")
+    except StopRun:
+        status = "stopped"
+    except SystemExit as exc:
+        code = _exit_code(exc)
+        status = "complete" if code == 0 else "failed"
+    except KeyboardInterrupt:
+        status, code = "interrupted", 130
+    except BaseException:
+        error = traceback.format_exc()
+        sys.stderr.write(error)
+        status, code = "failed", 1
+    status = frameworks.finish_all(session, status)
+    session.finish(status, code, error)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def _forget_session() -> None:
+    # Forked children (DataLoader workers, multiprocessing) must not write to our pipe.
+    capture._CURRENT = None
+    frameworks.disable_after_fork()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

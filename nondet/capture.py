@@ -1,0 +1,224 @@
+"""Child side, framework-independent: step numbering, the op window, strings, transport.
+
+A ``Session`` lives in the captured run (started by ``nondet.boot``). Framework backends
+detect step boundaries and fingerprint tensors; the session numbers the steps, decides
+which steps get op-level capture, interns strings, streams everything to the parent and
+stops the run when asked. It never imports a framework.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import CodeType
+from typing import Any
+
+import numpy as np
+
+from nondet import channel
+from nondet.records import INIT_STEP, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
+
+CONFIG_ENV = "NONDET_CHILD_CONFIG"
+
+_CURRENT: Session | None = None
+
+
+def current() -> Session | None:
+    """The session of this process, or None when not running under nondet."""
+    return _CURRENT
+
+
+class StopRun(BaseException):
+    """Raised at a step boundary to end the run early (BaseException: user code won't catch it)."""
+
+
+@dataclass
+class ChildConfig:
+    """What the parent tells a captured run (passed as JSON in an environment variable)."""
+
+    label: str
+    seed: int
+    channel_fd: int
+    control_fd: int
+    script: str | None = None  # path of the script, or
+    module: str | None = None  # name of the module run with -m
+    args: list[str] = field(default_factory=list)
+    op_steps: list[int] | None = None  # steps with op-level capture; None = every step
+    stop_after: int | None = None  # end the run after this step
+    dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> ChildConfig:
+        data = json.loads(os.environ[CONFIG_ENV])
+        if data.get("dump") is not None:
+            data["dump"] = tuple(data["dump"])
+        return cls(**data)
+
+    def captures_ops(self, step: int) -> bool:
+        return self.op_steps is None or step in self.op_steps
+
+
+class Session:
+    """One captured run's bookkeeping and transport (see module docstring)."""
+
+    def __init__(self, config: ChildConfig) -> None:
+        self.config = config
+        self.step = INIT_STEP
+        self.started = time.perf_counter()
+        self.writer = channel.FrameWriter(config.channel_fd)
+        self._strings: dict[str, int] = {}
+        self._new_strings: list[str] = []
+        self.backends: list[Any] = []  # installed framework backends (see frameworks/)
+        self.sources = SourceLocator(self)
+        self.final: dict[str, Any] = {}  # final loss and weights digest, sent with END
+        self.pid = os.getpid()
+
+    # -- strings -------------------------------------------------------------------------
+    def intern(self, text: str) -> int:
+        sid = self._strings.get(text)
+        if sid is None:
+            sid = len(self._strings)
+            self._strings[text] = sid
+            self._new_strings.append(text)
+        return sid
+
+    def _send_strings(self) -> None:
+        if self._new_strings:
+            self.writer.send_json(channel.STRINGS, self._new_strings)
+            self._new_strings = []
+
+    # -- metadata --------------------------------------------------------------------------
+    def send_meta(self, meta: dict[str, Any]) -> None:
+        self.writer.send_json(channel.META, meta)
+        self.writer.flush()
+
+    def send_facts(self, facts: dict[str, Any]) -> None:
+        self.writer.send_json(channel.FACTS, facts)
+
+    # -- steps -----------------------------------------------------------------------------
+    def captures_ops(self, step: int | None = None) -> bool:
+        return self.config.captures_ops(self.step if step is None else step)
+
+    def new_step_row(self) -> np.ndarray:
+        row = np.zeros(1, dtype=STEP_DTYPE)
+        row["step"] = self.step
+        row["loss"] = np.nan
+        row["wall"] = time.perf_counter() - self.started
+        return row
+
+    def flush_ops(self, ops: np.ndarray) -> None:
+        """Send op records without ending the step (partial step at a crash or a dump)."""
+        self._send_strings()
+        if len(ops):
+            self.writer.send(channel.OPS, ops.astype(OP_DTYPE, copy=False).tobytes())
+        self.writer.flush()
+
+    def end_step(self, row: np.ndarray, tensors: np.ndarray, ops: np.ndarray) -> None:
+        """Send one finished step, advance the counter, and stop the run if it is time."""
+        self._send_strings()
+        if len(ops):
+            self.writer.send(channel.OPS, ops.astype(OP_DTYPE, copy=False).tobytes())
+        if len(tensors):
+            self.writer.send(channel.TENSORS, tensors.astype(TENSOR_DTYPE, copy=False).tobytes())
+        self.writer.send(channel.STEP, row.tobytes())
+        self.writer.flush()
+        finished = self.step
+        self.step += 1
+        if finished >= 0 and self._should_stop(finished):
+            raise StopRun()
+
+    def _should_stop(self, finished: int) -> bool:
+        if self.config.stop_after is not None and finished >= self.config.stop_after:
+            return True
+        return channel.stop_requested(self.config.control_fd)
+
+    def send_dump(self, name: str, array: np.ndarray, attrs: dict[str, Any]) -> None:
+        header = dict(attrs, name=name, dtype=array.dtype.str, shape=list(array.shape))
+        payload = json.dumps(header).encode() + b"\n" + np.ascontiguousarray(array).tobytes()
+        self.writer.send(channel.DUMP, payload)
+
+    def finish(self, status: str, exit_code: int, error: str = "") -> None:
+        self._send_strings()
+        self.writer.send_json(
+            channel.END,
+            {"status": status, "exit_code": exit_code, "error": error[-20000:], **self.final},
+        )
+        self.writer.flush()
+
+    # -- API for user scripts ----------------------------------------------------------------
+    def explicit_step(self) -> None:
+        for backend in self.backends:
+            backend.explicit_step()
+
+    def probe(self, value: Any, name: str) -> None:
+        for backend in self.backends:
+            if backend.probe(value, name):
+                return
+
+
+class SourceLocator:
+    """Finds the first frame in the user's own files: "train.py:27" as a string id.
+
+    User files are everything outside the standard library, site-packages and nondet itself.
+    The verdict is cached per code object, so a lookup is a short walk up the stack.
+    """
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self._is_user: dict[CodeType, bool] = {}
+        self._ids: dict[tuple[str, int], int] = {}
+        paths = sysconfig.get_paths()
+        prefixes = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+        prefixes.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+        prefixes.add(str(Path(__file__).resolve().parent))
+        self._excluded = tuple(os.path.realpath(p) + os.sep for p in prefixes if p)
+        self._cwd = os.getcwd()
+
+    def _user_file(self, filename: str) -> bool:
+        if filename.startswith("<"):
+            return False
+        real = os.path.realpath(filename)
+        return not real.startswith(self._excluded)
+
+    def here(self, depth: int = 2) -> int:
+        """String id of the innermost user frame above the caller, or -1."""
+        frame = sys._getframe(depth)
+        is_user = self._is_user
+        while frame is not None:
+            code = frame.f_code
+            user = is_user.get(code)
+            if user is None:
+                user = is_user[code] = self._user_file(code.co_filename)
+            if user:
+                key = (code.co_filename, frame.f_lineno)
+                sid = self._ids.get(key)
+                if sid is None:
+                    sid = self._ids[key] = self._session.intern(self.display(*key))
+                return sid
+            frame = frame.f_back
+        return -1
+
+    def direct_caller(self, depth: int = 2) -> str | None:
+        """"file:line" of the frame ``depth`` levels up if it is user code, else None."""
+        frame = sys._getframe(depth)
+        code = frame.f_code
+        if not self._user_file(code.co_filename):
+            return None
+        return self.display(code.co_filename, frame.f_lineno)
+
+    def display(self, filename: str, line: int) -> str:
+        try:
+            rel = os.path.relpath(filename, self._cwd)
+        except ValueError:
+            rel = filename
+        shown = filename if rel.startswith("..") else rel
+        return f"{shown}:{line}"

@@ -1,0 +1,86 @@
+"""The pipe between a captured run (child) and nondet (parent).
+
+The child never writes the HDF5 file itself: it streams framed messages and the parent
+writes them. A child that crashes or is killed therefore cannot corrupt its capture; the
+parent closes the file, marked incomplete, with everything up to the last whole message.
+
+Frame: 1 byte type, 4 bytes little-endian length, payload. JSON payloads for metadata,
+raw NumPy bytes (dtypes in ``records``) for rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import struct
+from typing import Any, BinaryIO
+
+META = b"M"  # JSON: root attributes and environment entries (may repeat; later keys win)
+STRINGS = b"S"  # JSON list of new strings, ids continue from the previous message
+STEP = b"P"  # one STEP_DTYPE row
+TENSORS = b"T"  # TENSOR_DTYPE rows
+OPS = b"O"  # OP_DTYPE rows of one step
+FACTS = b"F"  # JSON: facts the recipe matcher uses (loader settings, unseeded RNGs, ...)
+DUMP = b"D"  # JSON header line, then raw array bytes
+END = b"E"  # JSON: {"status": complete|stopped|failed|interrupted, ...}
+
+STOP = b"stop\n"  # parent -> child on the control pipe: stop at the next step boundary
+
+_HEADER = struct.Struct("<cI")
+
+
+class FrameWriter:
+    """Child side. Buffered; ``flush`` at step ends and before exiting."""
+
+    def __init__(self, fd: int) -> None:
+        self._file: BinaryIO = os.fdopen(fd, "wb", buffering=1 << 16)
+
+    def send(self, kind: bytes, payload: bytes) -> None:
+        self._file.write(_HEADER.pack(kind, len(payload)))
+        self._file.write(payload)
+
+    def send_json(self, kind: bytes, obj: Any) -> None:
+        self.send(kind, json.dumps(obj, default=str).encode())
+
+    def flush(self) -> None:
+        try:
+            self._file.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the parent is gone; nothing left to tell it
+
+
+class FrameParser:
+    """Parent side: feed raw bytes, get whole frames back (a torn tail waits for more)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        self._buffer += data
+        frames = []
+        offset = 0
+        buffer = self._buffer
+        while len(buffer) - offset >= _HEADER.size:
+            kind, length = _HEADER.unpack_from(buffer, offset)
+            end = offset + _HEADER.size + length
+            if end > len(buffer):
+                break
+            frames.append((kind, bytes(buffer[offset + _HEADER.size : end])))
+            offset = end
+        del buffer[:offset]
+        return frames
+
+
+def stop_requested(fd: int) -> bool:
+    """Child side: has the parent asked us to stop? Never blocks."""
+    try:
+        ready, _, _ = select.select([fd], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    if not ready:
+        return False
+    try:
+        return os.read(fd, 64).startswith(STOP[:4])
+    except OSError:
+        return False

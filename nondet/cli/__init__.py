@@ -1,0 +1,50 @@
+"""Command line: ``nondet run | diff | show`` (click only: parse, call, render).
+
+Nothing here imports torch, TensorFlow or h5py at module level, so ``nondet --help`` is
+instant and works where no framework is installed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from nondet import __version__
+from nondet.cli._common import App, handle_errors
+from nondet.exitcodes import EPILOG
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    epilog=EPILOG,
+)
+@click.version_option(__version__, prog_name="nondet")
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """Find where run-to-run nondeterminism enters a training job.
+
+    \b
+    nondet run train.py --epochs 1      run a script twice, find the first difference
+    nondet diff a.h5 b.h5               compare two captures from anywhere
+    nondet show run-a.h5                what a capture holds
+    """
+    ctx.obj = App()
+
+
+def _register() -> None:
+    from nondet.cli import diff, run, show
+
+    cli.add_command(run.run)
+    cli.add_command(diff.diff)
+    cli.add_command(show.show)
+
+
+_register()
+
+
+def main() -> None:
+    """Console-script entry point: exit codes per DESIGN.md section 7."""
+    with handle_errors():
+        code = cli.main(standalone_mode=False)
+        sys.exit(int(code or 0))

@@ -1,0 +1,90 @@
+"""What every command shares: the console, and turning errors into exit codes."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from nondet import __version__
+from nondet.errors import NondetError
+from nondet.exitcodes import ExitCode
+
+
+class App:
+    """Shared state of one invocation (consoles; stdout for results, stderr for progress)."""
+
+    def __init__(self) -> None:
+        self.out = Console(highlight=False, soft_wrap=True)
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@contextmanager
+def handle_errors() -> Iterator[None]:
+    """One line and exit 2 for user errors, a log and exit 3 for bugs, 130 for Ctrl-C."""
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        yield
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        err.print("nondet: interrupted")
+        sys.exit(ExitCode.INTERRUPTED)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(ExitCode.USAGE)
+    except NondetError as exc:
+        err.print(f"[bold red]nondet: error:[/] {_escape(str(exc))}")
+        if exc.details and os.environ.get("NONDET_QUIET_DETAILS") != "1":
+            for line in exc.details.splitlines()[-15:]:
+                err.print(f"  | {_escape(line)}")
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err.print("nondet: interrupted; captures written so far are kept")
+        sys.exit(ExitCode.INTERRUPTED)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # a bug in nondet
+        if os.environ.get("NONDET_DEBUG") == "1":
+            raise
+        details = getattr(exc, "child_traceback", "")
+        log = write_bug_log(traceback.format_exc(), details)
+        err.print(f"[bold red]nondet: internal error:[/] {_escape(type(exc).__name__)}: "
+                  f"{_escape(str(exc).splitlines()[0] if str(exc) else '')}")
+        err.print(f"  a log with versions and the traceback is at {log}; please report it")
+        sys.exit(ExitCode.INTERNAL)
+
+
+def write_bug_log(text: str, child: str = "") -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nondet"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        base = Path.cwd()
+    path = base / f"nondet-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    versions = [f"nondet {__version__}", f"python {platform.python_version()}",
+                f"platform {platform.platform()}"]
+    for module in ("numpy", "h5py", "torch", "tensorflow"):
+        mod = sys.modules.get(module)
+        if mod is not None:
+            versions.append(f"{module} {getattr(mod, '__version__', '?')}")
+    body = "# nondet bug report\n\n" + "\n".join(f"- {v}" for v in versions)
+    body += f"\n- command: {' '.join(sys.argv)}\n\n```\n{text}\n```\n"
+    if child:
+        body += f"\nInside the captured run:\n\n```\n{child}\n```\n"
+    path.write_text(body, encoding="utf-8")
+    return path
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)

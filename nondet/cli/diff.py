@@ -1,0 +1,37 @@
+"""``nondet diff``: compare two captures made anywhere (machines, versions, branches)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from nondet.cli._common import App
+from nondet.exitcodes import EPILOG
+
+
+@click.command(epilog=EPILOG)
+@click.argument("capture_a", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("capture_b", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the report as JSON to this file.")
+@click.pass_obj
+def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) -> int:
+    """Compare two captures: environment differences first, then the first divergence."""
+    from nondet import pipeline, recipe
+    from nondet.report import json_file, text
+    from nondet.store import open_capture
+
+    a, b = open_capture(capture_a), open_capture(capture_b)
+    report = pipeline.compare_captures(a, b)
+    report.command = f"diff {capture_a} {capture_b}"
+    if a.attrs.get("script_sha256") != b.attrs.get("script_sha256"):
+        report.notes.append("the two captures are of different scripts (or script versions)")
+    if report.first_divergence is not None:
+        facts = pipeline.finding_facts(report.first_divergence, a,
+                                       report.environment_differences)
+        report.suggestions = recipe.suggest(facts)
+    if json_path is not None:
+        json_file.write(report, json_path)
+    text.render(report, app.out)
+    return int(report.exit_code)

@@ -1,0 +1,90 @@
+"""``nondet show``: what a capture holds, as tables."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import click
+
+from nondet.cli._common import App
+from nondet.exitcodes import EPILOG
+
+
+@click.command(epilog=EPILOG)
+@click.argument("capture", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--steps", "max_steps", default=20, show_default=True,
+              help="Show at most this many step rows (first and last ones).")
+@click.option("--ops", "op_step", type=int, metavar="STEP",
+              help="List the op records of this step (-1 for init).")
+@click.pass_obj
+def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int:
+    """Show a capture: run, environment, steps with fingerprints, op records."""
+    from rich.table import Table
+
+    from nondet.fingerprint import short
+    from nondet.records import Kind, Phase
+    from nondet.store import open_capture
+
+    c = open_capture(capture)
+    out = app.out
+    info = Table(title=f"{capture}", show_header=False, box=None)
+    for key in ("label", "status", "exit_code", "steps", "command", "script", "module", "seed",
+                "started", "op_steps", "nondet_format_version", "nondet_version"):
+        if key in c.attrs and c.attrs[key] != "":
+            info.add_row(key, str(c.attrs[key]))
+    out.print(info)
+
+    env = Table(title="environment", show_header=False, box=None)
+    for key, value in sorted(c.env.items()):
+        if not (key.startswith("env.") and value == "(unset)"):
+            env.add_row(key, value)
+    out.print(env)
+
+    steps = Table(title=f"steps ({c.n_steps}, plus init)")
+    for column in ("step", "loss", "data", "loss fp", "grads", "params", "buffers", "optim",
+                   "rng", "ops"):
+        steps.add_column(column, justify="right" if column in ("step", "loss", "ops") else "left")
+    rows = list(c.steps)
+    if len(rows) > max_steps:
+        half = max_steps // 2
+        rows = [*rows[:half], None, *rows[-half:]]
+    for r in rows:
+        if r is None:
+            steps.add_row("...", *[""] * 9)
+            continue
+        step = int(r["step"])
+        steps.add_row("init" if step < 0 else str(step), f"{float(r['loss']):.6g}",
+                      *(short(int(r[f])) for f in ("data_fp", "loss_fp", "grads_fp",
+                                                    "params_fp", "buffers_fp", "optim_fp",
+                                                    "rng_fp")),
+                      str(int(r["n_records"])))
+    out.print(steps)
+
+    op_steps = c.op_steps()
+    if op_steps:
+        summary = Table(title="op records per step")
+        summary.add_column("step", justify="right")
+        summary.add_column("records", justify="right")
+        summary.add_column("most frequent ops")
+        for s in op_steps:
+            ops = c.ops(s)
+            counts = collections.Counter(c.string(int(n)) for n in ops["name"])
+            common = ", ".join(f"{name} ({n})" for name, n in counts.most_common(4))
+            summary.add_row("init" if s < 0 else str(s), str(len(ops)), common)
+        out.print(summary)
+    if op_step is not None:
+        ops = c.ops(op_step)
+        if not len(ops):
+            raise click.UsageError(f"no op records for step {op_step}; steps with op records: "
+                                   f"{op_steps or 'none'}")
+        table = Table(title=f"op records of step {op_step}")
+        for column in ("#", "kind", "phase", "op", "module", "source", "out", "in"):
+            table.add_column(column)
+        for r in ops:
+            table.add_row(str(int(r["index"])), Kind(int(r["kind"])).name.lower(),
+                          Phase(int(r["phase"])).label, c.string(int(r["name"])),
+                          c.string(int(r["module"])), c.string(int(r["source"])),
+                          short(int(r["out_fp"])), short(int(r["in_fp"])))
+        out.print(table)
+    return 0

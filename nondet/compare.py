@@ -1,0 +1,144 @@
+"""Comparing two captures: the first diverging step, then the first injection point.
+
+Pure functions over the arrays of two captures; no I/O, no frameworks. The rule (DESIGN.md
+section 4): walk the op records of the diverging step(s) in execution order; the first
+record whose output differs while all its inputs matched created the difference (an
+*injection point*); a differing tensor that was not produced by a recorded op is an *entry
+point*; a differing op name at the same position is a *structure* mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nondet.records import INIT_STEP, STEP_COMPONENTS, Flag, Kind, Phase
+
+
+@dataclass(frozen=True)
+class StepDivergence:
+    step: int  # -1: the state when training starts already differs
+    phase: Phase
+    fields: tuple[str, ...]  # step-row fields that differ, e.g. ("grads_fp", "params_fp")
+    structural: bool = False  # one run has steps the other does not
+
+
+def rows_differ(a: np.void, b: np.void) -> tuple[str, ...]:
+    """Step-row fields (fingerprints) that differ, in attribution order."""
+    return tuple(name for name, _ in STEP_COMPONENTS if int(a[name]) != int(b[name]))
+
+
+def first_step_divergence(steps_a: np.ndarray, steps_b: np.ndarray) -> StepDivergence | None:
+    by_step_a = {int(r["step"]): r for r in steps_a}
+    by_step_b = {int(r["step"]): r for r in steps_b}
+    for step in sorted(set(by_step_a) & set(by_step_b)):
+        differing = rows_differ(by_step_a[step], by_step_b[step])
+        if differing:
+            phase = Phase.INIT if step == INIT_STEP else dict(STEP_COMPONENTS)[differing[0]]
+            return StepDivergence(step, phase, differing)
+    only = sorted(set(by_step_a) ^ set(by_step_b))
+    if only:
+        return StepDivergence(only[0], Phase.OTHER, (), structural=True)
+    return None
+
+
+@dataclass
+class OpDivergence:
+    """The first op-level finding in a window of steps."""
+
+    kind: str  # "op" | "entry" | "structure"
+    position: int  # index into the compared (concatenated) record arrays
+    row_a: np.void | None
+    row_b: np.void | None
+    explained: bool = True  # False: output differs, inputs differ, but no earlier record does
+    reads_uninitialized: bool = False
+    scalar_argument: bool = False  # the op's tensors matched but a Python number differed
+    context: list[tuple[int, str]] = field(default_factory=list)  # (position, state)
+
+
+def _names(rows: np.ndarray, strings: list[str]) -> np.ndarray:
+    table = np.array([*strings, ""], dtype=object)
+    ids = rows["name"].astype(np.int64)
+    ids[(ids < 0) | (ids >= len(strings))] = len(strings)
+    return table[ids]
+
+
+def localize(ops_a: np.ndarray, ops_b: np.ndarray, strings_a: list[str],
+             strings_b: list[str], context: int = 3) -> OpDivergence | None:
+    """Apply the injection rule to two aligned record streams (same window, same order)."""
+    n = min(len(ops_a), len(ops_b))
+    a, b = ops_a[:n], ops_b[:n]
+    structure = (
+        (a["step"] != b["step"]) | (a["kind"] != b["kind"])
+        | (_names(a, strings_a) != _names(b, strings_b))
+    )
+    first_structure = int(np.argmax(structure)) if structure.any() else n
+    compared = (a["flags"] & Flag.UNINIT_OUTPUT) == 0
+    differs = (a["out_fp"] != b["out_fp"]) & compared
+    not_op = a["kind"] != Kind.OP
+    inputs_match = (a["in_fp"] == b["in_fp"]) | not_op
+    candidates = np.nonzero((differs & inputs_match)[:first_structure])[0]
+    if len(candidates):
+        i = int(candidates[0])
+        entry = bool(not_op[i]) or int(a["scalar_fp"][i]) != int(b["scalar_fp"][i])
+        return OpDivergence(
+            kind="entry" if entry else "op", position=i, row_a=a[i], row_b=b[i],
+            reads_uninitialized=bool(int(a["taint_fp"][i]) != int(b["taint_fp"][i])),
+            scalar_argument=not bool(not_op[i]) and entry,
+            context=_context(a, b, differs, inputs_match, i, context),
+        )
+    if first_structure < n or len(ops_a) != len(ops_b):
+        i = first_structure
+        return OpDivergence(
+            kind="structure", position=i,
+            row_a=ops_a[i] if i < len(ops_a) else None,
+            row_b=ops_b[i] if i < len(ops_b) else None,
+            context=_context(a, b, differs, inputs_match, min(i, n - 1), context) if n else [],
+        )
+    anything = np.nonzero(differs)[0]
+    if len(anything):  # every differing op also had differing inputs: origin not captured
+        i = int(anything[0])
+        return OpDivergence(kind="op", position=i, row_a=a[i], row_b=b[i], explained=False,
+                            context=_context(a, b, differs, inputs_match, i, context))
+    return None
+
+
+def _context(a: np.ndarray, b: np.ndarray, differs: np.ndarray, inputs_match: np.ndarray,
+             i: int, width: int) -> list[tuple[int, str]]:
+    out = []
+    for j in range(max(0, i - width), min(len(a), i + width + 1)):
+        if not differs[j]:
+            state = "same"
+        elif inputs_match[j]:
+            state = "differs (inputs same)"
+        else:
+            state = "differs (inputs differ)"
+        out.append((j, state))
+    return out
+
+
+def mismatch_stats(x: np.ndarray, y: np.ndarray) -> dict[str, object]:
+    """Element-wise comparison of one output from both runs (bitwise, NaN-aware)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return {"numel": int(x.size), "note": f"shapes/dtypes differ: {x.shape} {x.dtype} vs "
+                f"{y.shape} {y.dtype}"}
+    if x.size == 0:
+        return {"mismatched_elements": 0, "numel": 0, "max_abs_diff": 0.0}
+    xb = np.ascontiguousarray(x).view(np.uint8).reshape(x.size, -1)
+    yb = np.ascontiguousarray(y).view(np.uint8).reshape(y.size, -1)
+    mismatched = (xb != yb).any(axis=1)
+    count = int(mismatched.sum())
+    stats: dict[str, object] = {"mismatched_elements": count, "numel": int(x.size)}
+    if count and (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        with np.errstate(all="ignore"):
+            diff = np.abs(x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
+                          - y.astype(np.complex128 if np.iscomplexobj(y) else np.float64))
+        flat = np.where(mismatched, diff.reshape(-1), -np.inf)
+        flat = np.where(np.isnan(flat), np.inf, flat)  # NaN vs number counts as infinite
+        where = int(np.argmax(flat))
+        stats["max_abs_diff"] = float(np.abs(flat[where]))
+        stats["max_abs_diff_at"] = [int(v) for v in np.unravel_index(where, x.shape)]
+    elif count == 0:
+        stats["max_abs_diff"] = 0.0
+    return stats

@@ -1,0 +1,104 @@
+"""Framework-independent parts of fingerprinting.
+
+Note [Fingerprint definition]
+A tensor's content fingerprint is  sum_i  w_i * K_i  (mod 2**64), where w_i are the
+tensor's raw bytes read as 64-bit words (as 32-bit or 8-bit words, sign-extended, when the
+byte count is not a multiple of 8) in row-major order, and K_i are fixed odd 64-bit keys
+(splitmix64 of the position, with the low bit set). Integer arithmetic wraps identically on
+every device and in any reduction order, so the value is exact and reproducible on CPU and
+GPU alike. A change in one word always changes the sum (K_i is odd, hence invertible mod
+2**64); a permutation changes it unless two keys collide in their product, which happens
+with negligible probability. An xor-reduction (``torch.hash_tensor``) would miss
+permutations. Tensors longer than CHUNK_WORDS are hashed chunk by chunk and the chunk sums
+are weighted by a second key sequence, so scratch memory stays bounded.
+
+The device computes only that one 64-bit sum; shape, dtype and device are mixed in on the
+host by ``describe``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable
+
+import numpy as np
+
+MASK64 = (1 << 64) - 1
+CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device
+_CHUNK_KEY_OFFSET = 1 << 40  # chunk weights come from a disjoint part of the key stream
+
+
+def splitmix64(index: np.ndarray) -> np.ndarray:
+    """The splitmix64 output function of ``index`` (uint64 in, uint64 out)."""
+    with np.errstate(over="ignore"):
+        z = (index.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def position_keys(n: int, offset: int = 0) -> np.ndarray:
+    """Odd 64-bit keys for positions offset..offset+n-1, as int64 (torch lacks uint64 mul)."""
+    keys = splitmix64(np.arange(offset, offset + n, dtype=np.uint64)) | np.uint64(1)
+    return keys.view(np.int64)
+
+
+def chunk_keys(n: int) -> np.ndarray:
+    return position_keys(n, _CHUNK_KEY_OFFSET)
+
+
+def mix64(z: int) -> int:
+    z &= MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def combine(values: Iterable[int]) -> int:
+    """Order-sensitive 64-bit combination of integers. Never returns 0 (0 means absent)."""
+    h = 0x243F6A8885A308D3
+    for v in values:
+        h = mix64(h ^ (v & MASK64))
+        h = (h * 0x9E3779B97F4A7C15 + 1) & MASK64
+    return h or 1
+
+
+_NAME_CODES: dict[str, int] = {}
+
+
+def name_code(name: str) -> int:
+    """A stable 64-bit code for a string (dtype or device names): same on every machine."""
+    code = _NAME_CODES.get(name)
+    if code is None:
+        code = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+        _NAME_CODES[name] = code
+    return code
+
+
+def describe(content: int, dtype: str, shape: tuple[int, ...], device_type: str) -> int:
+    """Full fingerprint: content sum plus dtype, shape and device type."""
+    return combine((content, name_code(dtype), name_code(device_type), len(shape), *shape))
+
+
+def scalar_value(value: object) -> int:
+    """Fingerprint of a Python number passed to an op (bit-exact for floats)."""
+    if isinstance(value, bool):
+        return 0x5EED0000 + int(value)
+    if isinstance(value, int):
+        return combine((1, value & MASK64, value >> 64))
+    if isinstance(value, float):
+        return combine((2, struct.unpack("<Q", struct.pack("<d", value))[0]))
+    if isinstance(value, complex):
+        return combine((3, scalar_value(value.real), scalar_value(value.imag)))
+    return combine((4, name_code(repr(value))))
+
+
+def bytes_fp(data: bytes) -> int:
+    """Fingerprint of an opaque byte string (RNG states, NumPy arrays on the host)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") or 1
+
+
+def short(fp: int) -> str:
+    """How fingerprints are shown to people: 12 hex digits are plenty to tell them apart."""
+    return f"{fp & MASK64:016x}"[:12] if fp else "-"

@@ -1,0 +1,108 @@
+"""Framework backends behind one small interface, installed when the framework is imported.
+
+A backend is created the moment the user's script finishes importing its framework, so a
+script that imports torch late (or inside a function) is covered, and nondet itself never
+imports a framework it does not need. ``BACKENDS`` maps the framework's top-level module to
+the module that provides ``create(session) -> Backend``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import traceback
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, Protocol
+
+from nondet.capture import Session
+
+BACKENDS: dict[str, str] = {
+    "torch": "nondet.frameworks.pytorch",
+    "tensorflow": "nondet.frameworks.tensorflow",
+}
+
+
+class Backend(Protocol):
+    """What the session needs from a framework."""
+
+    name: str
+
+    def explicit_step(self) -> None:
+        """``nondet.step()`` was called: end the current step now."""
+
+    def probe(self, value: Any, name: str) -> bool:
+        """Fingerprint ``value`` if it is this framework's tensor; True if handled."""
+
+    def finish(self, status: str) -> str:
+        """The script ended with ``status``: flush what is pending; return the final status."""
+
+    def disable(self) -> None:
+        """Stop capturing (forked child processes)."""
+
+
+_installed: list[Backend] = []
+
+
+def _install(session: Session, framework: str) -> None:
+    try:
+        module = importlib.import_module(BACKENDS[framework])
+        backend: Backend = module.create(session)
+    except Exception:
+        # A broken hook must not break the user's run; the parent reports it as a nondet bug.
+        session.send_meta({"hook_error": traceback.format_exc()})
+        return
+    _installed.append(backend)
+    session.backends.append(backend)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs a callback right after a watched top-level package finishes importing."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self._busy: set[str] = set()
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in BACKENDS or fullname in self._busy:
+            return None
+        self._busy.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy.discard(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        original_exec = loader.exec_module
+        session = self._session
+
+        def exec_module(module: ModuleType) -> None:
+            original_exec(module)
+            _install(session, fullname)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install_import_hooks(session: Session) -> None:
+    sys.meta_path.insert(0, _PostImportFinder(session))
+
+
+def finish_all(session: Session, status: str) -> str:
+    for backend in list(_installed):
+        try:
+            status = backend.finish(status)
+        except Exception:
+            session.send_meta({"hook_error": traceback.format_exc()})
+    return status
+
+
+def disable_after_fork() -> None:
+    for backend in _installed:
+        backend.disable()

@@ -1,0 +1,468 @@
+"""Op-level capture for PyTorch: a TorchDispatchMode that fingerprints every aten op.
+
+``CaptureMode`` is pushed while a step with op-level capture runs. Below autograd it sees
+every op of forward, backward and the optimizer, calls it, fingerprints its outputs
+(including inputs it mutated) and records one 64-byte row per op with the fingerprint of
+its inputs, so the comparison can find the first op whose output differs while its inputs
+matched. It composes with other modes like any mode: whatever is pushed after it sees the
+ops first. It cannot see work done outside the dispatcher (NumPy, Python threads, custom
+C++ that bypasses ATen); those values show up as *entry points* when they are first used.
+
+TODO: Limitations
+- Ops run in threads other than the one that pushed the mode (user threads, a DataLoader's
+  pin-memory thread) are not recorded; their results appear as entry points.
+- In-place writes made outside the dispatcher (through ``.numpy()`` views, DLPack) are noticed
+  only through the version counter, not attributed to a line.
+- Tensor subclasses with their own ``__torch_dispatch__`` are recorded without fingerprints.
+- On CUDA, fingerprints of tensors written on a side stream are taken on the current stream.
+
+Note [Uninitialized memory]
+Outputs of ``empty`` & co. hold whatever the allocator left there, so they differ between
+runs without meaning anything. They are never compared (``Flag.UNINIT_OUTPUT``), a view of
+them inherits that, and an op that fully overwrites such a tensor (``fill_``, ``uniform_``,
+``copy_``, any ``out=``) ignores its old value. An op that *reads* one keeps its fingerprint
+apart (``taint_fp``): if that op's output then differs while its other inputs matched, the
+finding is "reads uninitialized memory", never a false alarm on the ``empty`` itself.
+
+Note [Fingerprint cache]
+Each tensor is fingerprinted once, when an op produces it; consumers look the fingerprint up
+by tensor identity (``WeakIdKeyDictionary``: no effect on lifetimes, and nothing is attached
+to user tensors, so checkpoints stay clean). An entry is current only if both the tensor's
+version counter and a per-storage write count (bumped by every recorded op that mutates any
+tensor on that storage) are unchanged: ``p.data.sub_(...)`` does not bump ``p``'s version
+counter, but it does bump the storage's write count. The cache lives only while the op
+window is open, because writes outside it are not seen. A tensor never produced by a
+recorded op is an entry point. Views are not fingerprinted until something reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from nondet.fingerprint import MASK64, combine, describe, scalar_value
+from nondet.records import OP_DTYPE, Flag, Kind, Phase
+
+if TYPE_CHECKING:
+    from nondet.frameworks.pytorch import TorchBackend
+
+#: In-place ops whose result does not depend on the old value of the tensor they write.
+OVERWRITE_OPS = frozenset(
+    {
+        "fill_", "zero_", "copy_", "set_", "uniform_", "normal_", "random_", "bernoulli_",
+        "exponential_", "geometric_", "cauchy_", "log_normal_", "_foreach_zero_",
+        "_foreach_copy_", "detach_", "resize_",
+    }
+)
+#: Ops whose output is uninitialized memory (see Note [Uninitialized memory]).
+UNINIT_OPS = frozenset(
+    {
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+        "empty_permuted", "resize_", "_empty_affine_quantized",
+        "_empty_per_channel_affine_quantized",
+    }
+)
+#: Ops that draw from a random number generator.
+RNG_OPS = frozenset(
+    {
+        "uniform_", "normal_", "normal", "bernoulli_", "bernoulli", "random_", "exponential_",
+        "geometric_", "cauchy_", "log_normal_", "native_dropout", "dropout", "feature_dropout",
+        "alpha_dropout", "randperm", "randint", "randint_like", "rand", "rand_like", "randn",
+        "randn_like", "multinomial", "poisson", "binomial", "_standard_gamma",
+        "_sample_dirichlet", "rrelu_with_noise", "_fused_dropout",
+    }
+)
+
+
+class Fp:
+    """One tensor's fingerprint: pending on the device, then a full 64-bit value.
+
+    ``lazy`` fingerprints (views, uninitialized outputs) are computed only if read.
+    """
+
+    __slots__ = ("meta", "pending", "uninit", "value")
+
+    def __init__(self, value: int | None = None, uninit: bool = False) -> None:
+        self.pending: torch.Tensor | None = None
+        self.value = value
+        self.uninit = uninit
+        self.meta: tuple[str, tuple[int, ...], str] | None = None
+
+    @property
+    def lazy(self) -> bool:
+        return self.pending is None and self.value is None
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What the schema says about an op, computed once per overload."""
+
+    name_id: int
+    view: bool  # returns an alias of an input and writes nothing
+    mutated_args: frozenset[int]
+    mutated_kwargs: frozenset[str]
+    overwritten_args: frozenset[int]  # mutated args whose old value cannot matter
+    overwritten_kwargs: frozenset[str]
+    uninit_output: bool
+    flags: int
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # The StorageImpl's address: shared by every view and alias of the same memory. An
+    # address can be reused once a storage is freed; Note [Fingerprint cache] says why
+    # that only risks a missed entry point, never a false alarm.
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # sparse, subclasses without storage
+        return id(t)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an op's return value or argument: a tensor, or a list/tuple of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+class OpRecorder:
+    """Fingerprint cache, pending device values and the current step's records."""
+
+    def __init__(self, backend: TorchBackend) -> None:
+        self.backend = backend
+        self.session = backend.session
+        self.hasher = backend.hasher
+        self.window = False  # op-level capture is on for the current step
+        self.active = False  # ... and nondet is not running its own ops right now
+        self.cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.writes: dict[int, int] = {}  # storage address -> recorded writes
+        self.storages: dict[int, bool] = {}  # storages seen -> holds uninitialized memory
+        self.pending: list[Fp] = []
+        self.records: list[tuple[Any, ...]] = []
+        self.infos: dict[Any, OpInfo] = {}
+        self.stamp: tuple[list[torch.Tensor], int, int] | None = None
+        self.creating: tuple[str, str] | None = None  # entry label while a wrapper runs
+        self.dump_at = self.session.config.dump
+
+    # -- fingerprints -----------------------------------------------------------------------
+    def fingerprint(self, t: torch.Tensor, fp: Fp | None = None) -> Fp:
+        """Start fingerprinting ``t`` on its device (into ``fp`` if given, e.g. a lazy one)."""
+        fp = fp or Fp()
+        content = self.hasher.content(t)
+        if content is None:
+            fp.value = 0  # unhashable: compared as "no information"
+            return fp
+        fp.pending = content
+        fp.meta = (str(t.dtype), tuple(t.shape), t.device.type)
+        self.pending.append(fp)
+        return fp
+
+    # -- the cache (see Note [Fingerprint cache]) -------------------------------------------
+    def open_window(self) -> None:
+        self.close_window()
+        self.window = self.active = True
+
+    def close_window(self) -> None:
+        self.window = self.active = False
+        self.cache = WeakIdKeyDictionary()
+        self.writes = {}
+        self.storages = {}
+        self.stamp = None
+
+    def _stamp_of(self, t: torch.Tensor) -> tuple[int, int]:
+        return _version(t), self.writes.get(_storage_key(t), 0)
+
+    def note_write(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        self.writes[key] = self.writes.get(key, 0) + 1
+
+    def remember(self, t: torch.Tensor, fp: Fp) -> Fp:
+        if self.window:
+            key = _storage_key(t)
+            self.cache[t] = ((_version(t), self.writes.get(key, 0)), fp)
+            self.storages[key] = fp.uninit
+        return fp
+
+    def known(self, t: torch.Tensor) -> Fp | None:
+        """The cached fingerprint of ``t`` if it is current (materialized if lazy)."""
+        if not self.window:
+            return None
+        hit = self.cache.get(t)
+        if hit is None or hit[0][0] < 0 or hit[0] != self._stamp_of(t):
+            return None
+        fp = hit[1]
+        if fp.lazy:
+            self.fingerprint(t, fp)
+        return fp
+
+    def lookup(self, t: torch.Tensor, ctx: tuple[int, int, int], materialize: bool = True) -> Fp:
+        """Fingerprint of an op input; records an entry point for a tensor never seen."""
+        hit = self.cache.get(t)
+        if hit is not None:
+            stamp, fp = hit
+            if stamp[0] >= 0 and stamp == self._stamp_of(t):
+                if fp.lazy and materialize:
+                    self.fingerprint(t, fp)
+                return fp
+            # Changed since we saw it, by something outside the recorded ops: fingerprint
+            # again quietly (same in both runs) and keep its uninitialized mark.
+            fresh = self.fingerprint(t)
+            fresh.uninit = fp.uninit
+            return self.remember(t, fresh)
+        uninit = self.storages.get(_storage_key(t))
+        if uninit is not None and self.creating is None:
+            # A new tensor object over a storage we already track (``nn.Parameter(data)``,
+            # ``.data``): not an entry point; it inherits the uninitialized mark.
+            fp = Fp(uninit=uninit)
+            if materialize:
+                self.fingerprint(t, fp)
+            return self.remember(t, fp)
+        fp = self.remember(t, self.fingerprint(t))
+        self.add(Kind.ENTRY, ctx[0], 0, self.entry_name(t), ctx[1], ctx[2], [fp], [], [], (),
+                 t.numel(), [t])
+        return fp
+
+    def entry_name(self, t: torch.Tensor) -> int:
+        if self.creating is not None:
+            kind, what = self.creating
+        else:
+            kind = "external"
+            name = self.backend.tensor_name(t)
+            what = name or f"tensor {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+        return self.session.intern(f"{kind}:{what}")
+
+    def resolve(self) -> None:
+        """Copy all pending device sums to the host in one transfer per device."""
+        if not self.pending:
+            return
+        by_device: dict[torch.device, list[Fp]] = {}
+        for fp in self.pending:
+            by_device.setdefault(fp.pending.device, []).append(fp)  # type: ignore[union-attr]
+        for fps in by_device.values():
+            values = torch.stack([fp.pending for fp in fps]).tolist()  # type: ignore[misc]
+            for fp, value in zip(fps, values, strict=True):
+                dtype, shape, device = fp.meta  # type: ignore[misc]
+                fp.value = describe(value & MASK64, dtype, shape, device)
+                fp.pending = None
+                fp.meta = None
+        self.pending = []
+
+    # -- records ----------------------------------------------------------------------------
+    def add(
+        self, kind: Kind, phase: int, flags: int, name_id: int, module: int, source: int,
+        outs: list[Fp], ins: list[Fp], taints: list[Fp], scalars: tuple[Any, ...],
+        numel: int, tensors: list[torch.Tensor],
+    ) -> None:
+        index = len(self.records)
+        self.records.append((kind, phase, flags, name_id, module, source, outs, ins, taints,
+                             scalars, numel))
+        if self.dump_at is not None and self.dump_at == (self.session.step, index):
+            self.backend.dump_and_exit(tensors)
+
+    def take_rows(self, step: int) -> np.ndarray:
+        """The current step's records as OP_DTYPE rows (call after ``resolve``)."""
+        rows = [
+            (step, i, kind, phase, flags, name, module, source, _combined(outs),
+             _combined(ins), _combined(taints),
+             combine(scalar_value(s) for s in scalars) if scalars else 0, numel)
+            for i, (kind, phase, flags, name, module, source, outs, ins, taints, scalars, numel)
+            in enumerate(self.records)
+        ]
+        self.records = []
+        return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)
+
+    # -- the per-op hot path ----------------------------------------------------------------
+    def info(self, func: Any) -> OpInfo:
+        info = self.infos.get(func)
+        if info is None:
+            info = self.infos[func] = self._make_info(func)
+        return info
+
+    def _make_info(self, func: Any) -> OpInfo:
+        schema = getattr(func, "_schema", None)
+        name_id = self.session.intern(str(func))
+        if schema is None:
+            return OpInfo(name_id, False, frozenset(), frozenset(), frozenset(), frozenset(),
+                          False, 0)
+        base = schema.name.split("::")[-1]
+        mutated_args, mutated_kwargs, over_args, over_kwargs = set(), set(), set(), set()
+        positional = 0
+        for arg in schema.arguments:
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            if arg.kwarg_only:
+                if written:
+                    mutated_kwargs.add(arg.name)
+                    over_kwargs.add(arg.name)  # out= arguments are written whole
+            else:
+                if written:
+                    mutated_args.add(positional)
+                    if base in OVERWRITE_OPS:
+                        over_args.add(positional)
+                positional += 1
+        writes = bool(mutated_args or mutated_kwargs)
+        view = not writes and any(r.alias_info is not None for r in schema.returns)
+        flags = (Flag.RNG if base in RNG_OPS else 0) | (Flag.INPLACE if writes else 0)
+        uninit = base in UNINIT_OPS
+        if uninit:
+            flags |= Flag.UNINIT_OUTPUT
+        return OpInfo(name_id, view, frozenset(mutated_args), frozenset(mutated_kwargs),
+                      frozenset(over_args), frozenset(over_kwargs), uninit, int(flags))
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        info = self.info(func)
+        if self.stamp is not None:
+            self.apply_stamp()
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            phase = int(Phase.BACKWARD)
+            module, source = self.backend.node_origin(node)
+        else:
+            phase = int(self.backend.phase)
+            module = self.backend.current_module()
+            source = self.session.sources.here(2)
+        ctx = (phase, module, source)
+
+        if info.view:
+            uninit = False
+            for value in (*args, *kwargs.values()):
+                for t in tensors_in(value):
+                    uninit |= self.lookup(t, ctx, materialize=False).uninit
+            out = func(*args, **kwargs)
+            for t in tensors_in(out):
+                self.remember(t, Fp(uninit=uninit))
+            return out
+
+        flags = info.flags
+        ins: list[Fp] = []
+        taints: list[Fp] = []
+        scalars: list[Any] = []
+        needs_grad = False
+        for position, value in enumerate(args):
+            flags |= self._input(value, position in info.overwritten_args, ctx, ins, taints,
+                                 scalars)
+            needs_grad = needs_grad or (isinstance(value, torch.Tensor) and value.requires_grad)
+        for key, value in kwargs.items():
+            flags |= self._input(value, key in info.overwritten_kwargs, ctx, ins, taints,
+                                 scalars)
+
+        out = func(*args, **kwargs)
+
+        outputs = list(tensors_in(out))
+        for position in info.mutated_args:
+            _extend_unique(outputs, args[position] if position < len(args) else None)
+        for key in info.mutated_kwargs:
+            _extend_unique(outputs, kwargs.get(key))
+        if info.mutated_args or info.mutated_kwargs:
+            for t in outputs:
+                self.note_write(t)
+        out_fps: list[Fp] = []
+        if info.uninit_output:
+            for t in outputs:
+                self.remember(t, Fp(uninit=True))
+        else:
+            for t in outputs:
+                out_fps.append(self.remember(t, self.fingerprint(t)))
+        if not outputs and isinstance(out, (bool, int, float, complex)):
+            out_fps.append(Fp(value=scalar_value(out)))  # .item() and friends
+        if needs_grad and phase != Phase.BACKWARD and torch.is_grad_enabled():
+            self.stamp = (outputs, module, source)
+        numel = 0
+        if outputs:
+            first = outputs[0]
+            numel = first.numel()
+            device = first.device.type
+            if device != "cpu":
+                flags |= Flag.CUDA if device == "cuda" else Flag.OTHER_DEVICE
+        self.add(Kind.OP, phase, flags, info.name_id, module, source, out_fps, ins, taints,
+                 tuple(scalars), numel, outputs)
+        return out
+
+    def _input(self, value: Any, overwritten: bool, ctx: tuple[int, int, int],
+               ins: list[Fp], taints: list[Fp], scalars: list[Any]) -> int:
+        if isinstance(value, torch.Tensor):
+            items: Any = (value,)
+        elif isinstance(value, (list, tuple)):
+            items = value
+        else:
+            items = (value,)
+        flags = 0
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                fp = self.lookup(item, ctx, materialize=not overwritten)
+                if overwritten:
+                    if fp.uninit:
+                        flags |= Flag.OVERWRITES_UNINIT
+                elif fp.uninit:
+                    taints.append(fp)
+                    flags |= Flag.READS_UNINIT
+                else:
+                    ins.append(fp)
+            elif isinstance(item, (bool, int, float, complex)) and not overwritten:
+                scalars.append(item)
+        return flags
+
+    def apply_stamp(self) -> None:
+        """Tag the autograd nodes of the previous forward op with its module and line.
+
+        Inside the mode, outputs have no ``grad_fn`` yet (autograd attaches it after we
+        return), so this runs at the next op. Backward ops then read the tag from
+        ``torch._C._current_autograd_node()`` and are attributed to the forward line.
+        """
+        outputs, module, source = self.stamp  # type: ignore[misc]
+        self.stamp = None
+        for t in outputs:
+            node = t.grad_fn
+            if node is not None:
+                meta = node.metadata
+                if "nondet" not in meta:
+                    meta["nondet"] = (module, source)
+
+
+def _extend_unique(outputs: list[torch.Tensor], value: Any) -> None:
+    for t in tensors_in(value):
+        if not any(t is o for o in outputs):
+            outputs.append(t)
+
+
+def _combined(fps: list[Fp]) -> int:
+    if not fps:
+        return 0
+    return combine(fp.value or 0 for fp in fps)
+
+
+#: Op namespaces that compute nothing (profiler ranges): not recorded.
+_PASS_THROUGH = frozenset({"profiler"})
+
+
+class CaptureMode(TorchDispatchMode):
+    """Records every dispatched op while op-level capture is on (see the module docstring).
+
+    The recorder decides what is recorded; when it is inactive (outside the op window, or
+    while nondet fingerprints step-level state) ops pass straight through.
+    """
+
+    def __init__(self, recorder: OpRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.recorder.active or func.namespace in _PASS_THROUGH:
+            return func(*args, **kwargs)
+        return self.recorder.dispatch(func, args, kwargs)

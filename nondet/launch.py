@@ -1,0 +1,298 @@
+"""Parent side of a captured run: the child process, its environment, and its capture file.
+
+``CapturedRun`` starts ``python -m nondet.boot`` with the seed and plan in its environment,
+stores everything the child streams into the run's HDF5 file, keeps the step rows in memory
+(for live comparison and progress) and tells the child to stop when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from nondet import channel, environment
+from nondet.capture import CONFIG_ENV, ChildConfig
+from nondet.errors import NondetError
+from nondet.records import OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
+from nondet.store import CaptureWriter
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to run: a script path or a module name, plus the script's own arguments."""
+
+    script: str | None
+    module: str | None
+    args: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        if self.script is not None:
+            path = Path(self.script)
+            if not path.exists():
+                raise NondetError(f"script not found: {self.script}")
+            if not path.is_file():
+                raise NondetError(f"not a script file: {self.script}")
+
+    @property
+    def command(self) -> list[str]:
+        head = ["-m", str(self.module)] if self.module else [str(self.script)]
+        return [*head, *self.args]
+
+    def describe(self) -> str:
+        return shlex.join(self.command)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run captures and when it stops."""
+
+    label: str  # "a", "b", "a-ops", ...
+    op_steps: list[int] | None  # steps with op-level capture (None: every step)
+    stop_after: int | None = None  # last step to run
+    dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
+
+
+@dataclass
+class RunResult:
+    label: str
+    path: Path
+    log_path: Path
+    status: str  # complete | stopped | failed | interrupted | crashed
+    exit_code: int
+    steps: int
+    error: str = ""
+    hook_error: str = ""
+    final: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.status in ("complete", "stopped")
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").rstrip().splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+
+class CapturedRun:
+    """One child process and the thread that stores its stream."""
+
+    def __init__(self, target: Target, plan: Plan, seed: int, out_dir: Path,
+                 on_step: Callable[[CapturedRun, np.void], None] | None = None,
+                 echo: bool = False) -> None:
+        self.target = target
+        self.plan = plan
+        self.seed = seed
+        self.path = out_dir / f"run-{plan.label}.h5"
+        self.log_path = out_dir / f"run-{plan.label}.log"
+        self.on_step = on_step
+        self.echo = echo
+        self.steps: list[np.void] = []
+        self.end: dict[str, Any] | None = None
+        self.hook_error = ""
+        self._stop_sent = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        data_r, data_w = os.pipe()
+        ctrl_r, ctrl_w = os.pipe()
+        config = ChildConfig(
+            label=self.plan.label, seed=self.seed, channel_fd=data_w, control_fd=ctrl_r,
+            script=os.path.abspath(self.target.script) if self.target.script else None,
+            module=self.target.module, args=list(self.target.args),
+            op_steps=self.plan.op_steps, stop_after=self.plan.stop_after, dump=self.plan.dump,
+        )
+        env = dict(os.environ)
+        env[CONFIG_ENV] = config.to_env()
+        env.setdefault("PYTHONHASHSEED", str(self.seed % 2**32))
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
+        self.writer = CaptureWriter(self.path, {
+            "label": self.plan.label,
+            "command": self.target.command,
+            "script": self.target.script or "",
+            "module": self.target.module or "",
+            "script_sha256": environment.script_digest(self.target.script)
+            if self.target.script else "",
+            "seed": self.seed,
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "cwd": os.getcwd(),
+            "rank": 0,
+            "world_size": 1,
+            "op_steps": "all" if self.plan.op_steps is None else self.plan.op_steps,
+        })
+        self._log: BinaryIO = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "nondet.boot"],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            pass_fds=(data_w, ctrl_r),
+        )
+        os.close(data_w)
+        os.close(ctrl_r)
+        self._ctrl_w = ctrl_w
+        self._threads = [
+            threading.Thread(target=self._pump_frames, args=(data_r,), daemon=True),
+            threading.Thread(target=self._pump_output, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def request_stop(self) -> None:
+        """Ask the child to stop at its next step boundary (idempotent)."""
+        if self._stop_sent:
+            return
+        self._stop_sent = True
+        try:
+            os.write(self._ctrl_w, channel.STOP)
+        except OSError:
+            pass
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait(self) -> RunResult:
+        assert self._proc is not None
+        try:
+            code = self._proc.wait()
+        except KeyboardInterrupt:
+            code = self._interrupt()
+            raise
+        finally:
+            self._finish_threads()
+        return self._result(code)
+
+    def interrupt(self) -> RunResult:
+        """Ctrl-C: the child got SIGINT too; give it time to end cleanly, then kill it."""
+        code = self._interrupt()
+        self._finish_threads()
+        return self._result(code)
+
+    def _interrupt(self) -> int:
+        assert self._proc is not None
+        for sig, patience in ((None, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if sig is not None and self._proc.poll() is None:
+                self._proc.send_signal(sig)
+            try:
+                return self._proc.wait(timeout=patience)
+            except subprocess.TimeoutExpired:
+                continue
+            except KeyboardInterrupt:
+                continue
+        return self._proc.wait()
+
+    def _finish_threads(self) -> None:
+        for thread in self._threads:
+            thread.join(timeout=30)
+        try:
+            os.close(self._ctrl_w)
+        except OSError:
+            pass
+        self._log.close()
+
+    def _result(self, code: int) -> RunResult:
+        end = self.end or {}
+        if end:
+            status = str(end.get("status", "complete"))
+        elif code < 0:
+            status = "crashed"
+        elif code == 0:
+            status = "complete"
+        else:
+            status = "crashed"
+        if status == "interrupted" or code in (130, -signal.SIGINT):
+            status = "interrupted"
+        self.writer.close(status, code)
+        return RunResult(
+            label=self.plan.label, path=self.path, log_path=self.log_path, status=status,
+            exit_code=code, steps=sum(1 for r in self.steps if int(r["step"]) >= 0),
+            error=str(end.get("error", "")), hook_error=self.hook_error,
+            final={k: v for k, v in end.items() if k.startswith("final_")},
+        )
+
+    # -- threads ---------------------------------------------------------------------------------
+    def _pump_output(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        prefix = f"[{self.plan.label}] ".encode()
+        for line in iter(self._proc.stdout.readline, b""):
+            self._log.write(line)
+            self._log.flush()
+            if self.echo:
+                sys.stderr.buffer.write(prefix + line)
+                sys.stderr.flush()
+
+    def _pump_frames(self, fd: int) -> None:
+        parser = channel.FrameParser()
+        idle_since: float | None = None
+        try:
+            while True:
+                ready, _, _ = select.select([fd], [], [], 0.2)
+                if ready:
+                    data = os.read(fd, 1 << 16)
+                    if not data:
+                        return
+                    idle_since = None
+                    for kind, payload in parser.feed(data):
+                        self._handle(kind, payload)
+                    continue
+                # The child may have exited while a forked grandchild (a DataLoader worker)
+                # still holds the pipe open: stop once it ended and the pipe is quiet.
+                if self._proc is not None and self._proc.poll() is not None:
+                    if self.end is not None:
+                        return
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since > 1.0:
+                        return
+        finally:
+            os.close(fd)
+
+    def _handle(self, kind: bytes, payload: bytes) -> None:
+        writer = self.writer
+        if kind == channel.STEP:
+            row = np.frombuffer(payload, dtype=STEP_DTYPE)
+            writer.add_step(row)
+            self.steps.append(row[0])
+            if self.on_step is not None:
+                self.on_step(self, row[0])
+        elif kind == channel.OPS:
+            writer.add_ops(np.frombuffer(payload, dtype=OP_DTYPE))
+        elif kind == channel.TENSORS:
+            writer.add_tensors(np.frombuffer(payload, dtype=TENSOR_DTYPE))
+        elif kind == channel.STRINGS:
+            writer.add_strings(json.loads(payload))
+        elif kind == channel.META:
+            meta = json.loads(payload)
+            if "env" in meta:
+                writer.add_env(meta["env"])
+            if "hook_error" in meta:
+                self.hook_error = meta["hook_error"]
+        elif kind == channel.FACTS:
+            writer.add_facts(json.loads(payload))
+        elif kind == channel.DUMP:
+            header_end = payload.index(b"\n")
+            header = json.loads(payload[:header_end])
+            array = np.frombuffer(payload[header_end + 1 :], dtype=np.dtype(header["dtype"]))
+            writer.add_dump(header.pop("name"), array.reshape(header.pop("shape")),
+                            {k: v for k, v in header.items() if k != "dtype"})
+        elif kind == channel.END:
+            self.end = json.loads(payload)
+

@@ -1,0 +1,454 @@
+"""From a script to a report: launch, capture, compare, localize, explain.
+
+1. Run A to the end with step-level capture (op-level for init and step 0, where most
+   divergences start); run B the same way, comparing its steps with A's as they arrive and
+   stopping it a few steps after the first difference.
+2. If that step had no op-level capture, re-run both with op-level capture for it and the
+   step before, stopping right after it.
+3. Apply the injection rule to the op records; then re-run both once more up to the
+   finding and save its outputs, to count how many elements differ and by how much.
+4. Look the finding up in the recipe table.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nondet import compare, environment, recipe
+from nondet.errors import ScriptFailed
+from nondet.exitcodes import ExitCode
+from nondet.launch import CapturedRun, Plan, RunResult, Target
+from nondet.records import (
+    ENTRY_KINDS,
+    INIT_STEP,
+    OP_DTYPE,
+    STEP_COMPONENTS,
+    Flag,
+    Kind,
+    Phase,
+    device_of,
+)
+from nondet.report import ContextLine, Divergence, GrowthRow, Report, RunSummary
+from nondet.store import Capture, open_capture
+
+#: How many steps run B continues past the first difference (for the growth view).
+GROWTH_STEPS = 4
+#: Steps with op-level capture in the first two runs (unless --ops all).
+DEFAULT_OP_STEPS = [INIT_STEP, 0]
+
+_FIELD_LABELS = {name: name.removesuffix("_fp") for name, _ in STEP_COMPONENTS}
+
+
+class ProgressSink:
+    """What the pipeline tells the user while it works (see nondet.progress)."""
+
+    def stage(self, text: str) -> None: ...
+
+    def status(self, text: str) -> None: ...
+
+
+@dataclass
+class Options:
+    seed: int = 0
+    out_dir: Path = Path(".nondet")
+    ops_all: bool = False
+    max_steps: int | None = None
+    echo: bool = False  # show the script's own output
+
+
+# -- running ---------------------------------------------------------------------------------
+class _LiveCompare:
+    """Compares run B's steps with run A's as they arrive; stops B after the difference."""
+
+    def __init__(self, reference: list[np.void], progress: ProgressSink) -> None:
+        self.reference = {int(r["step"]): r for r in reference}
+        self.last_reference = max(self.reference, default=INIT_STEP)
+        self.first_difference: int | None = None
+        self.progress = progress
+        self.lock = threading.Lock()
+
+    def __call__(self, run: CapturedRun, row: np.void) -> None:
+        step = int(row["step"])
+        with self.lock:
+            ref = self.reference.get(step)
+            if self.first_difference is None and (ref is None or compare.rows_differ(ref, row)):
+                self.first_difference = step
+                self.progress.stage(f"run b: differs from run a at step {_step_name(step)}; "
+                                    f"continuing {GROWTH_STEPS} steps to see it grow")
+            if self.first_difference is not None and step >= self.first_difference + GROWTH_STEPS:
+                run.request_stop()
+            if step >= self.last_reference and step >= 0:
+                run.request_stop()  # A ended here; B has nothing more to be compared with
+        if step >= 0:
+            self.progress.status(f"run {run.plan.label}: step {step}")
+
+
+def _run(target: Target, plan: Plan, options: Options, progress: ProgressSink,
+         on_step: Callable[[CapturedRun, np.void], None] | None = None) -> RunResult:
+    def report_step(run: CapturedRun, row: np.void) -> None:
+        if int(row["step"]) >= 0:
+            progress.status(f"run {run.plan.label}: step {int(row['step'])}")
+
+    run = CapturedRun(target, plan, options.seed, options.out_dir,
+                      on_step=on_step or report_step, echo=options.echo)
+    run.start()
+    result = run.wait()
+    _check(result)
+    return result
+
+
+def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
+              progress: ProgressSink) -> tuple[RunResult, RunResult]:
+    """Two short runs at once: most of their time is importing the framework."""
+    runs = [CapturedRun(target, plan, options.seed, options.out_dir, echo=options.echo)
+            for plan in plans]
+    for run in runs:
+        run.start()
+    try:
+        results = [run.wait() for run in runs]
+    except KeyboardInterrupt:
+        for run in runs:
+            if run.running():
+                run.interrupt()
+        raise
+    for result in results:
+        _check(result)
+    return results[0], results[1]
+
+
+def _check(result: RunResult) -> None:
+    if result.hook_error:
+        raise InternalChildError(result.hook_error)
+    if result.status == "interrupted":
+        raise KeyboardInterrupt
+    if result.status in ("failed", "crashed"):
+        last = _last_line(result.error) or _last_line(result.log_tail())
+        how = f"exit code {result.exit_code}" if result.exit_code >= 0 else \
+            f"killed by signal {-result.exit_code}"
+        raise ScriptFailed(
+            f"the script failed in run {result.label} ({how})"
+            + (f": {last}" if last else "")
+            + f"; its output is in {result.log_path}",
+            details=result.log_tail(),
+        )
+
+
+class InternalChildError(Exception):
+    """nondet's own hooks failed inside the captured run (a nondet bug: exit 3)."""
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report:
+    """``nondet run``: the whole pipeline (module docstring)."""
+    target.check()
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    for old in options.out_dir.glob("run-*"):
+        if old.suffix in (".h5", ".log"):
+            old.unlink()
+    op_steps = None if options.ops_all else DEFAULT_OP_STEPS
+    stop_after = options.max_steps - 1 if options.max_steps else None
+
+    progress.stage(f"run a: {target.describe()}")
+    result_a = _run(target, Plan("a", op_steps, stop_after), options, progress)
+    a = open_capture(result_a.path)
+    progress.stage(f"run b: same seed ({options.seed}), compared step by step with run a")
+    live = _LiveCompare(list(a.steps), progress)
+    result_b = _run(target, Plan("b", op_steps, stop_after), options, progress, on_step=live)
+    b = open_capture(result_b.path)
+    results = [result_a, result_b]
+
+    report = compare_captures(a, b)
+    report.command = target.describe()
+    report.runs = [_summary(r) for r in results]
+    report.captures = [str(a.path), str(b.path)]
+    div = report.first_divergence
+    if div is None or (div.kind == "structure" and not div.localized):
+        return report
+
+    op_capture = a
+    step_div = compare.first_step_divergence(a.steps, b.steps)
+    if not div.localized and step_div is not None and step_div.step >= 1:
+        narrowed = _narrow(target, options, progress, step_div.step, report)
+        if narrowed is None:
+            div.notes.append(
+                f"the difference at step {step_div.step} did not recur in two op-level re-runs: "
+                "it is rare or timing-dependent; try `nondet run --ops all` to capture every "
+                "op in the first two runs")
+        else:
+            div, op_capture = narrowed
+            report.first_divergence = div
+
+    if div.localized and div.kind in ("op", "entry") and div.op_index is not None:
+        _measure(target, options, progress, div, op_capture, report)
+    report.suggestions = recipe.suggest(
+        finding_facts(div, a, report.environment_differences))
+    _describe_suggestion_sites(report, a)
+    return report
+
+
+def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
+            report: Report) -> tuple[Divergence, Capture] | None:
+    """Re-run both with op-level capture for ``step`` and the one before (twice if needed)."""
+    window = [step - 1, step]
+    for attempt in (1, 2):
+        again = " (second try)" if attempt == 2 else ""
+        progress.stage(f"narrowing down: op-level capture of steps {step - 1} and {step} in two "
+                       f"new runs{again}")
+        ra, rb = _run_pair(target, (Plan("a-ops", window, stop_after=step),
+                                    Plan("b-ops", window, stop_after=step)), options, progress)
+        oa, ob = open_capture(ra.path), open_capture(rb.path)
+        report.captures += [str(oa.path), str(ob.path)]
+        found = localize(oa, ob, window)
+        if found is not None:
+            found.notes.append(f"the first difference was at step {step} in the first two runs; "
+                               "op-level capture was re-run for that step")
+            return found, oa
+    return None
+
+
+def _measure(target: Target, options: Options, progress: ProgressSink, div: Divergence,
+             capture: Capture, report: Report) -> None:
+    """The dump pass: save the finding's outputs in two more runs and compare them."""
+    op_steps = _op_steps_of(capture)
+    step = INIT_STEP if div.step is None else div.step
+    progress.stage(f"measuring the difference: two short runs up to op #{div.op_index}")
+    plans = tuple(Plan(f"{label}-dump", op_steps, stop_after=max(step, 0),
+                       dump=(step, int(div.op_index or 0))) for label in ("a", "b"))
+    try:
+        ra, rb = _run_pair(target, plans, options, progress)  # type: ignore[arg-type]
+    except ScriptFailed as exc:
+        div.notes.append(f"could not measure the difference: {exc}")
+        return
+    da, db = open_capture(ra.path), open_capture(rb.path)
+    report.captures += [str(da.path), str(db.path)]
+    apply_dumps(div, da, db)
+
+
+def apply_dumps(div: Divergence, da: Capture, db: Capture) -> None:
+    names = sorted(set(da.dumps) & set(db.dumps))
+    if not names:
+        div.notes.append("the measuring runs did not reach the op again; sizes not measured")
+        return
+    stats = None
+    for name in names:
+        candidate = compare.mismatch_stats(da.dumps[name][0], db.dumps[name][0])
+        stats = stats or candidate
+        if candidate.get("mismatched_elements"):
+            stats = candidate
+            break
+    assert stats is not None
+    div.numel = stats.get("numel")  # type: ignore[assignment]
+    div.mismatched_elements = stats.get("mismatched_elements")  # type: ignore[assignment]
+    div.max_abs_diff = stats.get("max_abs_diff")  # type: ignore[assignment]
+    div.max_abs_diff_at = stats.get("max_abs_diff_at")  # type: ignore[assignment]
+    if div.mismatched_elements == 0:
+        div.notes.append("in the measuring runs this op happened to give identical outputs; "
+                         "the difference is intermittent")
+
+
+def _op_steps_of(capture: Capture) -> list[int] | None:
+    value = capture.attrs.get("op_steps", "all")
+    if value == "all":
+        return None
+    import json
+
+    return list(json.loads(value)) if isinstance(value, str) else list(value)
+
+
+# -- comparing ---------------------------------------------------------------------------------
+def compare_captures(a: Capture, b: Capture) -> Report:
+    """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
+    env_diff = environment.differences(a.env, b.env)
+    report = Report(verdict="deterministic", exit_code=ExitCode.DETERMINISTIC,
+                    runs=[_summary_of_capture(a), _summary_of_capture(b)],
+                    environment_differences=env_diff, captures=[str(a.path), str(b.path)])
+    step_div = compare.first_step_divergence(a.steps, b.steps)
+    common_op_steps = sorted(set(a.op_steps()) & set(b.op_steps()))
+    report.op_records = sum(min(len(a.ops(s)), len(b.ops(s))) for s in common_op_steps)
+    if step_div is None:
+        # Step-level state matches; op records may still show a difference that did not
+        # reach any step-level fingerprint (e.g. a discarded tensor).
+        div = localize(a, b, common_op_steps) if common_op_steps else None
+        if div is None:
+            return report
+    else:
+        window = [s for s in common_op_steps if s <= step_div.step]
+        div = localize(a, b, window) if window else None
+        if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
+            div = _step_level_divergence(step_div)
+    report.verdict = "nondeterministic"
+    report.exit_code = ExitCode.NONDETERMINISTIC
+    report.first_divergence = div
+    report.growth = growth(a, b, step_div.step if step_div else (div.step or 0))
+    return report
+
+
+def _step_level_divergence(step_div: compare.StepDivergence) -> Divergence:
+    fields = [_FIELD_LABELS.get(f, f) for f in step_div.fields]
+    if step_div.structural:
+        return Divergence(kind="structure", step=step_div.step, phase="other", localized=False,
+                          notes=[f"one run has a step {step_div.step} and the other does not"])
+    kind = "init" if step_div.step == INIT_STEP else "op"
+    return Divergence(
+        kind=kind, step=None if step_div.step == INIT_STEP else step_div.step,
+        phase=step_div.phase.label, localized=False, step_fields=fields,
+        notes=[f"step-level state differs ({', '.join(fields)}) but no op-level capture "
+               "covers this step in both files"],
+    )
+
+
+def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
+    """Apply the injection rule over the op records of ``steps`` (in execution order)."""
+    ops_a = _concat([a.ops(s) for s in steps])
+    ops_b = _concat([b.ops(s) for s in steps])
+    found = compare.localize(ops_a, ops_b, a.strings, b.strings)
+    if found is None:
+        return None
+    row = found.row_a if found.row_a is not None else found.row_b
+    assert row is not None
+    capture = a if found.row_a is not None else b
+    step = int(row["step"])
+    name = capture.string(int(row["name"]))
+    entry_kind = None
+    op = name
+    if int(row["kind"]) != Kind.OP:
+        entry_kind, _, op = name.partition(":")
+        entry_kind = entry_kind if entry_kind in ENTRY_KINDS else "external"
+    if found.scalar_argument:
+        entry_kind = "python_value"
+    div = Divergence(
+        kind=found.kind, step=None if step == INIT_STEP else step,
+        phase=Phase(int(row["phase"])).label if step != INIT_STEP else "init",
+        op=op, op_index=int(row["index"]), module=capture.string(int(row["module"])),
+        source=capture.string(int(row["source"])) or None, entry_kind=entry_kind,
+        explained=found.explained, reads_uninitialized=found.reads_uninitialized,
+        scalar_argument=found.scalar_argument,
+    )
+    if found.kind == "structure":
+        div.op = capture.string(int(found.row_a["name"])) if found.row_a is not None else None
+        div.op_b = b.string(int(found.row_b["name"])) if found.row_b is not None else None
+        div.notes.append("the runs executed different ops here: control flow (or the number "
+                         "of batches) depends on a value that differs between runs")
+    if not found.explained:
+        div.notes.append("this op's inputs already differed but no earlier recorded op or entry "
+                         "did: a tensor was changed outside the ops nondet sees (another "
+                         "thread, a NumPy view, a C extension)")
+    if found.scalar_argument:
+        div.notes.append("the op's tensor inputs matched but a Python number passed to it "
+                         "differed: that value came from outside the framework")
+    div.source_text = source_text(capture, div.source)
+    div.context = [
+        ContextLine(index=int(ops_a[j]["index"]) if j < len(ops_a) else j,
+                    op=a.string(int(ops_a[j]["name"])) if j < len(ops_a) else "?",
+                    module=a.string(int(ops_a[j]["module"])) if j < len(ops_a) else "",
+                    source=a.string(int(ops_a[j]["source"])) if j < len(ops_a) else "",
+                    state=state, focus=j == found.position)
+        for j, state in found.context
+    ]
+    flags = int(row["flags"])
+    div.device = device_of(flags) if int(row["kind"]) == Kind.OP else None
+    div.rng_op = bool(flags & Flag.RNG)
+    return div
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    parts = [p for p in parts if len(p)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=OP_DTYPE)
+
+
+def source_text(capture: Capture, source: str | None) -> str:
+    if not source or ":" not in source:
+        return ""
+    path, _, line = source.rpartition(":")
+    full = Path(path) if os.path.isabs(path) else Path(str(capture.attrs.get("cwd", "."))) / path
+    try:
+        return linecache.getline(str(full), int(line)).strip()
+    except (ValueError, OSError):
+        return ""
+
+
+def growth(a: Capture, b: Capture, first: int) -> list[GrowthRow]:
+    rows_a = {int(r["step"]): r for r in a.steps}
+    rows_b = {int(r["step"]): r for r in b.steps}
+    steps = [s for s in sorted(set(rows_a) & set(rows_b)) if s >= first]
+    out = []
+    for s in steps[: GROWTH_STEPS + 2]:
+        ra, rb = rows_a[s], rows_b[s]
+        out.append(GrowthRow(
+            step=s, loss_a=float(ra["loss"]), loss_b=float(rb["loss"]),
+            differing=[_FIELD_LABELS[f] for f in compare.rows_differ(ra, rb)],
+            params_sum_a=float(ra["params_sum"]), params_sum_b=float(rb["params_sum"]),
+        ))
+    return out
+
+
+# -- explaining ---------------------------------------------------------------------------------
+def finding_facts(div: Divergence, capture: Capture,
+                  env_differences: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """Facts about a finding for the recipe matcher (docs/recipes.md lists them)."""
+    facts: dict[str, Any] = {k: v for k, v in capture.facts.items() if not k.startswith("data")}
+    op = div.op or ""
+    namespace = op.split(".", 1)[0] if "." in op else ""
+    is_torch = "torch_version" in capture.env and (namespace != "" or div.kind == "entry"
+                                                  or "tensorflow_version" not in capture.env)
+    facts.update(
+        framework="torch" if is_torch else "tensorflow",
+        op=op, phase=div.phase, kind=div.kind, entry_kind=div.entry_kind,
+        reads_uninitialized=div.reads_uninitialized,
+        custom_op=bool(is_torch and div.kind == "op" and namespace
+                       and namespace not in ("aten", "prims", "c10d", "_c10d_functional")),
+    )
+    facts["device"] = div.device
+    facts["rng_op"] = div.rng_op
+    for key, value in capture.env.items():
+        if key.endswith("_version"):
+            facts[key] = value
+    if div.entry_kind == "dataloader" and div.op:
+        index = div.op.rsplit("#", 1)[-1]
+        facts.update(capture.facts.get(f"dataloader#{index}", {}))
+    for kind in ("numpy.unseeded_generator", "python.unseeded_random"):
+        facts[kind] = bool(capture.facts.get(kind))
+    for d in env_differences or ():
+        facts[f"env_differs.{d['key'].removeprefix('env.')}"] = True
+    return facts
+
+
+def _describe_suggestion_sites(report: Report, capture: Capture) -> None:
+    for suggestion in report.suggestions:
+        rid = suggestion.recipe.id
+        if rid == "PY-NP-GENERATOR":
+            for site in capture.facts.get("numpy.unseeded_generator", []):
+                suggestion.details.append(f"np.random.default_rng() without a seed at {site}")
+        elif rid in ("PY-ENTROPY",):
+            for site in capture.facts.get("python.unseeded_random", []):
+                suggestion.details.append(f"random.Random()/random.seed() without a seed at "
+                                          f"{site}")
+
+
+# -- summaries -----------------------------------------------------------------------------------
+def _summary(result: RunResult) -> RunSummary:
+    return RunSummary(path=str(result.path), exit_code=result.exit_code, steps=result.steps,
+                      complete=result.complete, status=result.status, label=result.label,
+                      final_params_fp=result.final.get("final_params_fp"))
+
+
+def _summary_of_capture(c: Capture) -> RunSummary:
+    return RunSummary(path=str(c.path), exit_code=c.exit_code, steps=c.n_steps,
+                      complete=c.complete, status=c.status, label=c.label)
+
+
+def _step_name(step: int) -> str:
+    return "init" if step == INIT_STEP else str(step)
+

@@ -1,0 +1,180 @@
+"""The recipe table: known causes of nondeterminism and their fixes, as data.
+
+Entries live in ``nondet/recipes/<framework>.toml`` (schema in docs/recipes.md). A finding is
+turned into *facts* (op name, phase, device, kind, entry kind, loader settings, ...) and every
+entry whose ``match`` holds for those facts is a suggestion, in file order (specific entries
+come first). The fix shown is the variant for the installed framework version.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import tomllib
+
+_FRAMEWORK_FILES = ("torch.toml", "tensorflow.toml")
+_COMPARATORS = (">=", "<=", "!=", "==", ">", "<")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    id: str
+    framework: str
+    title: str
+    cause: str
+    fix: str
+    fix_kind: str
+    applies: str
+    sources: tuple[str, ...]
+    match: dict[str, Any]
+    where: str = ""
+    cost: str = ""
+    note: str = ""
+    variants: tuple[dict[str, Any], ...] = ()
+
+    def matches(self, facts: dict[str, Any]) -> bool:
+        if self.framework not in ("any", facts.get("framework")):
+            return False
+        m = self.match
+        if not m:
+            return False  # an entry with no conditions would match everything
+        op = str(facts.get("op") or "")
+        if "ops" in m and not any(fnmatch.fnmatchcase(op, pattern) for pattern in m["ops"]):
+            return False
+        for key, fact in (("devices", "device"), ("phases", "phase"), ("kinds", "kind"),
+                          ("entry_kinds", "entry_kind")):
+            if key in m and facts.get(fact) not in m[key]:
+                return False
+        return all(_fact_holds(facts.get(name), want) for name, want in m.get("facts", {}).items())
+
+
+@dataclass
+class Suggestion:
+    recipe: Recipe
+    fix: str
+    fix_kind: str
+    applies: str
+    applies_here: bool | None  # None when the installed version is unknown
+    note: str = ""
+    details: list[str] = field(default_factory=list)
+    verified: bool | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        r = self.recipe
+        return {
+            "id": r.id, "cause": r.cause, "fix": self.fix, "verified": self.verified,
+            "title": r.title, "fix_kind": self.fix_kind, "where": r.where,
+            "applies": self.applies, "applies_here": self.applies_here, "cost": r.cost,
+            "note": self.note or r.note, "details": self.details, "sources": list(r.sources),
+        }
+
+
+@functools.cache
+def load() -> tuple[Recipe, ...]:
+    recipes: list[Recipe] = []
+    folder = resources.files("nondet") / "recipes"
+    for name in _FRAMEWORK_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        for entry in data.get("recipe", []):
+            recipes.append(Recipe(
+                id=entry["id"], framework=entry["framework"], title=entry["title"],
+                cause=entry["cause"], fix=entry["fix"], fix_kind=entry["fix_kind"],
+                applies=entry.get("applies", ""), sources=tuple(entry.get("sources", ())),
+                match=entry.get("match", {}), where=entry.get("where", ""),
+                cost=entry.get("cost", ""), note=entry.get("note", ""),
+                variants=tuple(entry.get("variants", ())),
+            ))
+    return tuple(recipes)
+
+
+def suggest(facts: dict[str, Any], limit: int = 3) -> list[Suggestion]:
+    """Suggestions for a finding, most specific first; fixes for this version preferred."""
+    out = []
+    for recipe in load():
+        if recipe.matches(facts):
+            out.append(_choose_variant(recipe, facts))
+    # Keep file order, but a fix that does not apply to the installed version goes last.
+    out.sort(key=lambda s: s.applies_here is False)
+    return out[:limit]
+
+
+def _choose_variant(recipe: Recipe, facts: dict[str, Any]) -> Suggestion:
+    options = [{"fix": recipe.fix, "fix_kind": recipe.fix_kind, "applies": recipe.applies,
+                "note": ""}, *recipe.variants]
+    verdicts = [(option, version_satisfies(option.get("applies", ""), facts)) for option in options]
+    for option, ok in verdicts:
+        if ok:
+            return _suggestion(recipe, option, True)
+    unknown = [option for option, ok in verdicts if ok is None]
+    if unknown:
+        return _suggestion(recipe, unknown[0], None)
+    return _suggestion(recipe, options[0], False)
+
+
+def _suggestion(recipe: Recipe, option: dict[str, Any], here: bool | None) -> Suggestion:
+    return Suggestion(recipe=recipe, fix=option.get("fix", recipe.fix),
+                      fix_kind=option.get("fix_kind", recipe.fix_kind),
+                      applies=option.get("applies", recipe.applies), applies_here=here,
+                      note=option.get("note", ""))
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """'2.13.0+cpu' -> (2, 13, 0); '2.21.0-rc1' -> (2, 21, 0)."""
+    parts = []
+    for piece in re.split(r"[.+-]", text.strip()):
+        digits = re.match(r"\d+", piece)
+        if not digits:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
+def version_satisfies(spec: str, facts: dict[str, Any]) -> bool | None:
+    """Does the installed package satisfy e.g. "torch>=1.8,<2.0"? None if unknown."""
+    spec = spec.strip()
+    if not spec:
+        return True
+    package = re.match(r"[A-Za-z_][A-Za-z0-9_.-]*", spec)
+    if not package:
+        return None
+    installed = facts.get(f"{package.group().lower()}_version")
+    if not installed:
+        return None
+    have = parse_version(str(installed))
+    for clause in spec[package.end():].split(","):
+        clause = clause.strip()
+        if not clause:
+            continue
+        op = next((c for c in _COMPARATORS if clause.startswith(c)), None)
+        if op is None:
+            return None
+        want = parse_version(clause[len(op):])
+        width = max(len(have), len(want))
+        h, w = have + (0,) * (width - len(have)), want + (0,) * (width - len(want))
+        ok = {">=": h >= w, "<=": h <= w, "!=": h != w, "==": h == w, ">": h > w,
+              "<": h < w}[op]
+        if not ok:
+            return False
+    return True
+
+
+def _fact_holds(value: Any, want: Any) -> bool:
+    if isinstance(want, str) and want.startswith(_COMPARATORS) and not isinstance(value, str):
+        op = next(c for c in _COMPARATORS if want.startswith(c))
+        try:
+            number, target = float(value), float(want[len(op):])
+        except (TypeError, ValueError):
+            return False
+        return {">=": number >= target, "<=": number <= target, "!=": number != target,
+                "==": number == target, ">": number > target, "<": number < target}[op]
+    if isinstance(want, bool):
+        return isinstance(value, bool) and value == want
+    return value == want

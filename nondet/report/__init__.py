@@ -1,0 +1,144 @@
+"""The report: what the comparison found, in one structure every presenter reads.
+
+``Report.to_json`` is the normative JSON of DESIGN.md section 7 (``nondet_report_version``
+1); fields beyond the contract are extras and may be added freely.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from nondet.exitcodes import ExitCode
+from nondet.recipe import Suggestion
+
+REPORT_VERSION = 1
+
+
+@dataclass
+class RunSummary:
+    path: str
+    exit_code: int
+    steps: int
+    complete: bool
+    status: str
+    label: str = ""
+    final_params_fp: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "exit_code": self.exit_code,
+                               "steps": self.steps, "complete": self.complete,
+                               "status": self.status, "label": self.label}
+        if self.final_params_fp is not None:
+            out["final_params_fp"] = f"{self.final_params_fp:016x}"
+        return out
+
+
+@dataclass
+class ContextLine:
+    index: int
+    op: str
+    module: str
+    source: str
+    state: str  # same | differs (inputs same) | differs (inputs differ)
+    focus: bool = False
+
+
+@dataclass
+class Divergence:
+    """The first divergence (``first_divergence`` in the JSON)."""
+
+    kind: str  # op | entry | init | structure
+    step: int | None  # None: the init phase
+    phase: str
+    op: str | None = None
+    op_index: int | None = None
+    module: str | None = None
+    source: str | None = None
+    rank: int = 0
+    mismatched_elements: int | None = None
+    numel: int | None = None
+    max_abs_diff: float | None = None
+    # extras
+    localized: bool = True  # False: only the step is known, not the op
+    explained: bool = True  # False: the op's inputs differed but nothing earlier did
+    entry_kind: str | None = None
+    device: str | None = None  # of the op's first output
+    rng_op: bool = False
+    op_b: str | None = None  # structure: what run B executed instead
+    reads_uninitialized: bool = False
+    scalar_argument: bool = False
+    max_abs_diff_at: list[int] | None = None
+    step_fields: list[str] = field(default_factory=list)
+    source_text: str = ""
+    context: list[ContextLine] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "step": self.step, "phase": self.phase, "op": self.op,
+            "op_index": self.op_index, "module": self.module, "source": self.source,
+            "rank": self.rank, "mismatched_elements": self.mismatched_elements,
+            "numel": self.numel, "max_abs_diff": _finite(self.max_abs_diff),
+            "localized": self.localized, "explained": self.explained,
+            "entry_kind": self.entry_kind, "device": self.device, "op_b": self.op_b,
+            "reads_uninitialized": self.reads_uninitialized,
+            "max_abs_diff_at": self.max_abs_diff_at, "step_fields": self.step_fields,
+            "source_text": self.source_text,
+            "context": [vars(c) for c in self.context], "notes": self.notes,
+        }
+
+
+@dataclass
+class GrowthRow:
+    step: int
+    loss_a: float
+    loss_b: float
+    differing: list[str]  # state that differs at this step: data, loss, grads, params, ...
+    params_sum_a: float = math.nan
+    params_sum_b: float = math.nan
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "loss_a": _finite(self.loss_a),
+                "loss_b": _finite(self.loss_b), "differing": self.differing,
+                "params_sum_a": _finite(self.params_sum_a),
+                "params_sum_b": _finite(self.params_sum_b)}
+
+
+@dataclass
+class Report:
+    verdict: str  # deterministic | nondeterministic | error
+    exit_code: ExitCode
+    runs: list[RunSummary]
+    first_divergence: Divergence | None = None
+    suggestions: list[Suggestion] = field(default_factory=list)
+    environment_differences: list[dict[str, str]] = field(default_factory=list)
+    growth: list[GrowthRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    command: str = ""
+    op_records: int = 0  # op records compared (shown for deterministic verdicts)
+    captures: list[str] = field(default_factory=list)  # every capture file written
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "nondet_report_version": REPORT_VERSION,
+            "verdict": self.verdict,
+            "exit_code": int(self.exit_code),
+            "runs": [r.to_json() for r in self.runs],
+            "first_divergence": self.first_divergence.to_json()
+            if self.first_divergence else None,
+            "suggestions": [s.to_json() for s in self.suggestions],
+            "environment_differences": self.environment_differences,
+            "growth": [g.to_json() for g in self.growth],
+            "notes": self.notes,
+            "command": self.command,
+            "op_records_compared": self.op_records,
+            "captures": self.captures,
+        }
+
+
+def _finite(value: float | None) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,180 @@
+"""Human-readable report: the verdict first, then the finding, its context, the fix."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from rich.markup import escape
+
+from nondet.report import Divergence, Report
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+_LABEL = 10  # width of the left-hand labels
+
+
+def render(report: Report, console: Console) -> None:
+    for line in lines(report):
+        console.print(line, highlight=False, soft_wrap=True)
+
+
+def lines(report: Report) -> list[str]:
+    """The report as rich-markup lines (tests compare them with markup stripped)."""
+    out = [_verdict(report)]
+    div = report.first_divergence
+    if div is not None:
+        out += ["", *_finding(div)]
+        if div.context:
+            out += ["", *_context(div)]
+    if report.suggestions:
+        out += ["", *_suggestions(report)]
+    if report.environment_differences:
+        out += ["", *_environment(report)]
+    if report.growth and div is not None:
+        out += ["", *_growth(report)]
+    notes = [*(div.notes if div else []), *report.notes]
+    if notes:
+        out += [""] + [_row("note" if i == 0 else "", escape(n)) for i, n in enumerate(notes)]
+    if report.captures:
+        out += ["", _row("captures", escape("  ".join(report.captures)))]
+    return out
+
+
+def _verdict(report: Report) -> str:
+    div = report.first_divergence
+    if div is None:
+        steps = ", ".join(str(r.steps) for r in report.runs)
+        detail = f"{len(report.runs)} runs ({steps} steps) are bitwise identical"
+        if report.op_records:
+            detail += f", {report.op_records:,} op records compared"
+        return f"[bold green]nondet: deterministic[/] — {detail}"
+    where = "init" if div.step is None else f"step {div.step}"
+    what = {
+        "op": f"{escape(div.op or '?')} creates the difference",
+        "entry": f"{escape(_entry_label(div))} enters with different values",
+        "structure": "the runs execute different ops",
+        "init": "the initial state already differs",
+    }[div.kind]
+    if not div.localized:
+        what = f"runs diverge ({div.phase})"
+    return f"[bold red]nondet: nondeterministic[/] — {where}, {div.phase}: {what}"
+
+
+def _entry_label(div: Divergence) -> str:
+    if div.entry_kind == "dataloader":
+        return "a DataLoader batch"
+    if div.entry_kind == "numpy":
+        return f"a tensor made from NumPy ({div.op})"
+    if div.entry_kind == "python_value":
+        return f"a Python value ({div.op})"
+    return div.op or "a tensor"
+
+
+def _finding(div: Divergence) -> list[str]:
+    out = []
+    step = "init" if div.step is None else f"step {div.step}"
+    if div.kind == "op" and div.localized:
+        head = f"{step}, {div.phase}, op #{div.op_index}: [bold]{escape(div.op or '')}[/]"
+        why = ("its output differs while all its inputs matched: this op created the difference"
+               if div.explained else "its output differs; its inputs differed too, but no "
+               "earlier recorded op did")
+        if div.reads_uninitialized:
+            why = "it reads uninitialized memory (torch.empty & co.) and its output differs"
+        out += [_row("finding", head), _row("", why)]
+    elif div.kind == "entry":
+        out += [_row("finding", f"{step}, {div.phase}, record #{div.op_index}: "
+                                f"[bold]{escape(_entry_label(div))}[/]"),
+                _row("", "this value came from outside the recorded ops and differs between "
+                         "runs")]
+    elif div.kind == "structure":
+        out += [_row("finding", f"{step}, record #{div.op_index}: run a executed "
+                                f"{escape(str(div.op))}, run b {escape(str(div.op_b))}")]
+    else:
+        fields = ", ".join(div.step_fields) or "state"
+        out += [_row("finding", f"{step}, {div.phase}: {escape(fields)} differ"),
+                _row("", "no op-level capture covers this step")]
+    if div.module:
+        out.append(_row("module", escape(div.module)))
+    if div.source:
+        code = f"    {escape(div.source_text)}" if div.source_text else ""
+        out.append(_row("source", f"{escape(div.source)}{code}"))
+    if div.mismatched_elements is not None and div.numel:
+        pct = 100.0 * div.mismatched_elements / div.numel
+        size = f"{div.mismatched_elements:,} of {div.numel:,} elements ({pct:.1f}%)"
+        if div.max_abs_diff is not None and div.mismatched_elements:
+            at = f" at {tuple(div.max_abs_diff_at)}" if div.max_abs_diff_at else ""
+            size += f"; greatest |a-b| {_num(div.max_abs_diff)}{at}"
+        out.append(_row("differs", size))
+    return out
+
+
+def _context(div: Divergence) -> list[str]:
+    width_op = max(len(c.op) for c in div.context)
+    width_mod = max(len(c.module) for c in div.context)
+    width_src = max(len(c.source) for c in div.context)
+    out = []
+    for i, c in enumerate(div.context):
+        mark = ">" if c.focus else " "
+        text = (f"{mark} #{c.index:<5} {c.op:<{width_op}}  {c.module:<{width_mod}}  "
+                f"{c.source:<{width_src}}  {c.state}")
+        out.append(_row("context" if i == 0 else "", escape(text.rstrip())))
+    return out
+
+
+def _suggestions(report: Report) -> list[str]:
+    first, *rest = report.suggestions
+    r = first.recipe
+    out = [_row("cause", f"[{escape(r.id)}] {escape(r.cause)}"),
+           _row("fix", f"[bold]{escape(first.fix)}[/]")]
+    info = [x for x in (r.where, f"applies to {first.applies}" if first.applies else "",
+                        f"cost: {r.cost}" if r.cost else "") if x]
+    if first.applies_here is False:
+        info.append("not for the installed version")
+    if info:
+        out.append(_row("", escape("; ".join(info))))
+    for detail in first.details:
+        out.append(_row("", escape(detail)))
+    if r.sources:
+        out.append(_row("", escape(r.sources[0])))
+    for i, s in enumerate(rest):
+        out.append(_row("also" if i == 0 else "",
+                        f"[{escape(s.recipe.id)}] {escape(s.recipe.title)}: {escape(s.fix)}"))
+    return out
+
+
+def _environment(report: Report) -> list[str]:
+    out = []
+    for i, d in enumerate(report.environment_differences[:20]):
+        out.append(_row("env diff" if i == 0 else "",
+                        escape(f"{d['key']}: a={d['a']}  b={d['b']}")))
+    hidden = len(report.environment_differences) - 20
+    if hidden > 0:
+        out.append(_row("", f"... and {hidden} more (see --json)"))
+    return out
+
+
+def _growth(report: Report) -> list[str]:
+    out = [_row("growth", "step   loss a           loss b           |Δ loss|    differs in")]
+    for g in report.growth:
+        delta = abs(g.loss_a - g.loss_b) if not (math.isnan(g.loss_a) or
+                                                 math.isnan(g.loss_b)) else math.nan
+        out.append(_row("", escape(
+            f"{g.step:<6} {_num(g.loss_a):<16} {_num(g.loss_b):<16} {_num(delta):<11} "
+            f"{', '.join(g.differing) or '-'}")))
+    return out
+
+
+def _row(label: str, text: str) -> str:
+    return f"  {label:<{_LABEL}}{text}"
+
+
+def _num(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if value == 0:
+        return "0"
+    if abs(value) >= 1e4 or abs(value) < 1e-3:
+        return f"{value:.3e}"
+    return f"{value:.9g}"

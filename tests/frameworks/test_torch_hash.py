@@ -1,0 +1,116 @@
+"""Tensor content fingerprints: exact, order-sensitive, right for every dtype and layout."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from nondet.fingerprint import CHUNK_WORDS  # noqa: E402
+from nondet.frameworks.torch_hash import TorchHasher  # noqa: E402
+
+HASHER = TorchHasher()
+
+DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+    torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+    torch.uint16, torch.uint32, torch.uint64,
+]
+for name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, name):
+        DTYPES.append(getattr(torch, name))
+
+
+def content(t: torch.Tensor) -> int:
+    value = HASHER.content(t)
+    assert value is not None
+    return int(value.item())
+
+
+def _sample(dtype: torch.dtype, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(n, generator=g) * 50
+    if dtype == torch.bool:
+        return base > 0
+    if dtype.is_complex:
+        return torch.complex(base, base.flip(0)).to(dtype)
+    if dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return base.abs().to(torch.int64).to(dtype)
+    return base.to(dtype)
+
+
+def _from_bytes(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return raw.reshape(-1).view(like.dtype).reshape(like.shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 3, 5, 8, 13, 1000])
+def test_equal_bits_equal_fingerprint_and_swaps_change_it(dtype: torch.dtype, n: int) -> None:
+    x = _sample(dtype, n + 2)[1 : n + 1]  # odd storage offset: alignment must not matter
+    assert content(x) == content(x.clone())
+    # Edit the bytes directly: not every dtype has indexing kernels.
+    raw = x.clone().view(torch.uint8).reshape(n, -1)
+    flipped = raw.clone()
+    flipped[0, 0] ^= 1
+    assert content(_from_bytes(flipped, x)) != content(x), "one bit must change it"
+    if n >= 2 and not torch.equal(raw[0], raw[1]):
+        swapped = raw[torch.tensor([1, 0, *range(2, n)])]
+        assert content(_from_bytes(swapped, x)) != content(x), "a swap must change it"
+
+
+def test_zero_size_tensors_have_a_fingerprint() -> None:
+    assert content(torch.empty(0)) == 0
+    assert content(torch.empty(0, 3, dtype=torch.int64)) == 0
+
+
+def test_layout_does_not_matter_only_values() -> None:
+    x = torch.randn(30, 40)
+    assert content(x.t()) == content(x.t().contiguous())
+    assert content(x[:, ::3]) == content(x[:, ::3].contiguous())
+    assert content(torch.ones(1).expand(50)) == content(torch.ones(50))
+
+
+def test_nan_payloads_and_signed_zeros_are_distinguished() -> None:
+    a = torch.tensor([float("nan"), 0.0])
+    b = a.clone()
+    b.view(torch.int32)[0] += 1
+    c = torch.tensor([float("nan"), -0.0])
+    assert len({content(a), content(b), content(c)}) == 3
+
+
+def test_large_tensors_are_hashed_in_chunks_exactly() -> None:
+    n = CHUNK_WORDS * 2 + 12345  # float64: one word per element
+    x = torch.randn(n, dtype=torch.float64)
+    base = content(x)
+    y = x.clone()
+    y[CHUNK_WORDS + 7] += 1
+    assert content(y) != base
+    z = x.clone()
+    z[[5, CHUNK_WORDS + 5]] = x[[CHUNK_WORDS + 5, 5]]  # same offset, different chunks
+    assert content(z) != base
+    assert content(x.clone()) == base
+
+
+def test_conjugate_negative_sparse_and_quantized_views_hash_their_values() -> None:
+    z = torch.randn(6, dtype=torch.complex64)
+    assert content(z.conj()) == content(z.conj().resolve_conj())
+    sparse = torch.randn(4, 4).to_sparse()
+    assert content(sparse) == content(sparse.coalesce())
+    dense = torch.zeros(4, 4)
+    dense[1, 2] = 3.0
+    other = torch.zeros(4, 4)
+    other[2, 1] = 3.0
+    assert content(dense.to_sparse()) != content(other.to_sparse())
+    q = torch.quantize_per_tensor(torch.randn(10), 0.1, 0, torch.qint8)
+    assert content(q) == content(q.int_repr())
+
+
+def test_meta_tensors_have_no_fingerprint() -> None:
+    assert HASHER.content(torch.empty(3, device="meta")) is None
+
+
+def test_stats_are_float64_sum_and_max_abs() -> None:
+    x = torch.tensor([1.0, -3.0, 2.0])
+    total, maxabs = HASHER.stats(x)
+    assert float(total) == 0.0 and float(maxabs) == 3.0
+    assert HASHER.stats(torch.tensor([1, 2])) is None

@@ -1,0 +1,138 @@
+"""The injection rule and step-level comparison, on synthetic record streams."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nondet import compare
+from nondet.records import Flag, Kind, Phase
+from tests.conftest import OpStream, step_rows
+
+
+def _pair(build_a: OpStream, build_b: OpStream) -> compare.OpDivergence | None:
+    return compare.localize(build_a.array(), build_b.array(), build_a.strings, build_b.strings)
+
+
+def test_identical_streams_have_no_finding() -> None:
+    a = OpStream().add(0, "aten.mm.default", 11, 1).add(0, "aten.relu.default", 12, 11)
+    b = OpStream().add(0, "aten.mm.default", 11, 1).add(0, "aten.relu.default", 12, 11)
+    assert _pair(a, b) is None
+
+
+def test_first_op_with_matching_inputs_and_differing_output_is_the_injection_point() -> None:
+    a = (OpStream().add(0, "aten.mm.default", 11, 1).add(0, "aten.index_put.default", 12, 11)
+         .add(0, "aten.add.Tensor", 13, 12))
+    b = (OpStream().add(0, "aten.mm.default", 11, 1).add(0, "aten.index_put.default", 99, 11)
+         .add(0, "aten.add.Tensor", 98, 99))
+    found = _pair(a, b)
+    assert found is not None and found.kind == "op" and found.position == 1
+    assert a.strings[int(found.row_a["name"])] == "aten.index_put.default"
+    states = dict(found.context)
+    assert states[1] == "differs (inputs same)" and states[2] == "differs (inputs differ)"
+
+
+def test_propagated_difference_is_not_blamed_on_the_consumer() -> None:
+    # The entry (a batch) differs; the op consuming it differs only because its input did.
+    a = OpStream().add(0, "dataloader:batch", 5, kind=Kind.ENTRY, phase=Phase.DATA)
+    a.add(0, "aten.mm.default", 11, 5)
+    b = OpStream().add(0, "dataloader:batch", 6, kind=Kind.ENTRY, phase=Phase.DATA)
+    b.add(0, "aten.mm.default", 12, 6)
+    found = _pair(a, b)
+    assert found is not None and found.kind == "entry" and found.position == 0
+
+
+def test_uninitialized_outputs_are_never_compared() -> None:
+    a = OpStream().add(0, "aten.empty.memory_format", 0, flags=Flag.UNINIT_OUTPUT)
+    a.add(0, "aten.uniform_.default", 7, 0, flags=Flag.OVERWRITES_UNINIT)
+    b = OpStream().add(0, "aten.empty.memory_format", 0, flags=Flag.UNINIT_OUTPUT)
+    b.add(0, "aten.uniform_.default", 7, 0, flags=Flag.OVERWRITES_UNINIT)
+    # Even if garbage fingerprints were recorded for the empty output, they are ignored.
+    arr_a, arr_b = a.array(), b.array()
+    arr_a["out_fp"][0], arr_b["out_fp"][0] = 123, 456
+    assert compare.localize(arr_a, arr_b, a.strings, b.strings) is None
+
+
+def test_reading_uninitialized_memory_is_reported_as_such() -> None:
+    a = OpStream().add(0, "aten.add.Tensor", 20, 1, taint=5, flags=Flag.READS_UNINIT)
+    b = OpStream().add(0, "aten.add.Tensor", 21, 1, taint=6, flags=Flag.READS_UNINIT)
+    found = _pair(a, b)
+    assert found is not None and found.kind == "op" and found.reads_uninitialized
+
+
+def test_a_differing_python_number_argument_is_an_entry() -> None:
+    a = OpStream().add(0, "aten.mul.Tensor", 20, 1, scalars=3)
+    b = OpStream().add(0, "aten.mul.Tensor", 21, 1, scalars=4)
+    found = _pair(a, b)
+    assert found is not None and found.kind == "entry" and found.scalar_argument
+
+
+def test_different_ops_at_the_same_position_are_a_structure_finding() -> None:
+    a = OpStream().add(0, "aten.mm.default", 11, 1).add(0, "aten.relu.default", 12, 11)
+    b = OpStream().add(0, "aten.mm.default", 11, 1).add(0, "aten.tanh.default", 12, 11)
+    found = _pair(a, b)
+    assert found is not None and found.kind == "structure" and found.position == 1
+
+
+def test_value_difference_before_a_structure_difference_wins() -> None:
+    a = OpStream().add(0, "aten.sum.default", 11, 1).add(0, "aten.relu.default", 12, 11)
+    b = OpStream().add(0, "aten.sum.default", 99, 1).add(0, "aten.tanh.default", 12, 99)
+    found = _pair(a, b)
+    assert found is not None and found.kind == "op" and found.position == 0
+
+
+def test_extra_records_in_one_run_are_a_structure_finding() -> None:
+    a = OpStream().add(0, "aten.mm.default", 11, 1)
+    b = OpStream().add(0, "aten.mm.default", 11, 1).add(0, "aten.relu.default", 12, 11)
+    found = _pair(a, b)
+    assert found is not None and found.kind == "structure" and found.position == 1
+    assert found.row_a is None and found.row_b is not None
+
+
+def test_difference_with_no_origin_is_reported_unexplained() -> None:
+    a = OpStream().add(0, "aten.mm.default", 11, 1)
+    b = OpStream().add(0, "aten.mm.default", 12, 2)
+    found = _pair(a, b)
+    assert found is not None and not found.explained and found.position == 0
+
+
+def test_first_step_divergence_attributes_the_phase_in_pipeline_order() -> None:
+    a = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "data_fp": 5, "grads_fp": 7},
+                  {"step": 1, "data_fp": 6, "grads_fp": 8, "params_fp": 9})
+    b = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "data_fp": 5, "grads_fp": 7},
+                  {"step": 1, "data_fp": 6, "grads_fp": 80, "params_fp": 90})
+    div = compare.first_step_divergence(a, b)
+    assert div is not None and div.step == 1 and div.phase == Phase.BACKWARD
+    assert div.fields == ("grads_fp", "params_fp")
+
+
+def test_init_difference_is_attributed_to_init() -> None:
+    a = step_rows({"step": -1, "params_fp": 1}, {"step": 0})
+    b = step_rows({"step": -1, "params_fp": 2}, {"step": 0})
+    div = compare.first_step_divergence(a, b)
+    assert div is not None and div.step == -1 and div.phase == Phase.INIT
+
+
+def test_missing_steps_are_structural() -> None:
+    a = step_rows({"step": -1}, {"step": 0}, {"step": 1})
+    b = step_rows({"step": -1}, {"step": 0})
+    div = compare.first_step_divergence(a, b)
+    assert div is not None and div.structural and div.step == 1
+    assert compare.first_step_divergence(a, a.copy()) is None
+
+
+def test_mismatch_stats_counts_bitwise_differences_and_finds_the_largest() -> None:
+    x = np.zeros((4, 5), dtype=np.float32)
+    y = x.copy()
+    y[1, 2] = 1e-7
+    y[3, 4] = -2.5e-3
+    stats = compare.mismatch_stats(x, y)
+    assert stats["mismatched_elements"] == 2 and stats["numel"] == 20
+    assert abs(stats["max_abs_diff"] - 2.5e-3) < 1e-9 and stats["max_abs_diff_at"] == [3, 4]
+
+
+def test_mismatch_stats_sees_signed_zero_and_nan_payloads() -> None:
+    x = np.array([0.0, np.nan], dtype=np.float32)
+    y = np.array([-0.0, np.nan], dtype=np.float32)
+    y.view(np.uint32)[1] += 1  # another NaN payload
+    stats = compare.mismatch_stats(x, y)
+    assert stats["mismatched_elements"] == 2

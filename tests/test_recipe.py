@@ -1,0 +1,110 @@
+"""The recipe table: complete, well-formed, and matching the findings it is meant for."""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from nondet import recipe
+
+IDS_FROM_RECIPE_MD = (Path(__file__).parent / "data" / "recipe_ids.txt").read_text().split()
+
+
+def _raw_entries() -> list[dict]:
+    entries = []
+    for name in ("torch.toml", "tensorflow.toml"):
+        text = (resources.files("nondet") / "recipes" / name).read_text(encoding="utf-8")
+        entries += tomllib.loads(text)["recipe"]
+    return entries
+
+
+def test_every_cause_in_recipe_md_has_an_entry() -> None:
+    ids = {r.id for r in recipe.load()}
+    missing = sorted(set(IDS_FROM_RECIPE_MD) - ids)
+    assert not missing, f"RECIPE.md causes without a recipe entry: {missing}"
+
+
+def test_entries_are_well_formed() -> None:
+    entries = _raw_entries()
+    ids = [e["id"] for e in entries]
+    assert len(ids) == len(set(ids)), "recipe ids must be unique"
+    for e in entries:
+        for key in ("id", "framework", "title", "cause", "fix", "fix_kind", "applies",
+                    "sources", "match"):
+            assert key in e, f"{e.get('id')}: missing {key}"
+        assert e["framework"] in ("torch", "tensorflow", "any"), e["id"]
+        assert e["fix_kind"] in ("code", "env", "advice"), e["id"]
+        assert "\n" not in e["fix"] and e["fix"].strip(), f"{e['id']}: fix must be one line"
+        assert e["sources"] and all(s.startswith("https://") for s in e["sources"]), e["id"]
+        assert e["match"], f"{e['id']}: an empty match would match every finding"
+        for variant in e.get("variants", []):
+            assert "\n" not in variant["fix"], e["id"]
+        if e["applies"]:
+            assert recipe.version_satisfies(e["applies"], {}) is None, e["id"]
+
+
+@pytest.mark.parametrize(("spec", "installed", "expected"), [
+    ("torch>=1.8", "2.13.0+cpu", True),
+    ("torch>=2.14", "2.13.0+cpu", False),
+    ("torch>=1.11,<1.13", "1.12.1", True),
+    ("torch>=1.11,<1.13", "1.13.0", False),
+    ("tensorflow>=2.1,<2.8", "2.7.4", True),
+    ("tensorflow>=2.8", "2.21.0", True),
+    ("", "anything", True),
+])
+def test_version_specifiers(spec: str, installed: str, expected: bool) -> None:
+    package = spec.split(">")[0].split("<")[0] if spec else "torch"
+    assert recipe.version_satisfies(spec, {f"{package}_version": installed}) is expected
+
+
+def test_unknown_installed_version_is_unknown_not_false() -> None:
+    assert recipe.version_satisfies("torch>=1.8", {}) is None
+
+
+def _ids(**facts: object) -> list[str]:
+    base = {"framework": "torch", "torch_version": "2.13.0", "kind": "op"}
+    return [s.recipe.id for s in recipe.suggest({**base, **facts}, limit=10)]
+
+
+def test_cpu_advanced_indexing_backward() -> None:
+    ids = _ids(op="aten.index_put.default", device="cpu", phase="backward")
+    assert ids[0] == "PT-INDEXPUT"
+    first = recipe.suggest({"framework": "torch", "torch_version": "2.13.0", "kind": "op",
+                            "op": "aten.index_put.default", "device": "cpu",
+                            "phase": "backward"})[0]
+    assert first.fix == "torch.use_deterministic_algorithms(True)" and first.applies_here
+
+
+def test_dataloader_out_of_order() -> None:
+    ids = _ids(kind="entry", entry_kind="dataloader", phase="data", op="batch",
+               **{"loader.in_order": False, "loader.num_workers": 2})
+    assert ids[0] == "DATA-PT-INORDER"
+    in_order = _ids(kind="entry", entry_kind="dataloader", phase="data", op="batch",
+                    **{"loader.in_order": True, "loader.num_workers": 2})
+    assert "DATA-PT-INORDER" not in in_order
+
+
+def test_unseeded_numpy_generator() -> None:
+    assert _ids(kind="entry", entry_kind="numpy", phase="forward", op="torch.from_numpy",
+                **{"numpy.unseeded_generator": True})[0] == "PY-NP-GENERATOR"
+
+
+def test_custom_op_and_uninitialized_reads_and_rng() -> None:
+    assert _ids(op="fixtures.racy_sum.default", device="cpu", custom_op=True)[0] == "CUSTOM-OP"
+    assert _ids(op="aten.add.Tensor", device="cpu", reads_uninitialized=True)[0] == "PT-UNINIT"
+    assert _ids(op="aten.uniform_.default", device="cpu", rng_op=True)[0] == "PT-RNG"
+
+
+def test_tensorflow_fix_follows_the_installed_version() -> None:
+    def fix_for(version: str) -> str:
+        facts = {"framework": "tensorflow", "tensorflow_version": version, "kind": "op",
+                 "op": "BiasAddGrad", "device": "gpu", "phase": "backward"}
+        return recipe.suggest(facts)[0].fix
+
+    assert "enable_op_determinism" in fix_for("2.21.0")
+    assert "TF_DETERMINISTIC_OPS=1" in fix_for("2.6.0")
+    old = fix_for("1.15.0")  # TF 1.14-2.0: TF_CUDNN_DETERMINISTIC plus the fwr13y bias_add patch
+    assert "fwr13y" in old or "TF_CUDNN_DETERMINISTIC=1" in old

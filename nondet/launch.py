@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -111,6 +111,7 @@ class CapturedRun:
         self._stop_sent = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
+        self._result_cache: RunResult | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -135,7 +136,7 @@ class CapturedRun:
             "script_sha256": environment.script_digest(self.target.script)
             if self.target.script else "",
             "seed": self.seed,
-            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
             "cwd": os.getcwd(),
             "rank": 0,
             "world_size": 1,
@@ -175,14 +176,18 @@ class CapturedRun:
         try:
             code = self._proc.wait()
         except KeyboardInterrupt:
-            code = self._interrupt()
+            self.interrupt()
             raise
-        finally:
-            self._finish_threads()
+        self._finish_threads()
         return self._result(code)
 
-    def interrupt(self) -> RunResult:
-        """Ctrl-C: the child got SIGINT too; give it time to end cleanly, then kill it."""
+    def interrupt(self) -> RunResult | None:
+        """Ctrl-C: the child got SIGINT too; give it time to end cleanly, then kill it.
+
+        The capture is closed either way, marked with how the run ended.
+        """
+        if self._result_cache is not None:
+            return self._result_cache
         code = self._interrupt()
         self._finish_threads()
         return self._result(code)
@@ -201,6 +206,8 @@ class CapturedRun:
         return self._proc.wait()
 
     def _finish_threads(self) -> None:
+        if self._log.closed:
+            return
         for thread in self._threads:
             thread.join(timeout=30)
         try:
@@ -210,6 +217,8 @@ class CapturedRun:
         self._log.close()
 
     def _result(self, code: int) -> RunResult:
+        if self._result_cache is not None:
+            return self._result_cache
         end = self.end or {}
         if end:
             status = str(end.get("status", "complete"))
@@ -222,12 +231,13 @@ class CapturedRun:
         if status == "interrupted" or code in (130, -signal.SIGINT):
             status = "interrupted"
         self.writer.close(status, code)
-        return RunResult(
+        self._result_cache = RunResult(
             label=self.plan.label, path=self.path, log_path=self.log_path, status=status,
             exit_code=code, steps=sum(1 for r in self.steps if int(r["step"]) >= 0),
             error=str(end.get("error", "")), hook_error=self.hook_error,
             final={k: v for k, v in end.items() if k.startswith("final_")},
         )
+        return self._result_cache
 
     # -- threads ---------------------------------------------------------------------------------
     def _pump_output(self) -> None:

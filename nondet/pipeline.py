@@ -116,8 +116,7 @@ def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
         results = [run.wait() for run in runs]
     except KeyboardInterrupt:
         for run in runs:
-            if run.running():
-                run.interrupt()
+            run.interrupt()
         raise
     for result in results:
         _check(result)
@@ -143,6 +142,11 @@ def _check(result: RunResult) -> None:
 
 class InternalChildError(Exception):
     """nondet's own hooks failed inside the captured run (a nondet bug: exit 3)."""
+
+    def __init__(self, child_traceback: str) -> None:
+        super().__init__("nondet's hooks failed inside the captured run: "
+                         + (child_traceback.strip().splitlines() or ["?"])[-1])
+        self.child_traceback = child_traceback
 
 
 def _last_line(text: str) -> str:

@@ -11,11 +11,10 @@ from __future__ import annotations
 import fnmatch
 import functools
 import re
+import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
-
-import tomllib
 
 _FRAMEWORK_FILES = ("torch.toml", "tensorflow.toml")
 _COMPARATORS = (">=", "<=", "!=", "==", ">", "<")

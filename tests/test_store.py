@@ -54,7 +54,7 @@ def test_truncated_file_is_a_clear_error(tmp_path: Path) -> None:
     path = _sample(tmp_path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 3])
-    with pytest.raises(NondetError, match="truncated|damaged"):
+    with pytest.raises(NondetError, match=r"truncated|damaged"):
         open_capture(path)
 
 

@@ -1,0 +1,41 @@
+# Everything runs from the virtual environment in .venv (created on first use).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+EXTRAS ?= torch,dev
+
+.PHONY: install demo test lint typecheck unit e2e bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
+
+# Runs nondet on a bundled fixture with real CPU nondeterminism (exit code 1 = found, as expected).
+demo:
+	$(MAKE) install EXTRAS=torch
+	$(BIN)/nondet run fixtures/torch/index_put_backward.py; code=$$?; \
+	  if [ $$code -ne 1 ]; then echo "demo: expected exit code 1 (nondeterminism found), got $$code"; exit 1; fi
+
+test: install lint
+	$(BIN)/python -m pytest -q
+
+lint:
+	$(BIN)/ruff check nondet tests fixtures bench
+
+typecheck:
+	$(BIN)/mypy nondet
+
+unit: install
+	$(BIN)/python -m pytest -q -m "not e2e"
+
+e2e: install
+	$(BIN)/python -m pytest -q -m e2e
+
+bench: install
+	$(BIN)/python bench/bench.py --write docs/benchmarks.md
+
+clean:
+	rm -rf .nondet build *.egg-info .pytest_cache .ruff_cache .mypy_cache

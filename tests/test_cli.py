@@ -1,0 +1,186 @@
+"""Every exit code of the contract, and one clear line (never a traceback) for bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nondet.store import open_capture
+from tests.conftest import REPO, OpStream, run_cli, step_rows, write_capture
+
+STEPS = str(REPO / "tests" / "data" / "scripts" / "steps.py")
+
+
+def _one_error_line(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("nondet: error")]
+    assert len(errors) == 1, stderr
+    assert "Traceback" not in stderr.split("  |")[0], stderr
+    return errors[0]
+
+
+def test_help_is_instant_and_names_the_exit_codes() -> None:
+    start = time.monotonic()
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "Exit codes" in result.stdout and "130" in result.stdout
+    # A fresh interpreter shows what `nondet --help` imports:
+    probe = subprocess.run([sys.executable, "-c", "import sys, nondet.cli; "
+                            "print(any(m in sys.modules for m in ('torch', 'tensorflow', "
+                            "'h5py')))"], capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "False"
+    assert time.monotonic() - start < 60  # generous: only catches an accidental heavy import
+
+
+def test_missing_script_argument_is_a_usage_error() -> None:
+    result = run_cli("run")
+    assert result.returncode == 2
+    assert "missing SCRIPT" in result.stderr
+
+
+def test_unknown_option_is_a_usage_error() -> None:
+    result = run_cli("run", "--no-such-option", STEPS)
+    assert result.returncode == 2 and "no-such-option" in result.stderr
+
+
+def test_script_not_found(tmp_path: Path) -> None:
+    result = run_cli("run", str(tmp_path / "missing.py"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "script not found" in _one_error_line(result.stderr)
+
+
+def test_script_failure_is_reported_in_one_line_with_its_error(tmp_path: Path) -> None:
+    result = run_cli("run", "-q", STEPS, "--fail-at", "1", cwd=tmp_path)
+    assert result.returncode == 2
+    line = _one_error_line(result.stderr)
+    assert "the script failed in run a" in line and "ValueError: boom at step 1" in line
+    # The capture of the failed run is still readable and says how the run ended.
+    capture = open_capture(tmp_path / ".nondet" / "run-a.h5")
+    assert capture.status == "failed" and capture.n_steps == 1
+
+
+def test_killed_run_leaves_a_readable_capture(tmp_path: Path) -> None:
+    result = run_cli("run", "-q", STEPS, "--steps", "5", "--kill-at", "2", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "killed by signal 9" in _one_error_line(result.stderr)
+    capture = open_capture(tmp_path / ".nondet" / "run-a.h5")
+    assert capture.status == "crashed" and capture.n_steps == 2 and not capture.complete
+
+
+def test_deterministic_script_exits_0_with_identical_runs(tmp_path: Path) -> None:
+    result = run_cli("run", "-q", "--json", "r.json", STEPS, "--steps", "3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("nondet: deterministic")
+    import json
+
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["verdict"] == "deterministic" and report["first_divergence"] is None
+    assert [r["steps"] for r in report["runs"]] == [3, 3]
+    assert report["runs"][0]["final_params_fp"] == report["runs"][1]["final_params_fp"]
+
+
+def test_module_form_runs_like_python_dash_m(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text((REPO / "tests/data/scripts/steps.py").read_text())
+    result = run_cli("run", "-q", "-m", "pkg.train", "--steps", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "2 steps" in result.stdout or "(2, 2 steps)" in result.stdout
+
+
+def test_max_steps_bounds_both_runs(tmp_path: Path) -> None:
+    result = run_cli("run", "-q", "--max-steps", "2", "--json", "r.json", STEPS, "--steps", "6",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    import json
+
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [r["steps"] for r in runs] == [2, 2] and all(r["complete"] for r in runs)
+
+
+def test_ctrl_c_exits_130_and_keeps_readable_captures(tmp_path: Path) -> None:
+    env = {**os.environ, "NO_COLOR": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "nondet", "run", "-q", STEPS, "--steps",
+                             "200", "--sleep", "0.05"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    capture_path = tmp_path / ".nondet" / "run-a.h5"
+    log = tmp_path / ".nondet" / "run-a.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until run A has finished a few steps
+        time.sleep(0.2)
+        if log.exists() and "step 3 done" in log.read_text():
+            break
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    capture = open_capture(capture_path)
+    assert capture.status == "interrupted" and capture.n_steps >= 1
+
+
+def _two_captures(tmp_path: Path, differ: bool) -> tuple[Path, Path]:
+    ops = OpStream().add(0, "aten.mm.default", 5, 1, source="train.py:3")
+    other = OpStream().add(0, "aten.mm.default", 6 if differ else 5, 1, source="train.py:3")
+    steps = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "grads_fp": 2})
+    steps_b = steps.copy()
+    if differ:
+        steps_b[1]["grads_fp"] = 3
+    return (write_capture(tmp_path / "a.h5", steps, ops),
+            write_capture(tmp_path / "b.h5", steps_b, other))
+
+
+def test_diff_of_identical_captures_exits_0(tmp_path: Path) -> None:
+    a, b = _two_captures(tmp_path, differ=False)
+    result = run_cli("diff", str(a), str(b))
+    assert result.returncode == 0 and result.stdout.startswith("nondet: deterministic")
+
+
+def test_diff_of_differing_captures_exits_1_and_names_the_op(tmp_path: Path) -> None:
+    a, b = _two_captures(tmp_path, differ=True)
+    result = run_cli("diff", "--json", str(tmp_path / "r.json"), str(a), str(b))
+    assert result.returncode == 1
+    assert "aten.mm.default" in result.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("command", ["diff", "show"])
+def test_unreadable_capture_is_exit_2(tmp_path: Path, command: str) -> None:
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
+    args = [command, str(bad)] + ([str(bad)] if command == "diff" else [])
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert "cannot read" in _one_error_line(result.stderr)
+
+
+def test_show_prints_tables(tmp_path: Path) -> None:
+    a, _ = _two_captures(tmp_path, differ=False)
+    result = run_cli("show", str(a), "--ops", "0")
+    assert result.returncode == 0, result.stderr
+    assert "aten.mm.default" in result.stdout and "train.py:3" in result.stdout
+
+
+def test_internal_error_exits_3_and_writes_a_log(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from nondet import cli, pipeline
+
+    a, b = _two_captures(tmp_path, differ=False)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(pipeline, "compare_captures", broken)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "argv", ["nondet", "diff", str(a), str(b)])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 3
+    logs = list((tmp_path / "cache" / "nondet").glob("nondet-*.log"))
+    assert len(logs) == 1 and "simulated bug" in logs[0].read_text()

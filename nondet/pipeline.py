@@ -354,12 +354,12 @@ def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
                          "differed: that value came from outside the framework")
     div.source_text = source_text(capture, div.source)
     div.context = [
-        ContextLine(index=int(ops_a[j]["index"]) if j < len(ops_a) else j,
-                    op=a.string(int(ops_a[j]["name"])) if j < len(ops_a) else "?",
-                    module=a.string(int(ops_a[j]["module"])) if j < len(ops_a) else "",
-                    source=a.string(int(ops_a[j]["source"])) if j < len(ops_a) else "",
-                    state=state, focus=j == found.position)
+        ContextLine(index=int(ops_a[j]["index"]), op=a.string(int(ops_a[j]["name"])),
+                    module=a.string(int(ops_a[j]["module"])),
+                    source=a.string(int(ops_a[j]["source"])), state=state,
+                    focus=j == found.position)
         for j, state in found.context
+        if j < len(ops_a) and int(ops_a[j]["step"]) == step  # the finding's step only
     ]
     flags = int(row["flags"])
     div.device = device_of(flags) if int(row["kind"]) == Kind.OP else None

@@ -186,9 +186,13 @@ class TorchBackend:
 
         return make
 
-    def _note_entry(self, t: torch.Tensor, kind: str, what: str) -> Fp:
-        """A tensor made from outside data: part of this step's data fingerprint."""
+    def _note_entry(self, t: torch.Tensor, kind: str, what: str) -> None:
+        """A tensor made from outside data: an entry point, and data of this step if made by
+        the training loop itself (inside a module, a backward or a custom op's own code it
+        is part of the computation, not data)."""
         recorder = self.recorder
+        if recorder.depth > 0:
+            return
         with self._paused():
             fp = recorder.known(t)
             if fp is None:
@@ -198,8 +202,8 @@ class TorchBackend:
                     recorder.add(Kind.ENTRY, int(self.phase), 0,
                                  self.session.intern(f"{kind}:{what}"), self.current_module(),
                                  source, [fp], [], [], (), t.numel(), [t])
-        self.data.append(fp)
-        return fp
+        if not self.module_stack and self.phase in (Phase.INIT, Phase.DATA, Phase.FORWARD):
+            self.data.append(fp)
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         if self.disabled or self.paused:

@@ -157,6 +157,7 @@ class OpRecorder:
         self.infos: dict[Any, OpInfo] = {}
         self.stamp: tuple[list[torch.Tensor], int, int] | None = None
         self.creating: tuple[str, str] | None = None  # entry label while a wrapper runs
+        self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
         self.dump_at = self.session.config.dump
 
     # -- fingerprints -----------------------------------------------------------------------
@@ -360,7 +361,11 @@ class OpRecorder:
             flags |= self._input(value, key in info.overwritten_kwargs, ctx, ins, taints,
                                  scalars)
 
-        out = func(*args, **kwargs)
+        self.depth += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.depth -= 1
 
         outputs = list(tensors_in(out))
         for position in info.mutated_args:
@@ -379,7 +384,9 @@ class OpRecorder:
                 out_fps.append(self.remember(t, self.fingerprint(t)))
         if not outputs and isinstance(out, (bool, int, float, complex)):
             out_fps.append(Fp(value=scalar_value(out)))  # .item() and friends
-        if needs_grad and phase != Phase.BACKWARD and torch.is_grad_enabled():
+        if needs_grad and phase != Phase.BACKWARD:
+            # Not gated on grad mode: a custom op's autograd Function runs its forward with
+            # grad mode off, yet its output gets a grad_fn afterwards.
             self.stamp = (outputs, module, source)
         numel = 0
         if outputs:

@@ -204,17 +204,27 @@ def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report
 
 def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
             report: Report) -> tuple[Divergence, Capture] | None:
-    """Re-run both with op-level capture for ``step`` and the one before (twice if needed)."""
-    window = [step - 1, step]
+    """Re-run both with op-level capture for ``step`` and the one before.
+
+    Timing-dependent causes may strike earlier in the re-runs than in the first runs; then
+    the second attempt captures every op up to ``step``.
+    """
+    window: list[int] | None = [step - 1, step]
     for attempt in (1, 2):
+        scope = (f"steps {step - 1} and {step}" if window is not None
+                 else f"every step up to {step}")
         again = " (second try)" if attempt == 2 else ""
-        progress.stage(f"narrowing down: op-level capture of steps {step - 1} and {step} in two "
-                       f"new runs{again}")
+        progress.stage(f"narrowing down: op-level capture of {scope} in two new runs{again}")
         ra, rb = _run_pair(target, (Plan("a-ops", window, stop_after=step),
                                     Plan("b-ops", window, stop_after=step)), options, progress)
         oa, ob = open_capture(ra.path), open_capture(rb.path)
         report.captures += [str(oa.path), str(ob.path)]
-        found = localize(oa, ob, window)
+        steps = window if window is not None else oa.op_steps()
+        earlier = compare.first_step_divergence(oa.steps, ob.steps)
+        if earlier is not None and steps and earlier.step < steps[0]:
+            window = None  # these runs parted before the window: capture everything
+            continue
+        found = localize(oa, ob, steps)
         if found is not None:
             found.notes.append(f"the first difference was at step {step} in the first two runs; "
                                "op-level capture was re-run for that step")

@@ -30,26 +30,34 @@ class Recipe:
     fix_kind: str
     applies: str
     sources: tuple[str, ...]
-    match: dict[str, Any]
+    match: tuple[dict[str, Any], ...]  # alternatives: any one of them must hold
     where: str = ""
     cost: str = ""
     note: str = ""
     variants: tuple[dict[str, Any], ...] = ()
 
     def matches(self, facts: dict[str, Any]) -> bool:
+        return self.specificity(facts) > 0
+
+    def specificity(self, facts: dict[str, Any]) -> int:
+        """0 if no match; else how specific the best matching table is (see _weight)."""
         if self.framework not in ("any", facts.get("framework")):
+            return 0
+        return max((_weight(m, facts) for m in self.match if _holds(m, facts)), default=0)
+
+
+def _holds(m: dict[str, Any], facts: dict[str, Any]) -> bool:
+    """All conditions of one ``match`` table hold for the facts."""
+    if not m:
+        return False  # a table with no conditions would match every finding
+    op = str(facts.get("op") or "")
+    if "ops" in m and not any(fnmatch.fnmatchcase(op, pattern) for pattern in m["ops"]):
+        return False
+    for key, fact in (("devices", "device"), ("phases", "phase"), ("kinds", "kind"),
+                      ("entry_kinds", "entry_kind")):
+        if key in m and facts.get(fact) not in m[key]:
             return False
-        m = self.match
-        if not m:
-            return False  # an entry with no conditions would match everything
-        op = str(facts.get("op") or "")
-        if "ops" in m and not any(fnmatch.fnmatchcase(op, pattern) for pattern in m["ops"]):
-            return False
-        for key, fact in (("devices", "device"), ("phases", "phase"), ("kinds", "kind"),
-                          ("entry_kinds", "entry_kind")):
-            if key in m and facts.get(fact) not in m[key]:
-                return False
-        return all(_fact_holds(facts.get(name), want) for name, want in m.get("facts", {}).items())
+    return all(_fact_holds(facts.get(name), want) for name, want in m.get("facts", {}).items())
 
 
 @dataclass
@@ -87,20 +95,39 @@ def load() -> tuple[Recipe, ...]:
                 id=entry["id"], framework=entry["framework"], title=entry["title"],
                 cause=entry["cause"], fix=entry["fix"], fix_kind=entry["fix_kind"],
                 applies=entry.get("applies", ""), sources=tuple(entry.get("sources", ())),
-                match=entry.get("match", {}), where=entry.get("where", ""),
+                match=_alternatives(entry.get("match", {})), where=entry.get("where", ""),
                 cost=entry.get("cost", ""), note=entry.get("note", ""),
                 variants=tuple(entry.get("variants", ())),
             ))
     return tuple(recipes)
 
 
+def _weight(m: dict[str, Any], facts: dict[str, Any]) -> int:
+    """Naming the op counts most, then each fact, then each kind/phase/device condition.
+
+    An op pattern that names no op (``aten.*``) counts like a kind condition.
+    """
+    score = sum(1 for key in ("devices", "phases", "kinds", "entry_kinds") if key in m)
+    score += 2 * len(m.get("facts", {}))
+    if "ops" in m:
+        op = str(facts.get("op") or "")
+        named = any(fnmatch.fnmatchcase(op, p) and not p.split(".", 1)[-1].startswith("*")
+                    for p in m["ops"])
+        score += 3 if named else 1
+    return score
+
+
+def _alternatives(match: dict[str, Any] | list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    return tuple(match) if isinstance(match, list) else (match,)
+
+
 def suggest(facts: dict[str, Any], limit: int = 3) -> list[Suggestion]:
-    """Suggestions for a finding, most specific first; fixes for this version preferred."""
-    out = []
-    for recipe in load():
-        if recipe.matches(facts):
-            out.append(_choose_variant(recipe, facts))
-    # Keep file order, but a fix that does not apply to the installed version goes last.
+    """Suggestions for a finding: the most specific match first (the one with the most
+    conditions), file order among equals; a fix for another version goes last."""
+    matched = [(recipe, recipe.specificity(facts)) for recipe in load()]
+    ranked = sorted(((r, score) for r, score in matched if score > 0),
+                    key=lambda pair: -pair[1])
+    out = [_choose_variant(recipe, facts) for recipe, _ in ranked]
     out.sort(key=lambda s: s.applies_here is False)
     return out[:limit]
 

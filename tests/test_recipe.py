@@ -71,7 +71,9 @@ def _ids(**facts: object) -> list[str]:
 
 def test_cpu_advanced_indexing_backward() -> None:
     ids = _ids(op="aten.index_put.default", device="cpu", phase="backward")
-    assert ids[0] == "PT-INDEXPUT"
+    # The entry that names op, device and phase beats the one that names only the op.
+    assert ids[:2] == ["PT-GETITEM-CPU", "PT-INDEXPUT"]
+    assert _ids(op="aten.index_put_.default", device="cpu", phase="forward")[0] == "PT-INDEXPUT"
     first = recipe.suggest({"framework": "torch", "torch_version": "2.13.0", "kind": "op",
                             "op": "aten.index_put.default", "device": "cpu",
                             "phase": "backward"})[0]

@@ -57,6 +57,7 @@ class TorchBackend:
         self.optimizer_made = False  # boundaries then come from optimizer steps
         self.explicit = False  # nondet.step() is in charge of boundaries
         self.update_pending = False  # hand-written update: step ends at the next forward
+        self.verified_step: int | None = None  # last step whose parameters were re-checked
         self.module_stack: list[int] = []  # string ids of module paths
         self.module_ids: dict[int, int] = {}  # id(module) -> string id of its path
         self.roots: list[torch.nn.Module] = []
@@ -152,10 +153,16 @@ class TorchBackend:
                 return original_next(iterator)
             self._before_batch()
             previous, self.phase = self.phase, Phase.DATA
+            # With worker processes the main process only rebuilds tensors from shared
+            # memory: not computation worth recording; the batch itself is the entry.
+            recording = self.recorder.active
+            if getattr(iterator, "_num_workers", 0) > 0:
+                self.recorder.active = False
             try:
                 batch = original_next(iterator)
             finally:
                 self.phase = previous
+                self.recorder.active = recording
             self._record_batch(iterator, batch)
             return batch
 
@@ -226,6 +233,13 @@ class TorchBackend:
             self._register_root(module)
         if not self.started and not self.optimizer_made:
             self.start_training()
+        if self.recorder.window and self.verified_step != self.session.step:
+            # Once per captured step: parameters and buffers become entry points again, so
+            # a value changed outside the recorded ops is caught where it is first used.
+            self.verified_step = self.session.step
+            for root in self.roots:
+                for t in (*root.parameters(), *root.buffers()):
+                    self.recorder.forget(t)
 
     def _register_root(self, root: torch.nn.Module) -> None:
         # The first root's paths are relative ("encoder.mixer"); later roots (a loss module,

@@ -111,6 +111,7 @@ class OpInfo:
     overwritten_kwargs: frozenset[str]
     uninit_output: bool
     flags: int
+    from_storage: bool = False  # set_(storage): the values come from outside the ops
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -187,6 +188,15 @@ class OpRecorder:
 
     def _stamp_of(self, t: torch.Tensor) -> tuple[int, int]:
         return _version(t), self.writes.get(_storage_key(t), 0)
+
+    def forget(self, t: torch.Tensor) -> None:
+        """Treat ``t`` as never seen: its next use is an entry point with a fresh fingerprint.
+
+        Used for parameters at the start of each captured step, so values changed outside
+        the recorded ops (other processes through shared memory, NumPy views) show up.
+        """
+        self.cache.pop(t, None)
+        self.storages.pop(_storage_key(t), None)
 
     def note_write(self, t: torch.Tensor) -> None:
         key = _storage_key(t)
@@ -321,8 +331,13 @@ class OpRecorder:
         uninit = base in UNINIT_OPS
         if uninit:
             flags |= Flag.UNINIT_OUTPUT
+        from_storage = base == "set_" and any(
+            str(arg.type) == "Storage" for arg in schema.arguments)
+        if from_storage:
+            name_id = self.session.intern("external:tensor from a storage (aten.set_)")
         return OpInfo(name_id, view, frozenset(mutated_args), frozenset(mutated_kwargs),
-                      frozenset(over_args), frozenset(over_kwargs), uninit, int(flags))
+                      frozenset(over_args), frozenset(over_kwargs), uninit, int(flags),
+                      from_storage)
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         info = self.info(func)
@@ -395,7 +410,8 @@ class OpRecorder:
             device = first.device.type
             if device != "cpu":
                 flags |= Flag.CUDA if device == "cuda" else Flag.OTHER_DEVICE
-        self.add(Kind.OP, phase, flags, info.name_id, module, source, out_fps, ins, taints,
+        kind = Kind.ENTRY if info.from_storage else Kind.OP
+        self.add(kind, phase, flags, info.name_id, module, source, out_fps, ins, taints,
                  tuple(scalars), numel, outputs)
         return out
 

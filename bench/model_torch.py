@@ -15,16 +15,16 @@ from torch import nn
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=40)
-parser.add_argument("--batch", type=int, default=64)
+parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--unseeded-noise", action="store_true")
 args = parser.parse_args()
 
 torch.manual_seed(0)
 model = nn.Sequential(
-    nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-    nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
-    nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
-    nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10),
+    nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+    nn.Conv2d(64, 128, 3, padding=1), nn.BatchNorm2d(128), nn.ReLU(), nn.MaxPool2d(2),
+    nn.Conv2d(128, 128, 3, padding=1), nn.BatchNorm2d(128), nn.ReLU(), nn.MaxPool2d(2),
+    nn.Flatten(), nn.Linear(128 * 8 * 8, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10),
 )
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 g = torch.Generator().manual_seed(1)

@@ -52,6 +52,7 @@ class ChildConfig:
     op_steps: list[int] | None = None  # steps with op-level capture; None = every step
     stop_after: int | None = None  # end the run after this step
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
+    lockstep: bool = False  # wait for the parent's go after every step (see launch.Lockstep)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -81,6 +82,7 @@ class Session:
         self.sources = SourceLocator(self)
         self.final: dict[str, Any] = {}  # final loss and weights digest, sent with END
         self.pid = os.getpid()
+        self._free = False  # lockstep released: no more waiting at boundaries
 
     # -- strings -------------------------------------------------------------------------
     def intern(self, text: str) -> int:
@@ -133,13 +135,17 @@ class Session:
         self.writer.flush()
         finished = self.step
         self.step += 1
-        if finished >= 0 and self._should_stop(finished):
+        if finished >= 0 and self.config.stop_after is not None \
+                and finished >= self.config.stop_after:
             raise StopRun()
-
-    def _should_stop(self, finished: int) -> bool:
-        if self.config.stop_after is not None and finished >= self.config.stop_after:
-            return True
-        return channel.stop_requested(self.config.control_fd)
+        if self.config.lockstep and not self._free:
+            answer = channel.wait_for_turn(self.config.control_fd)
+            if answer == channel.FREE:
+                self._free = True
+            elif answer == channel.STOP:
+                raise StopRun()
+        elif channel.stop_requested(self.config.control_fd):
+            raise StopRun()
 
     def send_dump(self, name: str, array: np.ndarray, attrs: dict[str, Any]) -> None:
         header = dict(attrs, name=name, dtype=array.dtype.str, shape=list(array.shape))

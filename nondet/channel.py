@@ -25,7 +25,10 @@ FACTS = b"F"  # JSON: facts the recipe matcher uses (loader settings, unseeded R
 DUMP = b"D"  # JSON header line, then raw array bytes
 END = b"E"  # JSON: {"status": complete|stopped|failed|interrupted, ...}
 
-STOP = b"stop\n"  # parent -> child on the control pipe: stop at the next step boundary
+# Parent -> child on the control pipe (one word per line):
+STOP = b"stop\n"  # stop at the next step boundary
+GO = b"go\n"  # lockstep: run one more step, then wait again
+FREE = b"free\n"  # lockstep: stop waiting at step boundaries (the other run has ended)
 
 _HEADER = struct.Struct("<cI")
 
@@ -81,6 +84,20 @@ def stop_requested(fd: int) -> bool:
     if not ready:
         return False
     try:
-        return os.read(fd, 64).startswith(STOP[:4])
+        return STOP in os.read(fd, 256)
     except OSError:
         return False
+
+
+def wait_for_turn(fd: int) -> bytes:
+    """Child side, lockstep: block until the parent says GO, FREE or STOP (STOP wins).
+
+    A closed pipe (the parent is gone) counts as FREE: the run finishes on its own.
+    """
+    try:
+        data = os.read(fd, 256)
+    except OSError:
+        return FREE
+    if not data or FREE in data:
+        return STOP if STOP in data else FREE
+    return STOP if STOP in data else GO

@@ -57,11 +57,9 @@ def mix64(z: int) -> int:
 
 def combine(values: Iterable[int]) -> int:
     """Order-sensitive 64-bit combination of integers. Never returns 0 (0 means absent)."""
-    h = 0x243F6A8885A308D3
-    for v in values:
-        h = mix64(h ^ (v & MASK64))
-        h = (h * 0x9E3779B97F4A7C15 + 1) & MASK64
-    return h or 1
+    words = [v & MASK64 for v in values]
+    digest = hashlib.blake2b(struct.pack(f"<{len(words)}Q", *words), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 _NAME_CODES: dict[str, int] = {}

@@ -66,6 +66,7 @@ class Plan:
     op_steps: list[int] | None  # steps with op-level capture (None: every step)
     stop_after: int | None = None  # last step to run
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
+    lockstep: bool = False  # take turns with another run (see Lockstep)
 
 
 @dataclass
@@ -97,13 +98,15 @@ class CapturedRun:
 
     def __init__(self, target: Target, plan: Plan, seed: int, out_dir: Path,
                  on_step: Callable[[CapturedRun, np.void], None] | None = None,
-                 echo: bool = False) -> None:
+                 echo: bool = False,
+                 on_end: Callable[[CapturedRun], None] | None = None) -> None:
         self.target = target
         self.plan = plan
         self.seed = seed
         self.path = out_dir / f"run-{plan.label}.h5"
         self.log_path = out_dir / f"run-{plan.label}.log"
         self.on_step = on_step
+        self.on_end = on_end
         self.echo = echo
         self.steps: list[np.void] = []
         self.end: dict[str, Any] | None = None
@@ -112,6 +115,7 @@ class CapturedRun:
         self._proc: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
         self._result_cache: RunResult | None = None
+        self._end_reported = False
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -122,6 +126,7 @@ class CapturedRun:
             script=os.path.abspath(self.target.script) if self.target.script else None,
             module=self.target.module, args=list(self.target.args),
             op_steps=self.plan.op_steps, stop_after=self.plan.stop_after, dump=self.plan.dump,
+            lockstep=self.plan.lockstep,
         )
         env = dict(os.environ)
         env[CONFIG_ENV] = config.to_env()
@@ -163,10 +168,13 @@ class CapturedRun:
         if self._stop_sent:
             return
         self._stop_sent = True
+        self.send_control(channel.STOP)
+
+    def send_control(self, message: bytes) -> None:
         try:
-            os.write(self._ctrl_w, channel.STOP)
+            os.write(self._ctrl_w, message)
         except OSError:
-            pass
+            pass  # the child is gone
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -251,29 +259,39 @@ class CapturedRun:
                 sys.stderr.flush()
 
     def _pump_frames(self, fd: int) -> None:
-        parser = channel.FrameParser()
-        idle_since: float | None = None
         try:
-            while True:
-                ready, _, _ = select.select([fd], [], [], 0.2)
-                if ready:
-                    data = os.read(fd, 1 << 16)
-                    if not data:
-                        return
-                    idle_since = None
-                    for kind, payload in parser.feed(data):
-                        self._handle(kind, payload)
-                    continue
-                # The child may have exited while a forked grandchild (a DataLoader worker)
-                # still holds the pipe open: stop once it ended and the pipe is quiet.
-                if self._proc is not None and self._proc.poll() is not None:
-                    if self.end is not None:
-                        return
-                    idle_since = idle_since or time.monotonic()
-                    if time.monotonic() - idle_since > 1.0:
-                        return
+            self._read_frames(fd)
         finally:
             os.close(fd)
+            self._ended()
+
+    def _read_frames(self, fd: int) -> None:
+        parser = channel.FrameParser()
+        idle_since: float | None = None
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    return
+                idle_since = None
+                for kind, payload in parser.feed(data):
+                    self._handle(kind, payload)
+                continue
+            # The child may have exited while a forked grandchild (a DataLoader worker)
+            # still holds the pipe open: stop once it ended and the pipe is quiet.
+            if self._proc is not None and self._proc.poll() is not None:
+                if self.end is not None:
+                    return
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > 1.0:
+                    return
+
+    def _ended(self) -> None:
+        """Tell the owner once that this run will send no more steps."""
+        if self.on_end is not None and not self._end_reported:
+            self._end_reported = True
+            self.on_end(self)
 
     def _handle(self, kind: bytes, payload: bytes) -> None:
         writer = self.writer
@@ -305,4 +323,102 @@ class CapturedRun:
                             {k: v for k, v in header.items() if k != "dtype"})
         elif kind == channel.END:
             self.end = json.loads(payload)
+            self._ended()
 
+
+
+class Lockstep:
+    """Two runs that take turns: A runs a step while B waits, then B runs it while A waits.
+
+    Only one run computes at a time, so neither slows the other down (two processes with
+    their own thread pools on the same cores can each run several times slower), yet they
+    start together (imports and set-up overlap) and both stop as soon as the answer is
+    known. A run in lockstep waits after each step until told to go on
+    (``capture.Session.end_step``); when one run ends, the other is set free.
+
+    ``judge(step, row_a, row_b)`` sees each step once both rows are in (a missing row is
+    None) and returns False to stop both runs.
+    """
+
+    def __init__(self, a: CapturedRun, b: CapturedRun,
+                 judge: Callable[[int, np.void | None, np.void | None], bool]) -> None:
+        self.runs = (a, b)
+        self.judge = judge
+        self._lock = threading.Lock()
+        self._rows: dict[CapturedRun, dict[int, np.void]] = {a: {}, b: {}}
+        self._waiting: dict[CapturedRun, int | None] = {a: None, b: None}
+        self._ended: set[CapturedRun] = set()
+        self._judged: set[int] = set()
+        self._stopping = False
+        for run in self.runs:
+            run.on_step = self._on_row
+            run.on_end = self._on_end
+
+    def start(self) -> None:
+        for run in self.runs:
+            run.start()
+
+    def wait(self) -> tuple[RunResult, RunResult]:
+        try:
+            results = [run.wait() for run in self.runs]
+        except KeyboardInterrupt:
+            for run in self.runs:
+                run.interrupt()
+            raise
+        return results[0], results[1]
+
+    def _on_row(self, run: CapturedRun, row: np.void) -> None:
+        with self._lock:
+            step = int(row["step"])
+            self._rows[run][step] = row
+            if run not in self._ended:
+                self._waiting[run] = step
+            self._advance()
+
+    def _on_end(self, run: CapturedRun) -> None:
+        with self._lock:
+            self._ended.add(run)
+            self._waiting[run] = None
+            self._advance()
+
+    def _advance(self) -> None:
+        a, b = self.runs
+        self._judge_complete_steps()
+        if self._stopping:
+            return  # both were told to stop
+        if self._ended:
+            for run in self.runs:  # the other run has nobody to take turns with
+                if self._waiting[run] is not None:
+                    self._waiting[run] = None
+                    run.send_control(channel.FREE)
+            return
+        ka, kb = self._waiting[a], self._waiting[b]
+        if ka is None or kb is None:
+            return  # one of them is still computing its step
+        if ka == kb:
+            self._release(a)  # both finished step k: A goes first with k + 1
+        elif ka > kb:
+            self._release(b)  # A is a step ahead: B catches up
+
+    def _release(self, run: CapturedRun) -> None:
+        self._waiting[run] = None
+        run.send_control(channel.GO)
+
+    def _judge_complete_steps(self) -> None:
+        a, b = self.runs
+        rows_a, rows_b = self._rows[a], self._rows[b]
+        both_done = a in self._ended and b in self._ended
+        for step in sorted(set(rows_a) | set(rows_b)):
+            if step in self._judged:
+                continue
+            have_both = step in rows_a and step in rows_b
+            one_ended = (step in rows_a and b in self._ended) or (step in rows_b
+                                                                 and a in self._ended)
+            if not (have_both or one_ended or both_done):
+                continue
+            self._judged.add(step)
+            if not self.judge(step, rows_a.get(step), rows_b.get(step)) and not self._stopping:
+                self._stopping = True
+                for run in self.runs:
+                    if run not in self._ended:
+                        run.request_stop()

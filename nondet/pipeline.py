@@ -1,8 +1,9 @@
 """From a script to a report: launch, capture, compare, localize, explain.
 
-1. Run A to the end with step-level capture (op-level for init and step 0, where most
-   divergences start); run B the same way, comparing its steps with A's as they arrive and
-   stopping it a few steps after the first difference.
+1. Run A and B with step-level capture (op-level for init and step 0, where most
+   divergences start), taking turns step by step (``launch.Lockstep``; one after the other
+   on GPU machines), comparing each step as soon as both have it, and stopping both a few
+   steps after the first difference.
 2. If that step had no op-level capture, re-run both with op-level capture for it and the
    step before, stopping right after it.
 3. Apply the injection rule to the op records; then re-run both once more up to the
@@ -14,9 +15,8 @@ from __future__ import annotations
 
 import linecache
 import os
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import numpy as np
 from nondet import compare, environment, recipe
 from nondet.errors import ScriptFailed
 from nondet.exitcodes import ExitCode
-from nondet.launch import CapturedRun, Plan, RunResult, Target
+from nondet.launch import CapturedRun, Lockstep, Plan, RunResult, Target
 from nondet.records import (
     ENTRY_KINDS,
     INIT_STEP,
@@ -62,65 +62,79 @@ class Options:
     ops_all: bool = False
     max_steps: int | None = None
     echo: bool = False  # show the script's own output
+    schedule: str = "lockstep"  # or "sequential" (see launch.Lockstep, default_schedule)
 
 
 # -- running ---------------------------------------------------------------------------------
 class _LiveCompare:
-    """Compares run B's steps with run A's as they arrive; stops B after the difference."""
+    """Judges each step as soon as both runs have it: after the first difference the runs
+    go on for GROWTH_STEPS more steps (to show the difference growing), then stop."""
 
-    def __init__(self, reference: list[np.void], progress: ProgressSink) -> None:
-        self.reference = {int(r["step"]): r for r in reference}
-        self.last_reference = max(self.reference, default=INIT_STEP)
+    def __init__(self, progress: ProgressSink) -> None:
         self.first_difference: int | None = None
         self.progress = progress
-        self.lock = threading.Lock()
 
-    def __call__(self, run: CapturedRun, row: np.void) -> None:
-        step = int(row["step"])
-        with self.lock:
-            ref = self.reference.get(step)
-            if self.first_difference is None and (ref is None or compare.rows_differ(ref, row)):
-                self.first_difference = step
-                self.progress.stage(f"run b: differs from run a at step {_step_name(step)}; "
-                                    f"continuing {GROWTH_STEPS} steps to see it grow")
-            if self.first_difference is not None and step >= self.first_difference + GROWTH_STEPS:
-                run.request_stop()
-            if step >= self.last_reference and step >= 0:
-                run.request_stop()  # A ended here; B has nothing more to be compared with
+    def judge(self, step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
+        """True to keep both runs going."""
+        if row_a is None or row_b is None:
+            return False  # one run ended: nothing more to compare with
+        if self.first_difference is None and compare.rows_differ(row_a, row_b):
+            self.first_difference = step
+            self.progress.stage(f"the runs differ at step {_step_name(step)}; going on "
+                                f"{GROWTH_STEPS} steps to see the difference grow")
         if step >= 0:
-            self.progress.status(f"run {run.plan.label}: step {step}")
+            self.progress.status(f"step {step}: both runs done")
+        return self.first_difference is None or step < self.first_difference + GROWTH_STEPS
 
 
-def _run(target: Target, plan: Plan, options: Options, progress: ProgressSink,
-         on_step: Callable[[CapturedRun, np.void], None] | None = None) -> RunResult:
-    def report_step(run: CapturedRun, row: np.void) -> None:
-        if int(row["step"]) >= 0:
-            progress.status(f"run {run.plan.label}: step {int(row['step'])}")
-
-    run = CapturedRun(target, plan, options.seed, options.out_dir,
-                      on_step=on_step or report_step, echo=options.echo)
-    run.start()
-    result = run.wait()
-    _check(result)
-    return result
+def _never_stop(step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
+    return True
 
 
 def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
-              progress: ProgressSink) -> tuple[RunResult, RunResult]:
-    """Two short runs at once: most of their time is importing the framework."""
-    runs = [CapturedRun(target, plan, options.seed, options.out_dir, echo=options.echo)
-            for plan in plans]
-    for run in runs:
-        run.start()
-    try:
-        results = [run.wait() for run in runs]
-    except KeyboardInterrupt:
-        for run in runs:
-            run.interrupt()
-        raise
+              progress: ProgressSink,
+              judge: Callable[[int, np.void | None, np.void | None], bool] = _never_stop,
+              ) -> tuple[RunResult, RunResult]:
+    """Two runs of the same script, as Options.schedule says (launch.Lockstep explains
+    lockstep). Sequentially, the second run is judged against the first as it goes."""
+    if options.schedule == "lockstep":
+        runs = [CapturedRun(target, replace(plan, lockstep=True), options.seed,
+                            options.out_dir, echo=options.echo) for plan in plans]
+        pair = Lockstep(runs[0], runs[1], judge)
+        pair.start()
+        results = pair.wait()
+    else:
+        def report(run: CapturedRun, row: np.void) -> None:
+            if int(row["step"]) >= 0:
+                progress.status(f"run {run.plan.label}: step {int(row['step'])}")
+
+        first = CapturedRun(target, plans[0], options.seed, options.out_dir, echo=options.echo,
+                            on_step=report)
+        first.start()
+        result_first = first.wait()
+        _check(result_first)
+        reference = {int(r["step"]): r for r in first.steps}
+
+        def against_first(run: CapturedRun, row: np.void) -> None:
+            step = int(row["step"])
+            report(run, row)
+            if not judge(step, reference.get(step), row):
+                run.request_stop()
+
+        second = CapturedRun(target, plans[1], options.seed, options.out_dir,
+                             echo=options.echo, on_step=against_first)
+        second.start()
+        results = (result_first, second.wait())
     for result in results:
         _check(result)
-    return results[0], results[1]
+    return results
+
+
+def default_schedule() -> str:
+    """Lockstep keeps both runs alive at once; on a GPU machine that doubles device memory,
+    so there the runs go one after the other."""
+    gpu = any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd"))
+    return "sequential" if gpu else "lockstep"
 
 
 def _check(result: RunResult) -> None:
@@ -164,13 +178,13 @@ def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report
     op_steps = None if options.ops_all else DEFAULT_OP_STEPS
     stop_after = options.max_steps - 1 if options.max_steps else None
 
-    progress.stage(f"run a: {target.describe()}")
-    result_a = _run(target, Plan("a", op_steps, stop_after), options, progress)
-    a = open_capture(result_a.path)
-    progress.stage(f"run b: same seed ({options.seed}), compared step by step with run a")
-    live = _LiveCompare(list(a.steps), progress)
-    result_b = _run(target, Plan("b", op_steps, stop_after), options, progress, on_step=live)
-    b = open_capture(result_b.path)
+    progress.stage(f"runs a and b of {target.describe()}, seed {options.seed}, "
+                   f"compared step by step ({options.schedule})")
+    live = _LiveCompare(progress)
+    result_a, result_b = _run_pair(target, (Plan("a", op_steps, stop_after),
+                                            Plan("b", op_steps, stop_after)),
+                                   options, progress, judge=live.judge)
+    a, b = open_capture(result_a.path), open_capture(result_b.path)
     results = [result_a, result_b]
 
     report = compare_captures(a, b)

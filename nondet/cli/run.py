@@ -29,12 +29,17 @@ from nondet.launch import Target
                    "differ (re-runs); `all` for every step (rare nondeterminism).")
 @click.option("--max-steps", type=click.IntRange(min=1), metavar="N",
               help="Stop each run after N training steps.")
+@click.option("--schedule", type=click.Choice(["auto", "lockstep", "sequential"]),
+              default="auto", show_default=True,
+              help="How the two runs share the machine: `lockstep` runs both at once, taking "
+                   "turns step by step (both stop early when they differ); `sequential` runs "
+                   "one after the other (half the memory: the default on GPU machines).")
 @click.option("-q", "--quiet", is_flag=True, help="Only the report, no progress.")
 @click.option("-v", "--verbose", is_flag=True, help="Also show the script's own output.")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @click.pass_obj
 def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Path | None,
-        ops: str, max_steps: int | None, quiet: bool, verbose: bool,
+        ops: str, max_steps: int | None, schedule: str, quiet: bool, verbose: bool,
         script_and_args: tuple[str, ...]) -> int:
     """Run SCRIPT twice with the same seed and find where the runs first differ.
 
@@ -47,8 +52,9 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
     from nondet.report import json_file, text
 
     target = _target(module, script_and_args)
-    options = pipeline.Options(seed=seed, out_dir=out_dir, ops_all=ops == "all",
-                               max_steps=max_steps, echo=verbose)
+    options = pipeline.Options(
+        seed=seed, out_dir=out_dir, ops_all=ops == "all", max_steps=max_steps, echo=verbose,
+        schedule=pipeline.default_schedule() if schedule == "auto" else schedule)
     with Progress(app.err, quiet=quiet) as progress:
         report = pipeline.diagnose(target, options, progress)
     if json_path is not None:

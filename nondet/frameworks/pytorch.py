@@ -375,7 +375,7 @@ class TorchBackend:
             self.paused, self.recorder.active = was_paused, was_active
 
     # -- step-level state ------------------------------------------------------------------------
-    def _state(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]],
+    def _state(self) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]],
                               list[tuple[str, Any]]]:
         """Named parameters, buffers and optimizer state, in a stable order."""
         params: dict[int, tuple[str, torch.Tensor]] = {}
@@ -399,11 +399,24 @@ class TorchBackend:
                         optim.append((f"{name}:{key}", state[key]))
         return list(params.values()), list(buffers.values()), optim
 
-    def _grad_snapshot(self) -> list[tuple[str, Fp, torch.Tensor]]:
+    def _grad_snapshot(self) -> list[tuple[str, Fp, torch.Tensor | None]]:
         params, _, _ = self._state()
         with self._paused():
-            return [(name, self._fp_of(p.grad), p.grad) for name, p in params
-                    if p.grad is not None]
+            return self._fps([(n, p.grad) for n, p in params if p.grad is not None],
+                             detailed=self.session.captures_ops())
+
+    def _fps(self, named: list[tuple[str, Any]], detailed: bool
+             ) -> list[tuple[str, Fp, torch.Tensor | None]]:
+        """Fingerprints of named tensors (and numbers): one per tensor in steps with op
+        capture (the report can then name them), else one for the whole group, hashed as a
+        single concatenation (a few large ops instead of several small ones per tensor)."""
+        numbers = [(n, Fp(value=scalar_value(v)), None) for n, v in named
+                   if not isinstance(v, torch.Tensor)]
+        tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
+        if detailed:
+            return [(n, self._fp_of(t), t) for n, t in tensors] + numbers
+        fps = self.recorder.fingerprint_many([t for _, t in tensors])
+        return [("(group)", fp, None) for fp in fps] + numbers
 
     def _fp_of(self, t: torch.Tensor) -> Fp:
         return self.recorder.known(t) or self.recorder.remember(t, self.recorder.fingerprint(t))
@@ -426,12 +439,10 @@ class TorchBackend:
         grads = self.grads if self.grads is not None else self._grad_snapshot()
         with self._paused():
             groups: list[tuple[Group, list[tuple[str, Fp, torch.Tensor | None]]]] = [
-                (Group.PARAM, [(n, self._fp_of(p), p) for n, p in params]),
-                (Group.BUFFER, [(n, self._fp_of(b), b) for n, b in buffers]),
-                (Group.GRAD, [(n, fp, t) for n, fp, t in grads]),
-                (Group.OPTIM, [(n, self._fp_of(v) if isinstance(v, torch.Tensor)
-                                else Fp(value=scalar_value(v)), v
-                                if isinstance(v, torch.Tensor) else None) for n, v in optim]),
+                (Group.PARAM, self._fps(params, detailed)),
+                (Group.BUFFER, self._fps(buffers, detailed)),
+                (Group.GRAD, grads),
+                (Group.OPTIM, self._fps(optim, detailed)),
                 (Group.PROBE, [(n, fp, None) for n, fp in self.probes]),
             ]
             sums = [p.detach().sum(dtype=torch.float64) for _, p in params
@@ -493,6 +504,7 @@ class TorchBackend:
         with self._paused():
             self.recorder.resolve()
             ops = self.recorder.take_rows(step)
+            self.recorder.prune()
         row["n_records"] = len(ops)
         self._reset_step()
         self.phase = Phase.FORWARD

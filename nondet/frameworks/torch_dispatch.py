@@ -24,19 +24,31 @@ them inherits that, and an op that fully overwrites such a tensor (``fill_``, ``
 apart (``taint_fp``): if that op's output then differs while its other inputs matched, the
 finding is "reads uninitialized memory", never a false alarm on the ``empty`` itself.
 
+Note [Derived fingerprints]
+A view's values are fixed by its base's values and its geometry (dtype, shape, strides,
+offset), and a pointwise op's output (``POINTWISE_OPS``: elementwise, no reduction, no RNG)
+is fixed by its inputs, its scalar arguments and its output's shape and dtype. Their
+fingerprints are therefore *derived* from those, without reading the tensor: that skips
+most of the memory traffic of hashing (activations of ReLU, optimizer arithmetic). It
+cannot hide an injection: a derived fingerprint differs only if an input's does, and the
+input that differs was recorded earlier. An op on the list that read uninitialized memory
+still shows as such, because its uninitialized inputs are among the parents.
+
 Note [Fingerprint cache]
 Each tensor is fingerprinted once, when an op produces it; consumers look the fingerprint up
-by tensor identity (``WeakIdKeyDictionary``: no effect on lifetimes, and nothing is attached
-to user tensors, so checkpoints stay clean). An entry is current only if both the tensor's
+by tensor identity: a dict keyed by ``id`` whose weak reference must still point at the same
+tensor (no effect on lifetimes; nothing is attached to user tensors, so checkpoints stay
+clean; dead entries are pruned at step ends). An entry is current only if both the tensor's
 version counter and a per-storage write count (bumped by every recorded op that mutates any
 tensor on that storage) are unchanged: ``p.data.sub_(...)`` does not bump ``p``'s version
 counter, but it does bump the storage's write count. The cache lives only while the op
 window is open, because writes outside it are not seen. A tensor never produced by a
-recorded op is an entry point. Views are not fingerprinted until something reads them.
+recorded op is an entry point. Views are never hashed: see ``Fp``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,9 +56,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
-from nondet.fingerprint import MASK64, combine, describe, scalar_value
+from nondet.fingerprint import MASK64, combine, name_code, scalar_value
 from nondet.records import OP_DTYPE, Flag, Kind, Phase
 
 if TYPE_CHECKING:
@@ -68,6 +79,24 @@ UNINIT_OPS = frozenset(
         "_empty_per_channel_affine_quantized",
     }
 )
+#: Elementwise ops without reductions: bitwise deterministic functions of their inputs on
+#: every device (Note [Derived fingerprints]). Deliberately short; anything else is hashed.
+POINTWISE_OPS = frozenset(
+    {
+        "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "neg_", "abs",
+        "abs_", "relu", "relu_", "threshold_backward", "clamp", "clamp_", "clamp_min",
+        "clamp_min_", "clamp_max", "clamp_max_", "where", "maximum", "minimum", "fill_",
+        "zero_", "copy_", "clone", "_to_copy", "ones_like", "zeros_like", "full_like",
+        "lerp", "lerp_", "addcmul", "addcmul_", "addcdiv", "addcdiv_", "sqrt", "sqrt_",
+        "rsqrt", "rsqrt_", "reciprocal", "reciprocal_", "sign", "square", "pow", "pow_",
+        "exp", "exp_", "log", "log_", "tanh", "tanh_", "tanh_backward", "sigmoid",
+        "sigmoid_", "sigmoid_backward", "gelu", "gelu_backward", "silu", "silu_backward",
+        "leaky_relu", "leaky_relu_backward", "hardtanh", "hardtanh_backward", "elu",
+        "elu_backward", "softplus", "softplus_backward", "eq", "ne", "lt", "le", "gt", "ge",
+        "logical_not", "logical_and", "logical_or", "bitwise_and", "bitwise_or", "masked_fill",
+        "masked_fill_", "sin", "cos", "erf", "floor", "ceil", "round", "trunc", "frac",
+    }
+)
 #: Ops that draw from a random number generator.
 RNG_OPS = frozenset(
     {
@@ -81,22 +110,37 @@ RNG_OPS = frozenset(
 
 
 class Fp:
-    """One tensor's fingerprint: pending on the device, then a full 64-bit value.
+    """One tensor's fingerprint: its content sum (pending on the device, or already on the
+    host) plus its description, combined into the final 64-bit ``value`` by ``resolve``.
 
-    ``lazy`` fingerprints (views, uninitialized outputs) are computed only if read.
+    See Note [Derived fingerprints]: a fingerprint can instead be *derived* from other
+    fingerprints (``parents``) and a description, without reading the tensor. ``lazy``
+    fingerprints (uninitialized outputs, views of them) are computed only if read.
     """
 
-    __slots__ = ("meta", "pending", "uninit", "value")
+    __slots__ = ("content", "meta", "parents", "uninit", "value")
 
     def __init__(self, value: int | None = None, uninit: bool = False) -> None:
-        self.pending: torch.Tensor | None = None
+        self.content: torch.Tensor | int | None = None
+        self.meta: tuple[int, ...] = ()
+        self.parents: tuple[Fp, ...] | None = None
         self.value = value
         self.uninit = uninit
-        self.meta: tuple[str, tuple[int, ...], str] | None = None
 
     @property
     def lazy(self) -> bool:
-        return self.pending is None and self.value is None
+        return self.value is None and self.content is None and self.parents is None
+
+
+_VIEW_TAG = 0x71E3_5EED
+_DTYPE_CODES: dict[Any, int] = {}
+
+
+def _describe(t: torch.Tensor) -> tuple[int, ...]:
+    code = _DTYPE_CODES.get(t.dtype)
+    if code is None:
+        code = _DTYPE_CODES[t.dtype] = name_code(str(t.dtype))
+    return (code, name_code(t.device.type), t.dim(), *t.shape)
 
 
 @dataclass(frozen=True)
@@ -112,6 +156,8 @@ class OpInfo:
     uninit_output: bool
     flags: int
     from_storage: bool = False  # set_(storage): the values come from outside the ops
+    pointwise: bool = False  # output derived from inputs (Note [Derived fingerprints])
+    code: int = 0  # stable code of the op name
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -150,7 +196,7 @@ class OpRecorder:
         self.hasher = backend.hasher
         self.window = False  # op-level capture is on for the current step
         self.active = False  # ... and nondet is not running its own ops right now
-        self.cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.cache: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int], Fp]] = {}
         self.writes: dict[int, int] = {}  # storage address -> recorded writes
         self.storages: dict[int, bool] = {}  # storages seen -> holds uninitialized memory
         self.pending: list[Fp] = []
@@ -163,14 +209,46 @@ class OpRecorder:
 
     # -- fingerprints -----------------------------------------------------------------------
     def fingerprint(self, t: torch.Tensor, fp: Fp | None = None) -> Fp:
-        """Start fingerprinting ``t`` on its device (into ``fp`` if given, e.g. a lazy one)."""
+        """Start fingerprinting ``t`` (into ``fp`` if given, e.g. a lazy one)."""
         fp = fp or Fp()
         content = self.hasher.content(t)
         if content is None:
             fp.value = 0  # unhashable: compared as "no information"
             return fp
-        fp.pending = content
-        fp.meta = (str(t.dtype), tuple(t.shape), t.device.type)
+        fp.content = content
+        fp.meta = _describe(t)
+        self.pending.append(fp)
+        return fp
+
+    def fingerprint_many(self, tensors: list[torch.Tensor]) -> list[Fp]:
+        """One fingerprint for a group of tensors (per device): their words concatenated."""
+        meta = tuple(x for t in tensors for x in _describe(t))
+        fps = []
+        for content in self.hasher.content_of_many(tensors).values():  # one per device
+            fp = Fp()
+            fp.content, fp.meta = content, meta
+            self.pending.append(fp)
+            fps.append(fp)
+        return fps
+
+    def derive(self, base: Fp, base_tensor: torch.Tensor, view: torch.Tensor,
+               uninit: bool) -> Fp:
+        """A view's fingerprint from its base's (see ``Fp``); lazy if the base is lazy."""
+        fp = Fp(uninit=uninit)
+        if base.lazy:
+            return fp
+        fp.parents = (base,)
+        fp.meta = (_VIEW_TAG, *_describe(view), *view.stride(),
+                   view.storage_offset() - base_tensor.storage_offset())
+        self.pending.append(fp)
+        return fp
+
+    def derive_output(self, info: OpInfo, inputs: list[Fp], scalars: list[Any],
+                      out: torch.Tensor) -> Fp:
+        """A pointwise op's output fingerprint from its inputs' (Note [Derived fingerprints])."""
+        fp = Fp()
+        fp.parents = tuple(inputs)
+        fp.meta = (info.code, *_describe(out), *(scalar_value(x) for x in scalars))
         self.pending.append(fp)
         return fp
 
@@ -181,22 +259,13 @@ class OpRecorder:
 
     def close_window(self) -> None:
         self.window = self.active = False
-        self.cache = WeakIdKeyDictionary()
+        self.cache = {}
         self.writes = {}
         self.storages = {}
         self.stamp = None
 
     def _stamp_of(self, t: torch.Tensor) -> tuple[int, int]:
         return _version(t), self.writes.get(_storage_key(t), 0)
-
-    def forget(self, t: torch.Tensor) -> None:
-        """Treat ``t`` as never seen: its next use is an entry point with a fresh fingerprint.
-
-        Used for parameters at the start of each captured step, so values changed outside
-        the recorded ops (other processes through shared memory, NumPy views) show up.
-        """
-        self.cache.pop(t, None)
-        self.storages.pop(_storage_key(t), None)
 
     def note_write(self, t: torch.Tensor) -> None:
         key = _storage_key(t)
@@ -205,15 +274,34 @@ class OpRecorder:
     def remember(self, t: torch.Tensor, fp: Fp) -> Fp:
         if self.window:
             key = _storage_key(t)
-            self.cache[t] = ((_version(t), self.writes.get(key, 0)), fp)
+            self.cache[id(t)] = (weakref.ref(t), (_version(t), self.writes.get(key, 0)), fp)
             self.storages[key] = fp.uninit
         return fp
+
+    def _hit(self, t: torch.Tensor) -> tuple[tuple[int, int], Fp] | None:
+        entry = self.cache.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1], entry[2]
+
+    def prune(self) -> None:
+        """Drop cache entries of tensors that no longer exist."""
+        self.cache = {k: e for k, e in self.cache.items() if e[0]() is not None}
+
+    def forget(self, t: torch.Tensor) -> None:
+        """Treat ``t`` as never seen: its next use is an entry point with a fresh fingerprint.
+
+        Used for parameters at the start of each captured step, so values changed outside
+        the recorded ops (other processes through shared memory, NumPy views) show up.
+        """
+        self.cache.pop(id(t), None)
+        self.storages.pop(_storage_key(t), None)
 
     def known(self, t: torch.Tensor) -> Fp | None:
         """The cached fingerprint of ``t`` if it is current (materialized if lazy)."""
         if not self.window:
             return None
-        hit = self.cache.get(t)
+        hit = self._hit(t)
         if hit is None or hit[0][0] < 0 or hit[0] != self._stamp_of(t):
             return None
         fp = hit[1]
@@ -223,7 +311,7 @@ class OpRecorder:
 
     def lookup(self, t: torch.Tensor, ctx: tuple[int, int, int], materialize: bool = True) -> Fp:
         """Fingerprint of an op input; records an entry point for a tensor never seen."""
-        hit = self.cache.get(t)
+        hit = self._hit(t)
         if hit is not None:
             stamp, fp = hit
             if stamp[0] >= 0 and stamp == self._stamp_of(t):
@@ -258,19 +346,25 @@ class OpRecorder:
         return self.session.intern(f"{kind}:{what}")
 
     def resolve(self) -> None:
-        """Copy all pending device sums to the host in one transfer per device."""
+        """Copy pending device sums to the host (one transfer per device), then combine
+        each fingerprint with its description. Bases precede their views in the list."""
         if not self.pending:
             return
         by_device: dict[torch.device, list[Fp]] = {}
         for fp in self.pending:
-            by_device.setdefault(fp.pending.device, []).append(fp)  # type: ignore[union-attr]
+            if isinstance(fp.content, torch.Tensor):
+                by_device.setdefault(fp.content.device, []).append(fp)
         for fps in by_device.values():
-            values = torch.stack([fp.pending for fp in fps]).tolist()  # type: ignore[misc]
+            values = torch.stack([fp.content for fp in fps]).tolist()  # type: ignore[misc]
             for fp, value in zip(fps, values, strict=True):
-                dtype, shape, device = fp.meta  # type: ignore[misc]
-                fp.value = describe(value & MASK64, dtype, shape, device)
-                fp.pending = None
-                fp.meta = None
+                fp.content = value
+        for fp in self.pending:
+            if fp.parents is not None:
+                fp.value = combine((*(p.value or 0 for p in fp.parents), *fp.meta))
+                fp.parents = None
+            else:
+                fp.value = combine((int(fp.content) & MASK64, *fp.meta))  # type: ignore[arg-type]
+            fp.content = None
         self.pending = []
 
     # -- records ----------------------------------------------------------------------------
@@ -335,9 +429,10 @@ class OpRecorder:
             str(arg.type) == "Storage" for arg in schema.arguments)
         if from_storage:
             name_id = self.session.intern("external:tensor from a storage (aten.set_)")
+        pointwise = base in POINTWISE_OPS and not uninit and not (flags & Flag.RNG)
         return OpInfo(name_id, view, frozenset(mutated_args), frozenset(mutated_kwargs),
                       frozenset(over_args), frozenset(over_kwargs), uninit, int(flags),
-                      from_storage)
+                      from_storage, pointwise, name_code(str(func)))
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         info = self.info(func)
@@ -354,13 +449,15 @@ class OpRecorder:
         ctx = (phase, module, source)
 
         if info.view:
-            uninit = False
-            for value in (*args, *kwargs.values()):
-                for t in tensors_in(value):
-                    uninit |= self.lookup(t, ctx, materialize=False).uninit
+            fps = [self.lookup(t, ctx, materialize=False)
+                   for value in (*args, *kwargs.values()) for t in tensors_in(value)]
             out = func(*args, **kwargs)
+            base = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            uninit = any(fp.uninit for fp in fps)
             for t in tensors_in(out):
-                self.remember(t, Fp(uninit=uninit))
+                fp = self.derive(fps[0], base, t, uninit) if base is not None else Fp(
+                    uninit=uninit)
+                self.remember(t, fp)
             return out
 
         flags = info.flags
@@ -394,6 +491,10 @@ class OpRecorder:
         if info.uninit_output:
             for t in outputs:
                 self.remember(t, Fp(uninit=True))
+        elif info.pointwise:
+            for t in outputs:
+                out_fps.append(self.remember(t, self.derive_output(info, ins + taints,
+                                                                   scalars, t)))
         else:
             for t in outputs:
                 out_fps.append(self.remember(t, self.fingerprint(t)))
@@ -465,6 +566,8 @@ def _extend_unique(outputs: list[torch.Tensor], value: Any) -> None:
 def _combined(fps: list[Fp]) -> int:
     if not fps:
         return 0
+    if len(fps) == 1:
+        return fps[0].value or 1  # one fingerprint stands for itself (0 means absent)
     return combine(fp.value or 0 for fp in fps)
 
 

@@ -1,22 +1,38 @@
-"""Tensor fingerprints computed with torch ops on the tensor's own device.
+"""Tensor fingerprints: the content sum of Note [Fingerprint definition] for torch tensors.
 
-See Note [Fingerprint definition] in nondet/fingerprint.py. Only the 0-dim int64 sum is
-computed here (on the device, asynchronously); callers collect many of them and copy them
-to the host in one go at the end of a step.
+Two implementations of the same number:
+
+- on accelerators, torch ops on the tensor's own device (``_device_sum``): the result stays
+  a 0-dim int64 tensor until the end of the step, when all of them are copied to the host
+  in one transfer;
+- on the CPU, for small tensors and for groups of step-level state, a zero-copy NumPy view
+  and ``np.dot`` (``_host_sum``): exact integer arithmetic that wraps modulo 2**64 like the
+  device path, without the overhead of several small torch calls or waking torch's OpenMP
+  pool. It returns a Python int.
+
+Tests force both paths on the same tensors and check that they agree.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from nondet.fingerprint import CHUNK_WORDS, chunk_keys, position_keys
+from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
+_NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Taken before nondet wraps torch.from_numpy to see data entering the user's script.
 _from_numpy = torch.from_numpy
+
+Content = torch.Tensor | int
+#: Single CPU tensors above this many elements use torch's multi-threaded kernels instead.
+HOST_LIMIT = 1 << 16
 
 
 class TorchHasher:
@@ -25,9 +41,103 @@ class TorchHasher:
     def __init__(self) -> None:
         self._keys: dict[torch.device, torch.Tensor] = {}
         self._chunk_keys: dict[torch.device, torch.Tensor] = {}
+        self._host_keys = np.zeros(0, dtype=np.int64)
         self._local = threading.local()  # scratch per thread: autograd may run on other threads
 
-    def _keys_for(self, device: torch.device, n: int) -> torch.Tensor:
+    def content(self, tensor: torch.Tensor, *, on_device: bool = False) -> Content | None:
+        """The content sum of ``tensor``, or None if it has no readable data.
+
+        ``on_device=True`` forces the torch-op path on CPU tensors too (for tests).
+        """
+        t = _prepare(tensor)
+        if t is None:
+            return None
+        if t.device.type == "cpu" and not on_device and t.numel() <= HOST_LIMIT:
+            return self._host_sum([_host_words(t)])
+        return self._device_sum([self.words(t)], t.device)
+
+    def content_of_many(self, tensors: Sequence[torch.Tensor], *,
+                        on_device: bool = False) -> dict[str, Content]:
+        """Content sum of the concatenated words of ``tensors``, per device type.
+
+        Used for step-level state outside the op window, where one fingerprint per group
+        (all parameters, all gradients, ...) is enough.
+        """
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            t = _prepare(tensor)
+            if t is not None and t.numel():
+                groups.setdefault(t.device, []).append(t)
+        out: dict[str, Content] = {}
+        for device, ts in groups.items():
+            if device.type == "cpu" and not on_device:
+                out[str(device)] = self._host_sum([_host_words(t) for t in ts])
+            else:
+                out[str(device)] = self._device_sum([self.words(t) for t in ts], device)
+        return out
+
+    # -- host (CPU) path ------------------------------------------------------------------
+    def _host_sum(self, parts: list[np.ndarray]) -> int:
+        total = sum(p.size for p in parts)
+        keys = self._host_keys_for(min(total, CHUNK_WORDS))
+        partial: list[int] = []
+        acc, pos = 0, 0
+        for words in parts:
+            start, n = 0, words.size
+            while start < n:
+                take = min(n - start, CHUNK_WORDS - pos)
+                # Integer dot products wrap modulo 2**64, like the device path.
+                acc += int(np.dot(words[start : start + take], keys[pos : pos + take]))
+                pos, start = pos + take, start + take
+                if pos == CHUNK_WORDS:
+                    partial.append(acc & MASK64)
+                    acc, pos = 0, 0
+        if pos or not partial:
+            partial.append(acc & MASK64)
+        if len(partial) == 1:
+            return partial[0]
+        weights = chunk_keys(len(partial))
+        return sum(p * (int(w) & MASK64) for p, w in zip(partial, weights, strict=True)) & MASK64
+
+    def _host_keys_for(self, n: int) -> np.ndarray:
+        if self._host_keys.size < n:
+            self._host_keys = position_keys(min(CHUNK_WORDS, max(n, 4096,
+                                                                 2 * self._host_keys.size)))
+        return self._host_keys
+
+    # -- device path ----------------------------------------------------------------------
+    def _device_sum(self, parts: list[torch.Tensor | None], device: Any) -> torch.Tensor:
+        """Products are written into a scratch buffer at their place in the concatenation,
+        chunk by chunk: equal to the sum over ``torch.cat(parts)`` without allocating it."""
+        words = [p for p in parts if p is not None and p.numel()]
+        total = sum(w.numel() for w in words)
+        if total == 0:
+            return torch.zeros((), dtype=torch.int64, device=device)
+        room = min(total, CHUNK_WORDS)
+        keys, scratch = self._keys_for(device, room), self._scratch_for(device, room)
+        partial: list[torch.Tensor] = []
+        pos = 0
+        for w in words:
+            start, n = 0, w.numel()
+            while start < n:
+                take = min(n - start, CHUNK_WORDS - pos)
+                torch.mul(w[start : start + take], keys[pos : pos + take],
+                          out=scratch[pos : pos + take])
+                pos, start = pos + take, start + take
+                if pos == CHUNK_WORDS:
+                    partial.append(scratch.sum())
+                    pos = 0
+        if pos:
+            partial.append(scratch[:pos].sum())
+        if len(partial) == 1:
+            return partial[0]
+        weights = self._chunk_keys.get(device)
+        if weights is None or weights.numel() < len(partial):
+            weights = _from_numpy(chunk_keys(max(len(partial), 64))).to(device)
+            self._chunk_keys[device] = weights
+        return (torch.stack(partial) * weights[: len(partial)]).sum()
+
+    def _keys_for(self, device: Any, n: int) -> torch.Tensor:
         keys = self._keys.get(device)
         if keys is None or keys.numel() < n:
             size = min(CHUNK_WORDS, max(n, 4096, 2 * (0 if keys is None else keys.numel())))
@@ -35,66 +145,28 @@ class TorchHasher:
             self._keys[device] = keys
         return keys
 
-    def _scratch_for(self, device: torch.device, n: int) -> torch.Tensor:
-        scratch: dict[torch.device, torch.Tensor] = self._local.__dict__.setdefault("s", {})
+    def _scratch_for(self, device: Any, n: int) -> torch.Tensor:
+        scratch: dict[Any, torch.Tensor] = self._local.__dict__.setdefault("s", {})
         buf = scratch.get(device)
         if buf is None or buf.numel() < n:
             buf = torch.empty(min(CHUNK_WORDS, max(n, 4096)), dtype=torch.int64, device=device)
             scratch[device] = buf
         return buf
 
-    def content(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """0-dim int64 tensor with the content sum, or None if the tensor has no readable data."""
-        words = self.words(tensor)
-        if words is None:
-            return None
-        n = words.numel()
-        if n == 0:
-            return torch.zeros((), dtype=torch.int64, device=words.device)
-        device = words.device
-        if n <= CHUNK_WORDS:
-            keys = self._keys_for(device, n)
-            scratch = self._scratch_for(device, n)
-            return torch.mul(words, keys[:n], out=scratch[:n]).sum()
-        keys = self._keys_for(device, CHUNK_WORDS)
-        scratch = self._scratch_for(device, CHUNK_WORDS)
-        partial = []
-        for start in range(0, n, CHUNK_WORDS):
-            part = words[start : start + CHUNK_WORDS]
-            m = part.numel()
-            partial.append(torch.mul(part, keys[:m], out=scratch[:m]).sum())
-        weights = self._chunk_keys.get(device)
-        if weights is None or weights.numel() < len(partial):
-            weights = _from_numpy(chunk_keys(max(len(partial), 64))).to(device)
-            self._chunk_keys[device] = weights
-        return (torch.stack(partial) * weights[: len(partial)]).sum()
-
     @staticmethod
     def words(tensor: torch.Tensor) -> torch.Tensor | None:
         """The tensor's bytes as a 1-D int64 tensor of words (see the Note), or None."""
-        t = tensor.detach()
-        if not _plain_enough(t):
+        t = _prepare(tensor)
+        if t is None:
             return None
         if t.layout == torch.sparse_coo:
-            t = t.coalesce()
             parts = [TorchHasher.words(t._indices()), TorchHasher.words(t._values())]
-            if any(p is None for p in parts):
-                return None
             return torch.cat(parts)  # type: ignore[arg-type]
-        if t.layout != torch.strided:
-            return None
-        if t.is_quantized:
-            t = t.int_repr()
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
         flat = t.reshape(-1)
         if flat.numel() and flat.stride(0) != 1:  # expanded or strided: copy to dense
             flat = flat.new_empty(flat.shape).copy_(flat)
         size = flat.element_size()
-        nbytes = flat.numel() * size
-        word = 8 if nbytes % 8 == 0 else 4 if nbytes % 4 == 0 else 1
+        word = _word_size(flat.numel() * size)
         if (flat.storage_offset() * size) % word:  # wider words need an aligned start
             flat = flat.new_empty(flat.shape).copy_(flat)
         raw = flat.view(torch.uint8)  # every dtype has a byte view
@@ -115,11 +187,44 @@ class TorchHasher:
         return t.sum(dtype=torch.float64), t.abs().max().to(torch.float64)
 
 
-def _plain_enough(t: Any) -> bool:
-    # Tensor subclasses that override dispatch (FakeTensor, DTensor, functional wrappers) have
-    # no local bytes we can trust to be the data; nn.Parameter and plain tensors do.
+def _word_size(nbytes: int) -> int:
+    return 8 if nbytes % 8 == 0 else 4 if nbytes % 4 == 0 else 1
+
+
+def _prepare(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor as plain values (sparse coalesced, quantized as integers, conj/neg
+    resolved), or None if it has no local data we can trust."""
+    t = tensor.detach()
+    # Subclasses that override dispatch (FakeTensor, DTensor, functional wrappers) have no
+    # local bytes we can trust to be the data.
+    if (type(t) not in (torch.Tensor, torch.nn.Parameter)
+            and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__):
+        return None
     if t.device.type == "meta":
-        return False
-    return type(t) in (torch.Tensor, torch.nn.Parameter) or (
-        type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
-    )
+        return None
+    if t.layout == torch.sparse_coo:
+        return t.coalesce()
+    if t.layout != torch.strided:
+        return None
+    if t.is_quantized:
+        t = t.int_repr()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
+
+
+def _host_words(t: torch.Tensor) -> np.ndarray:
+    """The same words as ``TorchHasher.words``, as a NumPy int64 array (CPU tensors)."""
+    if t.layout == torch.sparse_coo:
+        return np.concatenate([_host_words(t._indices()), _host_words(t._values())])
+    if t.element_size() not in _SAME_SIZE_INT:  # complex128: two float64 per element
+        t = torch.view_as_real(t)
+    values = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()  # zero-copy, any dtype
+    if not values.flags.c_contiguous:
+        values = np.ascontiguousarray(values)
+    raw = values.reshape(-1).view(np.uint8)
+    word = _word_size(raw.size)
+    words = raw.view(_NP_WORDS[word])
+    return words if word == 8 else words.astype(np.int64)

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nondet.fingerprint import CHUNK_WORDS  # noqa: E402
-from nondet.frameworks.torch_hash import TorchHasher  # noqa: E402
+from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys  # noqa: E402
+from nondet.frameworks.torch_hash import HOST_LIMIT, TorchHasher  # noqa: E402
 
 HASHER = TorchHasher()
 
@@ -22,9 +22,16 @@ for name in ("float8_e4m3fn", "float8_e5m2"):
 
 
 def content(t: torch.Tensor) -> int:
-    value = HASHER.content(t)
-    assert value is not None
-    return int(value.item())
+    """The content sum, checking that the device path and the small-CPU path agree."""
+    on_device = HASHER.content(t, on_device=True)
+    assert isinstance(on_device, torch.Tensor)
+    value = int(on_device.item()) & MASK64
+    host = HASHER.content(t)
+    assert host is not None
+    if t.numel() <= HOST_LIMIT:
+        assert isinstance(host, int), "small CPU tensors take the host path"
+    assert int(host) & MASK64 == value, "the host and device paths disagree"
+    return value
 
 
 def _sample(dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -61,6 +68,7 @@ def test_equal_bits_equal_fingerprint_and_swaps_change_it(dtype: torch.dtype, n:
 def test_zero_size_tensors_have_a_fingerprint() -> None:
     assert content(torch.empty(0)) == 0
     assert content(torch.empty(0, 3, dtype=torch.int64)) == 0
+    assert HASHER.content_of_many([torch.empty(0)]) == {}
 
 
 def test_layout_does_not_matter_only_values() -> None:
@@ -103,6 +111,40 @@ def test_conjugate_negative_sparse_and_quantized_views_hash_their_values() -> No
     assert content(dense.to_sparse()) != content(other.to_sparse())
     q = torch.quantize_per_tensor(torch.randn(10), 0.1, 0, torch.qint8)
     assert content(q) == content(q.int_repr())
+
+
+def test_grouped_content_is_the_content_of_the_concatenation() -> None:
+    parts = [torch.randn(3, 4), torch.arange(10, dtype=torch.int64), torch.randn(7).double(),
+             torch.randn(5).to(torch.bfloat16)]
+    whole = torch.cat([TorchHasher.words(p) for p in parts])
+    for on_device in (False, True):
+        (grouped,) = HASHER.content_of_many(parts, on_device=on_device).values()
+        assert int(grouped) & MASK64 == content_of_words(whole)
+        swapped = HASHER.content_of_many([parts[1], parts[0], *parts[2:]], on_device=on_device)
+        assert int(next(iter(swapped.values()))) & MASK64 != content_of_words(whole)
+    # Across the chunk boundary too, on both paths.
+    big = [torch.randn(CHUNK_WORDS // 2 + 3, dtype=torch.float64) for _ in range(3)]
+    results = {int(next(iter(HASHER.content_of_many(big, on_device=d).values()))) & MASK64
+               for d in (False, True)}
+    assert len(results) == 1
+
+
+def content_of_words(words: torch.Tensor) -> int:
+    """The definition, written out: sum of words times keys, chunked, mod 2**64."""
+    keys = [int(k) for k in position_keys(min(words.numel(), CHUNK_WORDS))]
+    values = [int(w) for w in words.tolist()]
+    partial = [sum(v * keys[i % CHUNK_WORDS] for i, v in enumerate(values[c : c + CHUNK_WORDS],
+                                                                    start=c)) & MASK64
+               for c in range(0, len(values), CHUNK_WORDS)]
+    if len(partial) == 1:
+        return partial[0]
+    weights = chunk_keys(len(partial))
+    return sum(p * (int(w) & MASK64) for p, w in zip(partial, weights, strict=True)) & MASK64
+
+
+def test_content_matches_the_written_out_definition() -> None:
+    for t in (torch.randn(37), torch.arange(9, dtype=torch.int16), torch.randn(4, 4).t()):
+        assert content(t) & MASK64 == content_of_words(TorchHasher.words(t))
 
 
 def test_meta_tensors_have_no_fingerprint() -> None:

@@ -1,0 +1,159 @@
+"""nondet's benchmark: overheads as ratios against a plain run in the same invocation.
+
+    python bench/bench.py [--steps N] [--repeat K] [--write docs/benchmarks.md]
+
+Measures, on the reference CPU model (bench/model_torch.py, a small CNN with batch norm,
+dropout and Adam):
+
+- step-level capture: median step time captured / plain (target <= 1.05)
+- op-level capture of every op: median step time captured / plain (target <= 1.5)
+- ``nondet run`` on the deterministic script: wall time / one plain run (target <= 2.2)
+- ``nondet run`` on a variant that diverges at step 0: wall time / one plain run of that
+  variant (target <= 1.3)
+- bytes per op record: in memory and on disk after compression (target <= 64)
+
+Each configuration runs ``--repeat`` times and the best time counts (the machine's noise
+only ever adds time). Timings are never asserted in tests; this script reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = REPO / "bench" / "model_torch.py"
+sys.path.insert(0, str(REPO))
+
+TARGETS = {"step": 1.05, "ops": 1.5, "run_det": 2.2, "run_div": 1.3, "bytes": 64}
+
+
+def plain_run(args: list[str]) -> tuple[float, float]:
+    """(wall seconds, median step ms) of the script run directly with Python."""
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, str(MODEL), *args], capture_output=True, text=True,
+                         check=True).stdout
+    return time.perf_counter() - start, _median_ms(out)
+
+
+def captured_run(args: list[str], op_steps: list[int] | None, out_dir: Path) -> tuple[float, Path]:
+    """Median step ms of one run under nondet's capture (no comparison), and its capture."""
+    from nondet.launch import CapturedRun, Plan, Target
+
+    run = CapturedRun(Target(str(MODEL), None, tuple(args)),
+                      Plan("ops" if op_steps is None else "step", op_steps), 0, out_dir)
+    run.start()
+    result = run.wait()
+    if result.status != "complete":
+        raise SystemExit(f"captured run failed: {result.log_tail()}")
+    return _median_ms(result.log_path.read_text()), result.path
+
+
+def nondet_run(args: list[str], out_dir: Path) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", "--out", str(out_dir),
+                           str(MODEL), *args], capture_output=True, text=True)
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"nondet run failed: {proc.stderr}")
+    return time.perf_counter() - start
+
+
+def op_record_bytes(capture: Path) -> tuple[int, float]:
+    import h5py
+
+    with h5py.File(capture, "r") as f:
+        ops = f["ops"]
+        return ops.dtype.itemsize, ops.id.get_storage_size() / max(1, ops.shape[0])
+
+
+def _median_ms(output: str) -> float:
+    hit = re.search(r"median_step_ms ([0-9.]+)", output)
+    if not hit:
+        raise SystemExit(f"no median_step_ms in the script's output:\n{output[-2000:]}")
+    return float(hit.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--write", type=Path, help="update this Markdown file's results table")
+    opts = parser.parse_args()
+    args = ["--steps", str(opts.steps)]
+    noisy = [*args, "--unseeded-noise"]
+    best = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        for i in range(opts.repeat):
+            print(f"round {i + 1}/{opts.repeat}", file=sys.stderr)
+            wall, step_ms = plain_run(args)
+            wall_noisy, _ = plain_run(noisy)
+            step_level, _ = captured_run(args, [], out / "step")
+            op_level, capture = captured_run(args, None, out / "ops")
+            det = nondet_run(args, out / "det")
+            div = nondet_run(noisy, out / "div")
+            for key, value in (("plain_wall", wall), ("plain_step", step_ms),
+                               ("plain_noisy_wall", wall_noisy), ("step", step_level),
+                               ("ops", op_level), ("det", det), ("div", div)):
+                best[key] = min(best.get(key, float("inf")), value)
+        record, on_disk = op_record_bytes(capture)
+    results = {
+        "step": best["step"] / best["plain_step"],
+        "ops": best["ops"] / best["plain_step"],
+        "run_det": best["det"] / best["plain_wall"],
+        "run_div": best["div"] / best["plain_noisy_wall"],
+    }
+    rows = [
+        ("step-level capture, step time", results["step"], TARGETS["step"], "x"),
+        ("op-level capture (every op), step time", results["ops"], TARGETS["ops"], "x"),
+        ("`nondet run`, deterministic script, wall", results["run_det"], TARGETS["run_det"], "x"),
+        ("`nondet run`, diverges at step 0, wall", results["run_div"], TARGETS["run_div"], "x"),
+        ("op record, in memory (bytes)", record, TARGETS["bytes"], ""),
+        ("op record, on disk after compression (bytes)", on_disk, TARGETS["bytes"], ""),
+    ]
+    table = ["| measure | result | target | met |", "| --- | --- | --- | --- |"]
+    for name, value, target, unit in rows:
+        shown = f"{value:.2f}{unit}" if unit else f"{value:.1f}"
+        table.append(f"| {name} | {shown} | <= {target}{unit} | "
+                     f"{'yes' if value <= target else 'no'} |")
+    context = (f"{date.today()}, {platform.processor() or platform.machine()}, "
+               f"{_cpu_model()}, Python {platform.python_version()}, torch {_torch_version()}; "
+               f"plain step {best['plain_step']:.1f} ms, plain run {best['plain_wall']:.1f} s "
+               f"({opts.steps} steps), best of {opts.repeat}")
+    text = "\n".join(table) + f"\n\nMeasured {context}.\n"
+    print(text)
+    if opts.write:
+        _update(opts.write, text)
+
+
+def _update(path: Path, text: str) -> None:
+    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+    old = path.read_text() if path.exists() else f"# Benchmarks\n\n{begin}\n{end}\n"
+    if begin not in old:
+        old += f"\n{begin}\n{end}\n"
+    head, rest = old.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text}{end}{tail}")
+
+
+def _cpu_model() -> str:
+    from nondet.environment import cpu_model
+
+    return cpu_model()
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+if __name__ == "__main__":
+    main()

@@ -53,6 +53,7 @@ class ChildConfig:
     stop_after: int | None = None  # end the run after this step
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
     lockstep: bool = False  # wait for the parent's go after every step (see launch.Lockstep)
+    keep_bytes: int = 0  # lockstep: keep op outputs of op-captured steps up to this many bytes
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -77,6 +78,7 @@ class Session:
         self.started = time.perf_counter()
         self.writer = channel.FrameWriter(config.channel_fd)
         self._strings: dict[str, int] = {}
+        self._string_list: list[str] = []
         self._new_strings: list[str] = []
         self.backends: list[Any] = []  # installed framework backends (see frameworks/)
         self.sources = SourceLocator(self)
@@ -90,8 +92,12 @@ class Session:
         if sid is None:
             sid = len(self._strings)
             self._strings[text] = sid
+            self._string_list.append(text)
             self._new_strings.append(text)
         return sid
+
+    def string(self, sid: int) -> str:
+        return self._string_list[sid] if 0 <= sid < len(self._string_list) else ""
 
     def _send_strings(self) -> None:
         if self._new_strings:
@@ -139,13 +145,24 @@ class Session:
                 and finished >= self.config.stop_after:
             raise StopRun()
         if self.config.lockstep and not self._free:
-            answer = channel.wait_for_turn(self.config.control_fd)
+            answer = channel.wait_for_turn(self.config.control_fd, self._send_kept)
             if answer == channel.FREE:
                 self._free = True
             elif answer == channel.STOP:
                 raise StopRun()
         elif channel.stop_requested(self.config.control_fd):
             raise StopRun()
+
+    def _send_kept(self, step: int, index: int) -> None:
+        """Answer a dump request with the outputs a backend kept for (step, index)."""
+        sent = 0
+        for backend in self.backends:
+            for i, array in enumerate(backend.kept(step, index)):
+                self.send_dump(f"kept-{step}-{index}-out{i}", array,
+                               {"step": step, "index": index})
+                sent += 1
+        self.writer.send_json(channel.META, {"dump_done": [step, index, sent]})
+        self.writer.flush()
 
     def send_dump(self, name: str, array: np.ndarray, attrs: dict[str, Any]) -> None:
         header = dict(attrs, name=name, dtype=array.dtype.str, shape=list(array.shape))

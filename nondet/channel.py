@@ -14,6 +14,7 @@ import json
 import os
 import select
 import struct
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 META = b"M"  # JSON: root attributes and environment entries (may repeat; later keys win)
@@ -29,6 +30,7 @@ END = b"E"  # JSON: {"status": complete|stopped|failed|interrupted, ...}
 STOP = b"stop\n"  # stop at the next step boundary
 GO = b"go\n"  # lockstep: run one more step, then wait again
 FREE = b"free\n"  # lockstep: stop waiting at step boundaries (the other run has ended)
+DUMP_REQUEST = b"dump"  # lockstep: "dump STEP INDEX\n": send that record's kept outputs
 
 _HEADER = struct.Struct("<cI")
 
@@ -89,15 +91,31 @@ def stop_requested(fd: int) -> bool:
         return False
 
 
-def wait_for_turn(fd: int) -> bytes:
-    """Child side, lockstep: block until the parent says GO, FREE or STOP (STOP wins).
+def wait_for_turn(fd: int, on_dump: Callable[[int, int], None]) -> bytes:
+    """Child side, lockstep: block until the parent says GO, FREE or STOP (STOP wins);
+    answer DUMP requests (``on_dump(step, index)``) while waiting.
 
     A closed pipe (the parent is gone) counts as FREE: the run finishes on its own.
     """
-    try:
-        data = os.read(fd, 256)
-    except OSError:
-        return FREE
-    if not data or FREE in data:
-        return STOP if STOP in data else FREE
-    return STOP if STOP in data else GO
+    pending = b""
+    while True:
+        try:
+            data = os.read(fd, 256)
+        except OSError:
+            return FREE
+        if not data:
+            return FREE
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        words = [line.split() for line in lines if line.strip()]
+        for word in words:
+            if word[0] == DUMP_REQUEST and len(word) == 3:
+                on_dump(int(word[1]), int(word[2]))
+        kinds = {w[0] + b"\n" for w in words}
+        for answer in (STOP, FREE, GO):
+            if answer in kinds:
+                return answer
+
+
+def dump_request(step: int, index: int) -> bytes:
+    return DUMP_REQUEST + f" {step} {index}\n".encode()

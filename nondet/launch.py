@@ -67,6 +67,7 @@ class Plan:
     stop_after: int | None = None  # last step to run
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
     lockstep: bool = False  # take turns with another run (see Lockstep)
+    keep_bytes: int = 0  # keep op outputs of op-captured steps, for dump requests
 
 
 @dataclass
@@ -109,6 +110,11 @@ class CapturedRun:
         self.on_end = on_end
         self.echo = echo
         self.steps: list[np.void] = []
+        self.ops: dict[int, list[np.ndarray]] = {}  # op records per step, as they arrive
+        self.strings: list[str] = []
+        self.kept: dict[tuple[int, int], list[np.ndarray]] = {}  # answers to dump requests
+        self._incoming: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._dumps_done = threading.Condition()
         self.end: dict[str, Any] | None = None
         self.hook_error = ""
         self._stop_sent = False
@@ -126,7 +132,7 @@ class CapturedRun:
             script=os.path.abspath(self.target.script) if self.target.script else None,
             module=self.target.module, args=list(self.target.args),
             op_steps=self.plan.op_steps, stop_after=self.plan.stop_after, dump=self.plan.dump,
-            lockstep=self.plan.lockstep,
+            lockstep=self.plan.lockstep, keep_bytes=self.plan.keep_bytes,
         )
         env = dict(os.environ)
         env[CONFIG_ENV] = config.to_env()
@@ -175,6 +181,18 @@ class CapturedRun:
             os.write(self._ctrl_w, message)
         except OSError:
             pass  # the child is gone
+
+    def request_kept(self, step: int, index: int, timeout: float = 120.0
+                     ) -> list[np.ndarray] | None:
+        """Lockstep, while the child waits: fetch the outputs it kept for (step, index).
+
+        Returns None if the child could not answer (it ended, or it kept nothing there:
+        an empty list)."""
+        self.send_control(channel.dump_request(step, index))
+        with self._dumps_done:
+            self._dumps_done.wait_for(
+                lambda: (step, index) in self.kept or self._end_reported, timeout)
+        return self.kept.get((step, index))
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -289,8 +307,12 @@ class CapturedRun:
 
     def _ended(self) -> None:
         """Tell the owner once that this run will send no more steps."""
-        if self.on_end is not None and not self._end_reported:
-            self._end_reported = True
+        if self._end_reported:
+            return
+        self._end_reported = True
+        with self._dumps_done:
+            self._dumps_done.notify_all()
+        if self.on_end is not None:
             self.on_end(self)
 
     def _handle(self, kind: bytes, payload: bytes) -> None:
@@ -302,25 +324,38 @@ class CapturedRun:
             if self.on_step is not None:
                 self.on_step(self, row[0])
         elif kind == channel.OPS:
-            writer.add_ops(np.frombuffer(payload, dtype=OP_DTYPE))
+            rows = np.frombuffer(payload, dtype=OP_DTYPE)
+            writer.add_ops(rows)
+            if len(rows):
+                self.ops.setdefault(int(rows["step"][0]), []).append(rows)
         elif kind == channel.TENSORS:
             writer.add_tensors(np.frombuffer(payload, dtype=TENSOR_DTYPE))
         elif kind == channel.STRINGS:
-            writer.add_strings(json.loads(payload))
+            strings = json.loads(payload)
+            writer.add_strings(strings)
+            self.strings.extend(strings)
         elif kind == channel.META:
             meta = json.loads(payload)
             if "env" in meta:
                 writer.add_env(meta["env"])
             if "hook_error" in meta:
                 self.hook_error = meta["hook_error"]
+            if "dump_done" in meta:
+                step, index, _ = meta["dump_done"]
+                with self._dumps_done:
+                    self.kept[(step, index)] = self._incoming.pop((step, index), [])
+                    self._dumps_done.notify_all()
         elif kind == channel.FACTS:
             writer.add_facts(json.loads(payload))
         elif kind == channel.DUMP:
             header_end = payload.index(b"\n")
             header = json.loads(payload[:header_end])
             array = np.frombuffer(payload[header_end + 1 :], dtype=np.dtype(header["dtype"]))
-            writer.add_dump(header.pop("name"), array.reshape(header.pop("shape")),
-                            {k: v for k, v in header.items() if k != "dtype"})
+            name = header.pop("name")
+            array = array.reshape(header.pop("shape"))
+            writer.add_dump(name, array, {k: v for k, v in header.items() if k != "dtype"})
+            if name.startswith("kept-"):
+                self._incoming.setdefault((header["step"], header["index"]), []).append(array)
         elif kind == channel.END:
             self.end = json.loads(payload)
             self._ended()
@@ -341,15 +376,19 @@ class Lockstep:
     """
 
     def __init__(self, a: CapturedRun, b: CapturedRun,
-                 judge: Callable[[int, np.void | None, np.void | None], bool]) -> None:
+                 judge: Callable[[int, np.void | None, np.void | None], bool],
+                 hold: bool = False) -> None:
         self.runs = (a, b)
         self.judge = judge
+        self.hold = hold  # when the judge says stop, keep both waiting until release()
+        self.held = threading.Event()  # set when holding, or when both runs have ended
         self._lock = threading.Lock()
         self._rows: dict[CapturedRun, dict[int, np.void]] = {a: {}, b: {}}
         self._waiting: dict[CapturedRun, int | None] = {a: None, b: None}
         self._ended: set[CapturedRun] = set()
         self._judged: set[int] = set()
         self._stopping = False
+        self._holding = False
         for run in self.runs:
             run.on_step = self._on_row
             run.on_end = self._on_end
@@ -357,6 +396,22 @@ class Lockstep:
     def start(self) -> None:
         for run in self.runs:
             run.start()
+
+    def wait_held(self) -> bool:
+        """Block until the runs are held (True) or have both ended (False)."""
+        while not self.held.wait(0.5):
+            if not any(run.running() for run in self.runs) and len(self._ended) == 2:
+                break
+        with self._lock:
+            return self._holding
+
+    def release(self) -> None:
+        """End a hold: both runs stop."""
+        with self._lock:
+            self._holding = False
+            for run in self.runs:
+                if run not in self._ended:
+                    run.request_stop()
 
     def wait(self) -> tuple[RunResult, RunResult]:
         try:
@@ -380,6 +435,8 @@ class Lockstep:
             self._ended.add(run)
             self._waiting[run] = None
             self._advance()
+            if len(self._ended) == 2:
+                self.held.set()
 
     def _advance(self) -> None:
         a, b = self.runs
@@ -419,6 +476,10 @@ class Lockstep:
             self._judged.add(step)
             if not self.judge(step, rows_a.get(step), rows_b.get(step)) and not self._stopping:
                 self._stopping = True
+                if self.hold and not self._ended:
+                    self._holding = True  # both are waiting at this step: keep them there
+                    self.held.set()
+                    return
                 for run in self.runs:
                     if run not in self._ended:
                         run.request_stop()

@@ -32,6 +32,7 @@ from nondet.records import (
     OP_DTYPE,
     STEP_COMPONENTS,
     Flag,
+    Group,
     Kind,
     Phase,
     device_of,
@@ -43,6 +44,8 @@ from nondet.store import Capture, open_capture
 GROWTH_STEPS = 4
 #: Steps with op-level capture in the first two runs (unless --ops all).
 DEFAULT_OP_STEPS = [INIT_STEP, 0]
+#: Lockstep runs keep host copies of op outputs up to this size, to measure a difference.
+KEEP_BYTES = 256 << 20
 
 _FIELD_LABELS = {name: name.removesuffix("_fp") for name, _ in STEP_COMPONENTS}
 
@@ -95,13 +98,32 @@ def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
               progress: ProgressSink,
               judge: Callable[[int, np.void | None, np.void | None], bool] = _never_stop,
               ) -> tuple[RunResult, RunResult]:
-    """Two runs of the same script, as Options.schedule says (launch.Lockstep explains
-    lockstep). Sequentially, the second run is judged against the first as it goes."""
+    """Two runs of the same script, as Options.schedule says.
+
+    In lockstep (launch.Lockstep) both runs are held, still alive, when the judge stops
+    them; the first finding is then located from the records already received, and both
+    runs are asked for the outputs they kept of it, so the difference can be measured
+    without running the script again. Sequentially, the second run is judged against the
+    first as it goes.
+    """
     if options.schedule == "lockstep":
-        runs = [CapturedRun(target, replace(plan, lockstep=True), options.seed,
-                            options.out_dir, echo=options.echo) for plan in plans]
-        pair = Lockstep(runs[0], runs[1], judge)
+        runs = [CapturedRun(target, replace(plan, lockstep=True,
+                                            keep_bytes=0 if plan.dump else KEEP_BYTES),
+                            options.seed, options.out_dir, echo=options.echo)
+                for plan in plans]
+        pair = Lockstep(runs[0], runs[1], judge, hold=True)
         pair.start()
+        try:
+            if pair.wait_held():
+                position = _finding_position(runs[0], runs[1])
+                if position is not None:
+                    for run in runs:
+                        run.request_kept(*position)
+                pair.release()
+        except KeyboardInterrupt:
+            for run in runs:
+                run.interrupt()
+            raise
         results = pair.wait()
     else:
         def report(run: CapturedRun, row: np.void) -> None:
@@ -128,6 +150,22 @@ def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
     for result in results:
         _check(result)
     return results
+
+
+def _finding_position(a: CapturedRun, b: CapturedRun) -> tuple[int, int] | None:
+    """(step, record index) of the first op or entry finding in the records received so far,
+    by the same rule ``compare_captures`` applies to the files later."""
+    limit = compare.first_step_divergence(np.array(a.steps), np.array(b.steps))
+    steps = sorted(s for s in set(a.ops) & set(b.ops)
+                   if limit is None or s <= limit.step)
+    if not steps:
+        return None
+    ops_a = _concat([np.concatenate(a.ops[s]) for s in steps])
+    ops_b = _concat([np.concatenate(b.ops[s]) for s in steps])
+    found = compare.localize(ops_a, ops_b, a.strings, b.strings)
+    if found is None or found.kind not in ("op", "entry") or found.row_a is None:
+        return None
+    return int(found.row_a["step"]), int(found.row_a["index"])
 
 
 def default_schedule() -> str:
@@ -195,20 +233,21 @@ def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report
     if div is None or (div.kind == "structure" and not div.localized):
         return report
 
-    op_capture = a
+    op_capture, op_capture_b = a, b
     step_div = compare.first_step_divergence(a.steps, b.steps)
     if not div.localized and step_div is not None and step_div.step >= 1:
         narrowed = _narrow(target, options, progress, step_div.step, report)
         if narrowed is None:
             div.notes.append(
-                f"the difference at step {step_div.step} did not recur in two op-level re-runs: "
-                "it is rare or timing-dependent; try `nondet run --ops all` to capture every "
-                "op in the first two runs")
+                f"the difference at step {step_div.step} did not recur in the op-level "
+                "re-runs: it is rare or timing-dependent; try `nondet run --ops all` to capture "
+                "every op in the first two runs")
         else:
-            div, op_capture = narrowed
+            div, op_capture, op_capture_b = narrowed
             report.first_divergence = div
 
-    if div.localized and div.kind in ("op", "entry") and div.op_index is not None:
+    if div.localized and div.kind in ("op", "entry") and div.op_index is not None \
+            and not measure_from_dumps(div, op_capture, op_capture_b):
         _measure(target, options, progress, div, op_capture, report)
     report.suggestions = recipe.suggest(
         finding_facts(div, a, report.environment_differences))
@@ -217,33 +256,42 @@ def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report
 
 
 def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
-            report: Report) -> tuple[Divergence, Capture] | None:
+            report: Report) -> tuple[Divergence, Capture, Capture] | None:
     """Re-run both with op-level capture for ``step`` and the one before.
 
-    Timing-dependent causes may strike earlier in the re-runs than in the first runs; then
-    the second attempt captures every op up to ``step``.
+    A timing-dependent cause may strike at another step in the re-runs. If they part
+    elsewhere (or not at all by ``step``), the second attempt captures every op and runs
+    until the runs first differ, wherever that is.
     """
-    window: list[int] | None = [step - 1, step]
-    for attempt in (1, 2):
-        scope = (f"steps {step - 1} and {step}" if window is not None
-                 else f"every step up to {step}")
-        again = " (second try)" if attempt == 2 else ""
-        progress.stage(f"narrowing down: op-level capture of {scope} in two new runs{again}")
-        ra, rb = _run_pair(target, (Plan("a-ops", window, stop_after=step),
-                                    Plan("b-ops", window, stop_after=step)), options, progress)
+    attempts: list[tuple[str, list[int] | None, Any]] = [
+        (f"steps {step - 1} and {step}", [step - 1, step], lambda k, _a, _b: k < step),
+        ("every step until the runs differ", None, _until_different),
+    ]
+    for number, (scope, window, judge) in enumerate(attempts, start=1):
+        again = " (second try)" if number == 2 else ""
+        progress.stage(f"narrowing down: op-level capture of {scope}, in two new runs{again}")
+        # In lockstep the judge stops both runs (held, so they can be asked for the outputs
+        # they kept); one after the other, the first attempt's runs stop themselves.
+        stop_after = step if options.schedule != "lockstep" and window is not None else None
+        ra, rb = _run_pair(target, (Plan("a-ops", window, stop_after=stop_after),
+                                    Plan("b-ops", window, stop_after=stop_after)),
+                           options, progress, judge=judge)
         oa, ob = open_capture(ra.path), open_capture(rb.path)
         report.captures += [str(oa.path), str(ob.path)]
+        parted = compare.first_step_divergence(oa.steps, ob.steps)
         steps = window if window is not None else oa.op_steps()
-        earlier = compare.first_step_divergence(oa.steps, ob.steps)
-        if earlier is not None and steps and earlier.step < steps[0]:
-            window = None  # these runs parted before the window: capture everything
-            continue
-        found = localize(oa, ob, steps)
+        if parted is None or not steps or parted.step < steps[0]:
+            continue  # these runs did not part inside the window
+        found = localize(oa, ob, [s for s in steps if s <= parted.step])
         if found is not None:
             found.notes.append(f"the first difference was at step {step} in the first two runs; "
-                               "op-level capture was re-run for that step")
-            return found, oa
+                               "op-level capture was re-run to find the op")
+            return found, oa, ob
     return None
+
+
+def _until_different(step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
+    return row_a is not None and row_b is not None and not compare.rows_differ(row_a, row_b)
 
 
 def _measure(target: Target, options: Options, progress: ProgressSink, div: Divergence,
@@ -261,17 +309,28 @@ def _measure(target: Target, options: Options, progress: ProgressSink, div: Dive
         return
     da, db = open_capture(ra.path), open_capture(rb.path)
     report.captures += [str(da.path), str(db.path)]
-    apply_dumps(div, da, db)
-
-
-def apply_dumps(div: Divergence, da: Capture, db: Capture) -> None:
-    names = sorted(set(da.dumps) & set(db.dumps))
-    if not names:
+    if not measure_from_dumps(div, da, db):
         div.notes.append("the measuring runs did not reach the op again; sizes not measured")
-        return
+    elif div.mismatched_elements == 0:
+        div.notes.append("in the measuring runs this op happened to give identical outputs; "
+                         "the difference is intermittent")
+
+
+def measure_from_dumps(div: Divergence, da: Capture, db: Capture) -> bool:
+    """Compare the saved outputs of the finding's record in two captures; False if absent."""
+    step = INIT_STEP if div.step is None else div.step
+
+    def outputs(c: Capture) -> dict[str, np.ndarray]:
+        return {name.rsplit("-", 1)[-1]: array for name, (array, attrs) in c.dumps.items()
+                if attrs.get("step") == step and attrs.get("index") == div.op_index}
+
+    xa, xb = outputs(da), outputs(db)
+    names = sorted(set(xa) & set(xb))
+    if not names:
+        return False
     stats = None
     for name in names:
-        candidate = compare.mismatch_stats(da.dumps[name][0], db.dumps[name][0])
+        candidate = compare.mismatch_stats(xa[name], xb[name])
         stats = stats or candidate
         if candidate.get("mismatched_elements"):
             stats = candidate
@@ -281,9 +340,7 @@ def apply_dumps(div: Divergence, da: Capture, db: Capture) -> None:
     div.mismatched_elements = stats.get("mismatched_elements")  # type: ignore[assignment]
     div.max_abs_diff = stats.get("max_abs_diff")  # type: ignore[assignment]
     div.max_abs_diff_at = stats.get("max_abs_diff_at")  # type: ignore[assignment]
-    if div.mismatched_elements == 0:
-        div.notes.append("in the measuring runs this op happened to give identical outputs; "
-                         "the difference is intermittent")
+    return True
 
 
 def _op_steps_of(capture: Capture) -> list[int] | None:
@@ -315,12 +372,41 @@ def compare_captures(a: Capture, b: Capture) -> Report:
         window = [s for s in common_op_steps if s <= step_div.step]
         div = localize(a, b, window) if window else None
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
-            div = _step_level_divergence(step_div)
+            div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(step_div)
     report.verdict = "nondeterministic"
     report.exit_code = ExitCode.NONDETERMINISTIC
     report.first_divergence = div
     report.growth = growth(a, b, step_div.step if step_div else (div.step or 0))
     return report
+
+
+def _data_entry_divergence(a: Capture, b: Capture,
+                           step_div: compare.StepDivergence) -> Divergence | None:
+    """When the first thing that differs in a step is the data that entered, the step rows
+    name each entry (batch, NumPy-made tensor): the first differing one is the finding,
+    even without op-level capture of that step."""
+    if not step_div.fields or step_div.fields[0] != "data_fp":
+        return None
+    rows_a = [r for r in a.tensor_rows(step_div.step) if int(r["group"]) == Group.DATA]
+    rows_b = [r for r in b.tensor_rows(step_div.step) if int(r["group"]) == Group.DATA]
+    for ra, rb in zip(rows_a, rows_b, strict=False):
+        label_a, label_b = a.string(int(ra["name"])), b.string(int(rb["name"]))
+        if label_a == label_b and int(ra["fp"]) == int(rb["fp"]):
+            continue
+        name, _, source = label_a.partition(" @ ")
+        entry_kind, _, what = name.partition(":")
+        step = step_div.step
+        div = Divergence(
+            kind="entry", step=None if step == INIT_STEP else step,
+            phase="init" if step == INIT_STEP else "data" if entry_kind == "dataloader"
+            else "forward", op=what, module="", source=source or None,
+            entry_kind=entry_kind if entry_kind in ENTRY_KINDS else "external",
+            numel=int(ra["numel"]),
+            notes=["named from the step-level record of the data that entered; the op-level "
+                   "records do not cover this step"])
+        div.source_text = source_text(a, div.source)
+        return div
+    return None
 
 
 def _step_level_divergence(step_div: compare.StepDivergence) -> Divergence:

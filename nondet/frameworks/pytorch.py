@@ -58,6 +58,8 @@ class TorchBackend:
         self.explicit = False  # nondet.step() is in charge of boundaries
         self.update_pending = False  # hand-written update: step ends at the next forward
         self.verified_step: int | None = None  # last step whose parameters were re-checked
+        self._kept: dict[tuple[int, int], list[np.ndarray]] = {}  # see keep()
+        self.kept_bytes = 0
         self.module_stack: list[int] = []  # string ids of module paths
         self.module_ids: dict[int, int] = {}  # id(module) -> string id of its path
         self.roots: list[torch.nn.Module] = []
@@ -73,7 +75,8 @@ class TorchBackend:
 
     # -- state of the current step -----------------------------------------------------------
     def _reset_step(self) -> None:
-        self.data: list[Fp] = []
+        # What entered from outside in this step: (label, fingerprints, elements).
+        self.data: list[tuple[str, list[Fp], int]] = []
         self.losses: list[Fp] = []
         self.loss_value = math.nan
         self.grads: list[tuple[str, Fp, torch.Tensor]] | None = None
@@ -200,17 +203,17 @@ class TorchBackend:
         recorder = self.recorder
         if recorder.depth > 0:
             return
+        source = self.session.sources.here(2)
         with self._paused():
             fp = recorder.known(t)
             if fp is None:
                 fp = recorder.remember(t, recorder.fingerprint(t))
                 if recorder.window:
-                    source = self.session.sources.here(2)
                     recorder.add(Kind.ENTRY, int(self.phase), 0,
                                  self.session.intern(f"{kind}:{what}"), self.current_module(),
                                  source, [fp], [], [], (), t.numel(), [t])
         if not self.module_stack and self.phase in (Phase.INIT, Phase.DATA, Phase.FORWARD):
-            self.data.append(fp)
+            self.data.append((self._data_label(f"{kind}:{what}", source), [fp], t.numel()))
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         if self.disabled or self.paused:
@@ -314,18 +317,23 @@ class TorchBackend:
         index = self.loader_of_iter.get(iterator, 0)
         tensors = list(_leaf_tensors(batch))
         recorder = self.recorder
+        name = f"dataloader:batch from DataLoader#{index}"
+        source = self.session.sources.here(2)
+        numel = tensors[0].numel() if tensors else 0
         with self._paused():
             fps = []
             for t in tensors:
                 fp = recorder.known(t) or recorder.remember(t, recorder.fingerprint(t))
                 fps.append(fp)
-            self.data.extend(fps)
             if recorder.window:
-                source = self.session.sources.here(2)
-                recorder.add(Kind.ENTRY, int(Phase.DATA), 0,
-                             self.session.intern(f"dataloader:batch from DataLoader#{index}"),
-                             -1, source, fps, [], [], (),
-                             tensors[0].numel() if tensors else 0, tensors)
+                recorder.add(Kind.ENTRY, int(Phase.DATA), 0, self.session.intern(name), -1,
+                             source, fps, [], [], (), numel, tensors)
+        self.data.append((self._data_label(name, source), fps, numel))
+
+    def _data_label(self, name: str, source: int) -> str:
+        """How a data entry is named in the step-level rows: "kind:what @ file:line"."""
+        where = self.session.string(source)
+        return f"{name} @ {where}" if where else name
 
     # -- context for op records ------------------------------------------------------------------
     def current_module(self) -> int:
@@ -457,17 +465,24 @@ class TorchBackend:
             self.recorder.resolve()
             fps = {group: [fp.value or 0 for _, fp, _ in items] for group, items in groups}
             row["params_sum"] = float(params_sum.item()) if params_sum is not None else math.nan
-            tensor_rows = self._tensor_rows(step, groups, stats) if detailed else None
+            tensor_rows = self._tensor_rows(step, groups if detailed else [], stats)
         row["params_fp"] = combine(fps[Group.PARAM]) if fps[Group.PARAM] else 0
         row["buffers_fp"] = combine(fps[Group.BUFFER]) if fps[Group.BUFFER] else 0
         row["grads_fp"] = combine(fps[Group.GRAD]) if fps[Group.GRAD] else 0
         row["optim_fp"] = combine(fps[Group.OPTIM]) if fps[Group.OPTIM] else 0
         row["probes_fp"] = combine(fps[Group.PROBE]) if fps[Group.PROBE] else 0
-        row["data_fp"] = combine(fp.value or 0 for fp in self.data) if self.data else 0
+        data_fps = [combine(fp.value or 0 for fp in fps) for _, fps, _ in self.data]
+        row["data_fp"] = combine(data_fps) if data_fps else 0
         row["loss_fp"] = combine(fp.value or 0 for fp in self.losses) if self.losses else 0
         row["loss"] = self.loss_value
         row["rng_fp"] = self._rng_fp()
-        return tensor_rows if tensor_rows is not None else np.zeros(0, dtype=TENSOR_DTYPE)
+        # Data entries are listed every step (a few rows): a difference in them can be
+        # named even in steps without op capture.
+        data_rows = np.array(
+            [(step, int(Group.DATA), self.session.intern(label), value, math.nan, math.nan,
+              numel) for (label, _, numel), value in zip(self.data, data_fps, strict=True)],
+            dtype=TENSOR_DTYPE)
+        return np.concatenate([tensor_rows, data_rows]) if len(data_rows) else tensor_rows
 
     def _tensor_rows(self, step: int, groups: list[Any], stats: dict[Any, Any]) -> np.ndarray:
         rows = []
@@ -555,6 +570,20 @@ class TorchBackend:
                 session.flush_ops(self.recorder.take_rows(session.step))
         session.send_meta({"env": torch_environment(initialized=self.started)})
         return status
+
+    def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None:
+        """Keep a host copy of a record's outputs while the budget lasts (lockstep runs), so
+        the parent can measure a difference without re-running the script."""
+        budget = self.session.config.keep_bytes
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        if not tensors or self.kept_bytes + size > budget:
+            return
+        with self._paused():
+            self._kept[(step, index)] = [_to_numpy(t) for t in tensors]
+        self.kept_bytes += size
+
+    def kept(self, step: int, index: int) -> list[np.ndarray]:
+        return self._kept.get((step, index), [])
 
     def dump_and_exit(self, tensors: list[torch.Tensor]) -> None:
         """Save one op's outputs (the dump pass) and end the run right here."""

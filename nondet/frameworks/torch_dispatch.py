@@ -206,6 +206,7 @@ class OpRecorder:
         self.creating: tuple[str, str] | None = None  # entry label while a wrapper runs
         self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
         self.dump_at = self.session.config.dump
+        self.keep_outputs = self.session.config.keep_bytes > 0
 
     # -- fingerprints -----------------------------------------------------------------------
     def fingerprint(self, t: torch.Tensor, fp: Fp | None = None) -> Fp:
@@ -378,6 +379,8 @@ class OpRecorder:
                              scalars, numel))
         if self.dump_at is not None and self.dump_at == (self.session.step, index):
             self.backend.dump_and_exit(tensors)
+        if self.keep_outputs and tensors:
+            self.backend.keep(self.session.step, index, tensors)
 
     def take_rows(self, step: int) -> np.ndarray:
         """The current step's records as OP_DTYPE rows (call after ``resolve``)."""
@@ -513,7 +516,7 @@ class OpRecorder:
                 flags |= Flag.CUDA if device == "cuda" else Flag.OTHER_DEVICE
         kind = Kind.ENTRY if info.from_storage else Kind.OP
         self.add(kind, phase, flags, info.name_id, module, source, out_fps, ins, taints,
-                 tuple(scalars), numel, outputs)
+                 tuple(scalars), numel, [] if info.pointwise or info.uninit_output else outputs)
         return out
 
     def _input(self, value: Any, overwritten: bool, ctx: tuple[int, int, int],

@@ -84,7 +84,8 @@ def _finding(div: Divergence) -> list[str]:
             why = "it reads uninitialized memory (torch.empty & co.) and its output differs"
         out += [_row("finding", head), _row("", why)]
     elif div.kind == "entry":
-        out += [_row("finding", f"{step}, {div.phase}, record #{div.op_index}: "
+        record = f", record #{div.op_index}" if div.op_index is not None else ""
+        out += [_row("finding", f"{step}, {div.phase}{record}: "
                                 f"[bold]{escape(_entry_label(div))}[/]"),
                 _row("", "this value came from outside the recorded ops and differs between "
                          "runs")]

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 EXTRAS ?= torch,dev
 
-.PHONY: install demo test lint typecheck unit e2e bench clean
+.PHONY: install demo test lint typecheck unit e2e bench goldens clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ unit: install
 
 e2e: install
 	$(BIN)/python -m pytest -q -m e2e
+
+# Rewrites tests/data/report_expected.txt after an intended change to the text report.
+goldens: install
+	NONDET_UPDATE_GOLDENS=1 $(BIN)/python -m pytest -q tests/test_report.py
 
 bench: install
 	$(BIN)/python bench/bench.py --write docs/benchmarks.md

@@ -23,7 +23,9 @@ class App:
     """Shared state of one invocation (consoles; stdout for results, stderr for progress)."""
 
     def __init__(self) -> None:
-        self.out = Console(highlight=False, soft_wrap=True)
+        # Piped output gets a roomy fixed width (rich would use 80) unless COLUMNS says.
+        width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 120)
+        self.out = Console(highlight=False, soft_wrap=True, width=width)
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 

@@ -55,7 +55,7 @@ def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int
             continue
         step = int(r["step"])
         steps.add_row("init" if step < 0 else str(step), f"{float(r['loss']):.6g}",
-                      *(short(int(r[f])) for f in ("data_fp", "loss_fp", "grads_fp",
+                      *(short(int(r[f]))[:8] for f in ("data_fp", "loss_fp", "grads_fp",
                                                     "params_fp", "buffers_fp", "optim_fp",
                                                     "rng_fp")),
                       str(int(r["n_records"])))

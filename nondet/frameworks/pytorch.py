@@ -532,6 +532,11 @@ class TorchBackend:
         if self.disabled:
             return
         self.explicit = True
+        if not self.started:
+            # Nothing marked the start of training (no optimizer, loader or module call):
+            # what ran before the first nondet.step() is step 0 itself, not init.
+            self.started = True
+            self.session.step = 0
         self.boundary()
 
     def probe(self, value: Any, name: str) -> bool:

@@ -12,8 +12,10 @@ dropout and Adam):
   variant (target <= 1.3)
 - bytes per op record: in memory and on disk after compression (target <= 64)
 
-Each configuration runs ``--repeat`` times and the best time counts (the machine's noise
-only ever adds time). Timings are never asserted in tests; this script reports them.
+Each round runs every configuration right after a plain run and takes the ratio of the
+two; the result is the median over ``--repeat`` rounds (on a noisy shared machine the
+ratio of neighbours is steadier than either time). Timings are never asserted in tests;
+this script reports them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,33 +86,34 @@ def _median_ms(output: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=4)
     parser.add_argument("--write", type=Path, help="update this Markdown file's results table")
     opts = parser.parse_args()
     args = ["--steps", str(opts.steps)]
     noisy = [*args, "--unseeded-noise"]
-    best = {}
+    rounds: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         for i in range(opts.repeat):
             print(f"round {i + 1}/{opts.repeat}", file=sys.stderr)
+            # Each configuration right after its own plain run: neighbours in time share
+            # the machine's mood, so the ratio of the two is steadier than either time.
             wall, step_ms = plain_run(args)
-            wall_noisy, _ = plain_run(noisy)
             step_level, _ = captured_run(args, [], out / "step")
+            _, step_ms2 = plain_run(args)
             op_level, capture = captured_run(args, None, out / "ops")
+            wall2, _ = plain_run(args)
             det = nondet_run(args, out / "det")
+            wall_noisy, _ = plain_run(noisy)
             div = nondet_run(noisy, out / "div")
-            for key, value in (("plain_wall", wall), ("plain_step", step_ms),
-                               ("plain_noisy_wall", wall_noisy), ("step", step_level),
-                               ("ops", op_level), ("det", det), ("div", div)):
-                best[key] = min(best.get(key, float("inf")), value)
+            rounds.append({"step": step_level / step_ms, "ops": op_level / step_ms2,
+                           "run_det": det / wall2, "run_div": div / wall_noisy,
+                           "plain_step": step_ms, "plain_wall": wall})
         record, on_disk = op_record_bytes(capture)
-    results = {
-        "step": best["step"] / best["plain_step"],
-        "ops": best["ops"] / best["plain_step"],
-        "run_det": best["det"] / best["plain_wall"],
-        "run_div": best["div"] / best["plain_noisy_wall"],
-    }
+    results = {key: statistics.median(r[key] for r in rounds)
+               for key in ("step", "ops", "run_det", "run_div")}
+    best = {"plain_step": min(r["plain_step"] for r in rounds),
+            "plain_wall": min(r["plain_wall"] for r in rounds)}
     rows = [
         ("step-level capture, step time", results["step"], TARGETS["step"], "x"),
         ("op-level capture (every op), step time", results["ops"], TARGETS["ops"], "x"),
@@ -126,7 +130,8 @@ def main() -> None:
     context = (f"{date.today()}, {platform.processor() or platform.machine()}, "
                f"{_cpu_model()}, Python {platform.python_version()}, torch {_torch_version()}; "
                f"plain step {best['plain_step']:.1f} ms, plain run {best['plain_wall']:.1f} s "
-               f"({opts.steps} steps), best of {opts.repeat}")
+               f"({opts.steps} steps); ratios are medians over {opts.repeat} rounds, each "
+               f"against a plain run just before it")
     text = "\n".join(table) + f"\n\nMeasured {context}.\n"
     print(text)
     if opts.write:

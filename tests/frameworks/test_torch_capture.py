@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from nondet.launch import CapturedRun, Plan, Target  # noqa: E402
-from nondet.records import Flag, Kind, Phase  # noqa: E402
-from nondet.store import Capture, open_capture  # noqa: E402
+from nondet.launch import CapturedRun, Plan, Target
+from nondet.records import Flag, Kind, Phase
+from nondet.store import Capture, open_capture
 
 
 def capture(tmp_path: Path, body: str, op_steps: list[int] | None = None) -> Capture:

@@ -19,7 +19,7 @@ demo:
 	$(BIN)/nondet run fixtures/torch/index_put_backward.py; code=$$?; \
 	  if [ $$code -ne 1 ]; then echo "demo: expected exit code 1 (nondeterminism found), got $$code"; exit 1; fi
 
-test: install lint
+test: install lint typecheck
 	$(BIN)/python -m pytest -q
 
 lint:

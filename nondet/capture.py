@@ -16,7 +16,7 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 import numpy as np
@@ -176,6 +176,10 @@ class Session:
             {"status": status, "exit_code": exit_code, "error": error[-20000:], **self.final},
         )
         self.writer.flush()
+        if self.config.lockstep and self.config.keep_bytes and status in ("complete", "failed"):
+            # The script ended on its own: stay until the parent has asked for the outputs
+            # it needs (launch.Lockstep holds both runs here) and lets us go.
+            channel.wait_for_turn(self.config.control_fd, self._send_kept)
 
     # -- API for user scripts ----------------------------------------------------------------
     def explicit_step(self) -> None:
@@ -214,7 +218,7 @@ class SourceLocator:
 
     def here(self, depth: int = 2) -> int:
         """String id of the innermost user frame above the caller, or -1."""
-        frame = sys._getframe(depth)
+        frame: FrameType | None = sys._getframe(depth)
         is_user = self._is_user
         while frame is not None:
             code = frame.f_code

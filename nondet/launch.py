@@ -406,12 +406,11 @@ class Lockstep:
             return self._holding
 
     def release(self) -> None:
-        """End a hold: both runs stop."""
+        """End a hold: both runs stop (or, if they already ended, exit)."""
         with self._lock:
             self._holding = False
             for run in self.runs:
-                if run not in self._ended:
-                    run.request_stop()
+                run.send_control(channel.STOP)
 
     def wait(self) -> tuple[RunResult, RunResult]:
         try:
@@ -436,6 +435,9 @@ class Lockstep:
             self._waiting[run] = None
             self._advance()
             if len(self._ended) == 2:
+                # Runs that ended on their own wait for us (Session.finish) if they keep
+                # outputs: hold them there too, unless they were already told to stop.
+                self._holding = self.hold and not self._stopping
                 self.held.set()
 
     def _advance(self) -> None:

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -50,7 +50,7 @@ KEEP_BYTES = 256 << 20
 _FIELD_LABELS = {name: name.removesuffix("_fp") for name, _ in STEP_COMPONENTS}
 
 
-class ProgressSink:
+class ProgressSink(Protocol):
     """What the pipeline tells the user while it works (see nondet.progress)."""
 
     def stage(self, text: str) -> None: ...
@@ -115,11 +115,13 @@ def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
         pair.start()
         try:
             if pair.wait_held():
-                position = _finding_position(runs[0], runs[1])
-                if position is not None:
-                    for run in runs:
-                        run.request_kept(*position)
-                pair.release()
+                try:
+                    position = _finding_position(runs[0], runs[1])
+                    if position is not None:
+                        for run in runs:
+                            run.request_kept(*position)
+                finally:
+                    pair.release()  # the runs wait until told to go, whatever happened
         except KeyboardInterrupt:
             for run in runs:
                 run.interrupt()

@@ -26,20 +26,17 @@ def install(session: Session) -> None:
             seen.append(where)
             session.send_facts({kind: seen})
 
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        np = None
-    if np is not None:
-        original_default_rng = np.random.default_rng
+    import numpy as np
 
-        @functools.wraps(original_default_rng)
-        def default_rng(seed: Any = None) -> Any:
-            if seed is None:
-                note("numpy.unseeded_generator")
-            return original_default_rng(seed)
+    original_default_rng = np.random.default_rng
 
-        np.random.default_rng = default_rng
+    @functools.wraps(original_default_rng)
+    def default_rng(seed: Any = None) -> Any:
+        if seed is None:
+            note("numpy.unseeded_generator")
+        return original_default_rng(seed)
+
+    np.random.default_rng = default_rng
 
     original_random_init = random.Random.__init__
 

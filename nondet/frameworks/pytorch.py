@@ -79,7 +79,7 @@ class TorchBackend:
         self.data: list[tuple[str, list[Fp], int]] = []
         self.losses: list[Fp] = []
         self.loss_value = math.nan
-        self.grads: list[tuple[str, Fp, torch.Tensor]] | None = None
+        self.grads: list[tuple[str, Fp, torch.Tensor | None]] | None = None
         self.probes: list[tuple[str, Fp]] = []
 
     # -- hooks ---------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ class TorchBackend:
                 if not self.started:
                     self.start_training()
 
-        torch.optim.Optimizer.__init__ = optimizer_init  # type: ignore[method-assign]
+        torch.optim.Optimizer.__init__ = optimizer_init  # type: ignore[method-assign,assignment]
 
         original_backward = torch.autograd.backward
 
@@ -169,7 +169,7 @@ class TorchBackend:
             self._record_batch(iterator, batch)
             return batch
 
-        dataloader._BaseDataLoaderIter.__next__ = loader_next  # type: ignore[method-assign]
+        dataloader._BaseDataLoaderIter.__next__ = loader_next  # type: ignore[method-assign,assignment]
 
         for name, kind in (("from_numpy", "numpy"), ("as_tensor", None), ("tensor", None),
                            ("frombuffer", "numpy")):
@@ -418,13 +418,17 @@ class TorchBackend:
         """Fingerprints of named tensors (and numbers): one per tensor in steps with op
         capture (the report can then name them), else one for the whole group, hashed as a
         single concatenation (a few large ops instead of several small ones per tensor)."""
-        numbers = [(n, Fp(value=scalar_value(v)), None) for n, v in named
-                   if not isinstance(v, torch.Tensor)]
+        numbers: list[tuple[str, Fp, torch.Tensor | None]] = [
+            (n, Fp(value=scalar_value(v)), None) for n, v in named
+            if not isinstance(v, torch.Tensor)]
         tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
+        out: list[tuple[str, Fp, torch.Tensor | None]]
         if detailed:
-            return [(n, self._fp_of(t), t) for n, t in tensors] + numbers
-        fps = self.recorder.fingerprint_many([t for _, t in tensors])
-        return [("(group)", fp, None) for fp in fps] + numbers
+            out = [(n, self._fp_of(t), t) for n, t in tensors]
+        else:
+            out = [("(group)", fp, None) for fp in self.recorder.fingerprint_many(
+                [t for _, t in tensors])]
+        return out + numbers
 
     def _fp_of(self, t: torch.Tensor) -> Fp:
         return self.recorder.known(t) or self.recorder.remember(t, self.recorder.fingerprint(t))
@@ -435,7 +439,7 @@ class TorchBackend:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 parts.extend(self._fp_of(s) for s in torch.cuda.get_rng_state_all())
             self.recorder.resolve()
-        legacy = np.random.get_state()[1]
+        legacy = np.random.get_state()[1]  # type: ignore[index]
         py_state = np.asarray(random.getstate()[1], dtype=np.uint64)
         return combine([*(p.value or 0 for p in parts), bytes_fp(legacy.tobytes()),
                         bytes_fp(py_state.tobytes())])
@@ -664,6 +668,12 @@ def torch_environment(initialized: bool) -> dict[str, str]:
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         env["device_name"] = ", ".join(names)
         env["cuda_device_count"] = str(len(names))
+        env["cuda_capability"] = ", ".join(
+            ".".join(map(str, torch.cuda.get_device_capability(i))) for i in range(len(names)))
+        try:
+            env["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            env["nccl_version"] = "(none)"
     else:
         env.setdefault("device_name", "cpu")
     return env

@@ -140,7 +140,7 @@ def _describe(t: torch.Tensor) -> tuple[int, ...]:
     code = _DTYPE_CODES.get(t.dtype)
     if code is None:
         code = _DTYPE_CODES[t.dtype] = name_code(str(t.dtype))
-    return (code, name_code(t.device.type), t.dim(), *t.shape)
+    return (code, name_code(t.device.type), t.dim(), *(int(n) for n in t.shape))
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ class OpRecorder:
             return fp
         fp.parents = (base,)
         fp.meta = (_VIEW_TAG, *_describe(view), *view.stride(),
-                   view.storage_offset() - base_tensor.storage_offset())
+                   int(view.storage_offset()) - int(base_tensor.storage_offset()))
         self.pending.append(fp)
         return fp
 
@@ -555,7 +555,7 @@ class OpRecorder:
         for t in outputs:
             node = t.grad_fn
             if node is not None:
-                meta = node.metadata
+                meta: dict[str, Any] = node.metadata  # type: ignore[assignment]
                 if "nondet" not in meta:
                     meta["nondet"] = (module, source)
 

@@ -24,14 +24,14 @@ def lines(report: Report) -> list[str]:
     """The report as rich-markup lines (tests compare them with markup stripped)."""
     out = [_verdict(report)]
     div = report.first_divergence
+    if report.environment_differences:  # first: they may explain everything below
+        out += ["", *_environment(report)]
     if div is not None:
         out += ["", *_finding(div)]
         if div.context:
             out += ["", *_context(div)]
     if report.suggestions:
         out += ["", *_suggestions(report)]
-    if report.environment_differences:
-        out += ["", *_environment(report)]
     if report.growth and div is not None:
         out += ["", *_growth(report)]
     notes = [*(div.notes if div else []), *report.notes]

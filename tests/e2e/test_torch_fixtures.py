@@ -104,3 +104,20 @@ def test_fixture(case: Case, tmp_path: Path) -> None:
         # re-runs, which the report must say.
         assert found["kind"] == "entry" and any("step-level" in n for n in found["notes"])
     assert result.stdout.startswith("nondet: nondeterministic")
+
+
+@pytest.mark.parametrize("options", [["--schedule", "sequential"], ["--ops", "all"]],
+                         ids=["sequential", "ops-all"])
+def test_other_schedules_find_the_same_op(options: list[str], tmp_path: Path) -> None:
+    """One run after the other (as on GPU machines), and op capture of every step, reach
+    the same finding as the default lockstep schedule."""
+    case = next(c for c in CASES if c.script.name == "racy_sum.py" and not c.args)
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", *options, "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), str(case.script.relative_to(REPO)), cwd=REPO)
+    assert result.returncode == 1, result.stdout + result.stderr
+    found = json.loads(report_path.read_text())["first_divergence"]
+    assert (found["kind"], found["step"], found["phase"], found["op"], found["module"]) == (
+        "op", 3, "forward", "fixtures.racy_sum.default", "encoder.mixer")
+    assert found["source"] == f"{case.script.relative_to(REPO)}:{case.source_line}"
+    assert found["mismatched_elements"] is not None

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import linecache
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,8 +23,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import compare, environment, recipe
-from nondet.errors import ScriptFailed
+from nondet import baseline, compare, environment, recipe
+from nondet.errors import NondetError, ScriptFailed
 from nondet.exitcodes import ExitCode
 from nondet.launch import CapturedRun, Lockstep, Plan, RunResult, Target
 from nondet.records import (
@@ -37,7 +38,7 @@ from nondet.records import (
     Phase,
     device_of,
 )
-from nondet.report import ContextLine, Divergence, GrowthRow, Report, RunSummary
+from nondet.report import ContextLine, Divergence, GrowthRow, RepeatRow, Report, RunSummary
 from nondet.store import Capture, open_capture
 
 #: How many steps run B continues past the first difference (for the growth view).
@@ -132,12 +133,8 @@ def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
             if int(row["step"]) >= 0:
                 progress.status(f"run {run.plan.label}: step {int(row['step'])}")
 
-        first = CapturedRun(target, plans[0], options.seed, options.out_dir, echo=options.echo,
-                            on_step=report)
-        first.start()
-        result_first = first.wait()
-        _check(result_first)
-        reference = {int(r["step"]): r for r in first.steps}
+        result_first = _run_single(target, plans[0], options, progress)
+        reference = {int(r["step"]): r for r in open_capture(result_first.path).steps}
 
         def against_first(run: CapturedRun, row: np.void) -> None:
             step = int(row["step"])
@@ -210,26 +207,137 @@ def _last_line(text: str) -> str:
 
 def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report:
     """``nondet run``: the whole pipeline (module docstring)."""
+    prepare(target, options)
+    progress.stage(f"runs a and b of {target.describe()}, seed {options.seed}, "
+                   f"compared step by step ({options.schedule})")
+    live = _LiveCompare(progress)
+    result_a, result_b = _run_pair(target, (Plan("a", *_first_plan(options)),
+                                            Plan("b", *_first_plan(options))),
+                                   options, progress, judge=live.judge)
+    return explain(target, options, progress, result_a, result_b)
+
+
+def repeat(target: Target, options: Options, progress: ProgressSink, count: int) -> Report:
+    """``--runs N``: N runs one after the other, a table of how each ended, and the diagnosis
+    of the first run that differs from the first."""
+    prepare(target, options)
+    results = []
+    for i in range(1, count + 1):
+        progress.stage(f"run {i} of {count}: {target.describe()}")
+        results.append(_run_single(target, Plan(f"r{i}", *_first_plan(options)), options,
+                                   progress))
+    captures = [open_capture(r.path) for r in results]
+    rows = _repeat_rows(results, captures)
+    differing = next((i for i in range(1, count)
+                      if rows[i].outcome != rows[0].outcome
+                      or compare.first_step_divergence(captures[0].steps, captures[i].steps)),
+                     None)
+    if differing is None:
+        report = compare_captures(captures[0], captures[1])
+        report.runs = [_summary(r) for r in results]
+        report.command = target.describe()
+    else:
+        progress.stage(f"run {differing + 1} differs from run 1: explaining")
+        report = explain(target, options, progress, results[0], results[differing])
+        report.runs = [_summary(r) for r in results]
+    report.repeatability = rows
+    report.captures = [str(c.path) for c in captures] + report.captures[2:]
+    return report
+
+
+def _repeat_rows(results: list[RunResult], captures: list[Capture]) -> list[RepeatRow]:
+    letters: dict[tuple[int, int, int], str] = {}
+    rows = []
+    for result, capture in zip(results, captures, strict=True):
+        steps = capture.steps[capture.steps["step"] >= 0]
+        digest = int(result.final.get("final_params_fp")
+                     or (int(steps["params_fp"][-1]) if len(steps) else 0))
+        loss = float(steps["loss"][-1]) if len(steps) else math.nan
+        key = (digest, len(steps), int(np.float64(loss).view(np.uint64)))
+        outcome = letters.setdefault(key, chr(ord("A") + len(letters) % 26))
+        rows.append(RepeatRow(label=result.label, steps=len(steps), final_loss=loss,
+                              digest=digest, outcome=outcome, status=result.status))
+    return rows
+
+
+def write_baseline(target: Target, options: Options, progress: ProgressSink,
+                   path: Path) -> tuple[int, int]:
+    """Run once and store the step-level capture as the baseline: (steps, bytes)."""
+    prepare(target, options)
+    progress.stage(f"baseline run: {target.describe()}")
+    result = _run_single(target, Plan("baseline", [], _first_plan(options)[1]), options,
+                         progress)
+    return result.steps, baseline.save(result.path, path)
+
+
+def against_baseline(target: Target, options: Options, progress: ProgressSink,
+                     path: Path, allow_drift: bool) -> Report:
+    """Run once and compare with a stored baseline (step level)."""
+    base = baseline.load(path)
+    prepare(target, options)
+    progress.stage(f"run: {target.describe()}, compared with the baseline {path}")
+    result = _run_single(target, Plan("a", [], _first_plan(options)[1]), options, progress)
+    current = open_capture(result.path)
+    drift = baseline.drift(base, current)
+    if drift and not allow_drift:
+        raise NondetError(
+            f"the environment differs from the baseline in ways that void a bitwise "
+            f"comparison: {baseline.describe_drift(drift)}; run where the baseline was made, "
+            f"update it with --update-baseline, or compare anyway with --allow-env-drift")
+    report = compare_captures(base, current)
+    report.command = target.describe()
+    report.baseline = str(path)
+    report.runs = [_summary_of_capture(base), _summary(result)]
+    report.environment_drift = drift
+    if base.attrs.get("script_sha256") != current.attrs.get("script_sha256"):
+        report.notes.append("the script has changed since the baseline was written")
+    if report.first_divergence is not None:
+        report.first_divergence.notes.append(
+            f"compared with the baseline {path}; run `nondet run` on the script to see "
+            "whether it is nondeterministic here and where")
+        if drift:
+            report.first_divergence.notes.append(
+                "possibly caused by the environment drift: " + baseline.describe_drift(drift))
+        add_suggestions(report, current)
+    return report
+
+
+def _run_single(target: Target, plan: Plan, options: Options,
+                progress: ProgressSink) -> RunResult:
+    def report(run: CapturedRun, row: np.void) -> None:
+        if int(row["step"]) >= 0:
+            progress.status(f"run {run.plan.label}: step {int(row['step'])}")
+
+    run = CapturedRun(target, plan, options.seed, options.out_dir, echo=options.echo,
+                      on_step=report)
+    run.start()
+    result = run.wait()
+    _check(result)
+    return result
+
+
+def prepare(target: Target, options: Options) -> None:
+    """Check the target and clear the output folder of an earlier invocation's runs."""
     target.check()
     options.out_dir.mkdir(parents=True, exist_ok=True)
     for old in options.out_dir.glob("run-*"):
         if old.suffix in (".h5", ".log"):
             old.unlink()
+
+
+def _first_plan(options: Options) -> tuple[list[int] | None, int | None]:
+    """(op steps, stop after) of the runs that start a diagnosis."""
     op_steps = None if options.ops_all else DEFAULT_OP_STEPS
-    stop_after = options.max_steps - 1 if options.max_steps else None
+    return op_steps, options.max_steps - 1 if options.max_steps else None
 
-    progress.stage(f"runs a and b of {target.describe()}, seed {options.seed}, "
-                   f"compared step by step ({options.schedule})")
-    live = _LiveCompare(progress)
-    result_a, result_b = _run_pair(target, (Plan("a", op_steps, stop_after),
-                                            Plan("b", op_steps, stop_after)),
-                                   options, progress, judge=live.judge)
+
+def explain(target: Target, options: Options, progress: ProgressSink, result_a: RunResult,
+            result_b: RunResult) -> Report:
+    """Compare two finished runs; narrow down, measure and explain what differs."""
     a, b = open_capture(result_a.path), open_capture(result_b.path)
-    results = [result_a, result_b]
-
     report = compare_captures(a, b)
     report.command = target.describe()
-    report.runs = [_summary(r) for r in results]
+    report.runs = [_summary(r) for r in (result_a, result_b)]
     report.captures = [str(a.path), str(b.path)]
     div = report.first_divergence
     if div is None or (div.kind == "structure" and not div.localized):
@@ -251,10 +359,17 @@ def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report
     if div.localized and div.kind in ("op", "entry") and div.op_index is not None \
             and not measure_from_dumps(div, op_capture, op_capture_b):
         _measure(target, options, progress, div, op_capture, report)
-    report.suggestions = recipe.suggest(
-        finding_facts(div, a, report.environment_differences))
-    _describe_suggestion_sites(report, a)
+    add_suggestions(report, a)
     return report
+
+
+def add_suggestions(report: Report, capture: Capture) -> None:
+    """Look the finding up in the recipe table (and name unseeded generators' lines)."""
+    if report.first_divergence is None:
+        return
+    report.suggestions = recipe.suggest(
+        finding_facts(report.first_divergence, capture, report.environment_differences))
+    _describe_suggestion_sites(report, capture)
 
 
 def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,

@@ -104,9 +104,11 @@ def test_max_steps_bounds_both_runs(tmp_path: Path) -> None:
     assert [r["steps"] for r in runs] == [2, 2] and all(r["complete"] for r in runs)
 
 
-def test_ctrl_c_exits_130_and_keeps_readable_captures(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_ctrl_c_exits_130_and_keeps_readable_captures(tmp_path: Path, command: str) -> None:
     env = {**os.environ, "NO_COLOR": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "nondet", "run", "-q", STEPS, "--steps",
+    quiet = ["-q"] if command == "run" else []
+    proc = subprocess.Popen([sys.executable, "-m", "nondet", command, *quiet, STEPS, "--steps",
                              "200", "--sleep", "0.05"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -141,6 +143,15 @@ def test_diff_of_identical_captures_exits_0(tmp_path: Path) -> None:
     a, b = _two_captures(tmp_path, differ=False)
     result = run_cli("diff", str(a), str(b))
     assert result.returncode == 0 and result.stdout.startswith("nondet: deterministic")
+
+
+def test_diff_of_captures_of_different_scripts_says_so(tmp_path: Path) -> None:
+    a, _ = _two_captures(tmp_path, differ=False)
+    steps = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "grads_fp": 2})
+    other = write_capture(tmp_path / "c.h5", steps, attrs={"script": "other.py",
+                                                            "script_sha256": "beef"})
+    result = run_cli("diff", str(a), str(other))
+    assert "different scripts" in result.stderr and "other.py" in result.stderr
 
 
 def test_diff_of_differing_captures_exits_1_and_names_the_op(tmp_path: Path) -> None:

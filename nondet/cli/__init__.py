@@ -26,6 +26,7 @@ def cli(ctx: click.Context) -> None:
 
     \b
     nondet run train.py --epochs 1      run a script twice, find the first difference
+    nondet check train.py               the same as a CI gate: exit 0 or 1, JUnit, JSON
     nondet diff a.h5 b.h5               compare two captures from anywhere
     nondet show run-a.h5                what a capture holds
     """
@@ -33,9 +34,10 @@ def cli(ctx: click.Context) -> None:
 
 
 def _register() -> None:
-    from nondet.cli import diff, run, show
+    from nondet.cli import check, diff, run, show
 
     cli.add_command(run.run)
+    cli.add_command(check.check)
     cli.add_command(diff.diff)
     cli.add_command(show.show)
 

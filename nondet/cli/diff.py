@@ -18,7 +18,7 @@ from nondet.exitcodes import EPILOG
 @click.pass_obj
 def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) -> int:
     """Compare two captures: environment differences first, then the first divergence."""
-    from nondet import pipeline, recipe
+    from nondet import pipeline
     from nondet.report import json_file, text
     from nondet.store import open_capture
 
@@ -26,11 +26,13 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) 
     report = pipeline.compare_captures(a, b)
     report.command = f"diff {capture_a} {capture_b}"
     if a.attrs.get("script_sha256") != b.attrs.get("script_sha256"):
-        report.notes.append("the two captures are of different scripts (or script versions)")
-    if report.first_divergence is not None:
-        facts = pipeline.finding_facts(report.first_divergence, a,
-                                       report.environment_differences)
-        report.suggestions = recipe.suggest(facts)
+        what = (f"{a.attrs.get('script') or a.attrs.get('module')} vs "
+                f"{b.attrs.get('script') or b.attrs.get('module')}")
+        message = (f"the captures are of different scripts or script versions ({what}): "
+                   "differences may come from the code, not from nondeterminism")
+        report.notes.append(message)
+        app.err.print(f"nondet: warning: {message}", highlight=False, markup=False)
+    pipeline.add_suggestions(report, a)
     if json_path is not None:
         json_file.write(report, json_path)
     text.render(report, app.out)

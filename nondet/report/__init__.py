@@ -107,6 +107,23 @@ class GrowthRow:
 
 
 @dataclass
+class RepeatRow:
+    """One of the N runs of ``--runs N``."""
+
+    label: str
+    steps: int
+    final_loss: float
+    digest: int  # fingerprint of the final parameters
+    outcome: str  # "A", "B", ...: runs with the same letter ended identically
+    status: str = "complete"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "steps": self.steps, "final_loss": _finite(self.final_loss),
+                "weights_digest": f"{self.digest:016x}", "outcome": self.outcome,
+                "status": self.status}
+
+
+@dataclass
 class Report:
     verdict: str  # deterministic | nondeterministic | error
     exit_code: ExitCode
@@ -119,6 +136,9 @@ class Report:
     command: str = ""
     op_records: int = 0  # op records compared (shown for deterministic verdicts)
     captures: list[str] = field(default_factory=list)  # every capture file written
+    repeatability: list[RepeatRow] = field(default_factory=list)  # --runs N
+    baseline: str | None = None  # the baseline file compared with (nondet check --baseline)
+    environment_drift: list[dict[str, str]] = field(default_factory=list)  # allowed drift
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -135,6 +155,12 @@ class Report:
             "command": self.command,
             "op_records_compared": self.op_records,
             "captures": self.captures,
+            "repeatability": {
+                "runs": [r.to_json() for r in self.repeatability],
+                "distinct_outcomes": len({r.outcome for r in self.repeatability}),
+            } if self.repeatability else None,
+            "baseline": self.baseline,
+            "environment_drift": self.environment_drift,
         }
 
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
+from nondet.fingerprint import short
 from nondet.report import Divergence, Report
 
 if TYPE_CHECKING:
@@ -24,8 +25,12 @@ def lines(report: Report) -> list[str]:
     """The report as rich-markup lines (tests compare them with markup stripped)."""
     out = [_verdict(report)]
     div = report.first_divergence
+    if report.baseline:
+        out += ["", _row("baseline", escape(f"{report.baseline} (one run compared with it)"))]
     if report.environment_differences:  # first: they may explain everything below
         out += ["", *_environment(report)]
+    if report.repeatability:
+        out += ["", *_repeatability(report)]
     if div is not None:
         out += ["", *_finding(div)]
         if div.context:
@@ -153,6 +158,19 @@ def _environment(report: Report) -> list[str]:
     hidden = len(report.environment_differences) - 20
     if hidden > 0:
         out.append(_row("", f"... and {hidden} more (see --json)"))
+    return out
+
+
+def _repeatability(report: Report) -> list[str]:
+    rows = report.repeatability
+    out = [_row("runs", "run    steps  final loss        weights       outcome")]
+    for r in rows:
+        ended = "" if r.status in ("complete", "stopped") else f" ({r.status})"
+        out.append(_row("", escape(f"{r.label:<6} {r.steps:<6} {_num(r.final_loss):<17} "
+                                   f"{short(r.digest):<13} {r.outcome}{ended}")))
+    distinct = len({r.outcome for r in rows})
+    out.append(_row("", f"{distinct} distinct outcome{'s' if distinct != 1 else ''} in "
+                        f"{len(rows)} runs"))
     return out
 
 

@@ -12,11 +12,12 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--fail-at", type=int, default=-1)
 parser.add_argument("--kill-at", type=int, default=-1)
 parser.add_argument("--sleep", type=float, default=0.0)
+parser.add_argument("--lr", type=float, default=0.1)
 args = parser.parse_args()
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 2)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 for step in range(args.steps):
     if step == args.fail_at:
         raise ValueError(f"boom at step {step}")

@@ -181,6 +181,13 @@ class Session:
             # it needs (launch.Lockstep holds both runs here) and lets us go.
             channel.wait_for_turn(self.config.control_fd, self._send_kept)
 
+    def trained_elsewhere(self, backend: Any) -> bool:
+        """True if another framework's backend saw training while ``backend`` did not: in a
+        script that imports both frameworks, the idle one must not add steps or weights."""
+        return not backend.started and any(
+            other.started for other in self.backends if other is not backend
+        )
+
     # -- API for user scripts ----------------------------------------------------------------
     def explicit_step(self) -> None:
         for backend in self.backends:
@@ -210,11 +217,18 @@ class SourceLocator:
         self._excluded = tuple(os.path.realpath(p) + os.sep for p in prefixes if p)
         self._cwd = os.getcwd()
 
-    def _user_file(self, filename: str) -> bool:
-        if filename.startswith("<"):
+    def user_file(self, filename: str) -> bool:
+        if filename.startswith("<") or "__autograph_generated_file" in filename:
             return False
         real = os.path.realpath(filename)
         return not real.startswith(self._excluded)
+
+    def intern_location(self, filename: str, line: int) -> int:
+        key = (filename, line)
+        sid = self._ids.get(key)
+        if sid is None:
+            sid = self._ids[key] = self._session.intern(self.display(filename, line))
+        return sid
 
     def here(self, depth: int = 2) -> int:
         """String id of the innermost user frame above the caller, or -1."""
@@ -224,13 +238,9 @@ class SourceLocator:
             code = frame.f_code
             user = is_user.get(code)
             if user is None:
-                user = is_user[code] = self._user_file(code.co_filename)
+                user = is_user[code] = self.user_file(code.co_filename)
             if user:
-                key = (code.co_filename, frame.f_lineno)
-                sid = self._ids.get(key)
-                if sid is None:
-                    sid = self._ids[key] = self._session.intern(self.display(*key))
-                return sid
+                return self.intern_location(code.co_filename, frame.f_lineno)
             frame = frame.f_back
         return -1
 
@@ -238,7 +248,7 @@ class SourceLocator:
         """"file:line" of the frame ``depth`` levels up if it is user code, else None."""
         frame = sys._getframe(depth)
         code = frame.f_code
-        if not self._user_file(code.co_filename):
+        if not self.user_file(code.co_filename):
             return None
         return self.display(code.co_filename, frame.f_lineno)
 

@@ -100,3 +100,52 @@ def bytes_fp(data: bytes) -> int:
 def short(fp: int) -> str:
     """How fingerprints are shown to people: 12 hex digits are plenty to tell them apart."""
     return f"{fp & MASK64:016x}"[:12] if fp else "-"
+
+
+# -- the host (NumPy) implementation, shared by every framework's CPU path ----------------
+_NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
+_HOST_KEYS = np.zeros(0, dtype=np.int64)
+
+
+def word_size(nbytes: int) -> int:
+    """Words are 8 bytes when the byte count allows, else 4, else 1 (see the Note)."""
+    return 8 if nbytes % 8 == 0 else 4 if nbytes % 4 == 0 else 1
+
+
+def host_words(values: np.ndarray) -> np.ndarray:
+    """The words of an array's raw bytes (row-major), as int64, per Note [Fingerprint
+    definition]. Any dtype: only the bytes matter."""
+    if not values.flags.c_contiguous:
+        values = np.ascontiguousarray(values)
+    raw = values.reshape(-1).view(np.uint8)
+    word = word_size(raw.size)
+    words = raw.view(_NP_WORDS[word])
+    return words if word == 8 else words.astype(np.int64)
+
+
+def host_content(parts: list[np.ndarray]) -> int:
+    """Content sum of the concatenated word arrays, chunked as in the Note (unsigned)."""
+    global _HOST_KEYS
+    total = sum(p.size for p in parts)
+    if _HOST_KEYS.size < min(total, CHUNK_WORDS):
+        size = min(CHUNK_WORDS, max(total, 4096, 2 * _HOST_KEYS.size))
+        _HOST_KEYS = position_keys(size)
+    keys = _HOST_KEYS
+    partial: list[int] = []
+    acc, pos = 0, 0
+    for words in parts:
+        start, n = 0, words.size
+        while start < n:
+            take = min(n - start, CHUNK_WORDS - pos)
+            # Integer dot products wrap modulo 2**64, like the device implementations.
+            acc += int(np.dot(words[start : start + take], keys[pos : pos + take]))
+            pos, start = pos + take, start + take
+            if pos == CHUNK_WORDS:
+                partial.append(acc & MASK64)
+                acc, pos = 0, 0
+    if pos or not partial:
+        partial.append(acc & MASK64)
+    if len(partial) == 1:
+        return partial[0]
+    weights = chunk_keys(len(partial))
+    return sum(p * (int(w) & MASK64) for p, w in zip(partial, weights, strict=True)) & MASK64

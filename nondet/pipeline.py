@@ -358,7 +358,11 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
 
     if div.localized and div.kind in ("op", "entry") and div.op_index is not None \
             and not measure_from_dumps(div, op_capture, op_capture_b):
-        _measure(target, options, progress, div, op_capture, report)
+        if finding_facts(div, op_capture)["framework"] == "tensorflow":
+            # graph ops are hashed inside the graph; their outputs are not saved
+            div.notes.append("sizes are not measured for TensorFlow ops")
+        else:
+            _measure(target, options, progress, div, op_capture, report)
     add_suggestions(report, a)
     return report
 
@@ -515,8 +519,9 @@ def _data_entry_divergence(a: Capture, b: Capture,
         step = step_div.step
         div = Divergence(
             kind="entry", step=None if step == INIT_STEP else step,
-            phase="init" if step == INIT_STEP else "data" if entry_kind == "dataloader"
-            else "forward", op=what, module="", source=source or None,
+            phase="init" if step == INIT_STEP
+            else "data" if entry_kind in ("dataloader", "tf_data") else "forward",
+            op=what, module="", source=source or None,
             entry_kind=entry_kind if entry_kind in ENTRY_KINDS else "external",
             numel=int(ra["numel"]),
             notes=["named from the step-level record of the data that entered; the op-level "
@@ -588,6 +593,8 @@ def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
         for j, state in found.context
         if j < len(ops_a) and int(ops_a[j]["step"]) == step  # the finding's step only
     ]
+    if int(row["numel"]) >= 0:  # of the first output; the dump pass may refine it
+        div.numel = int(row["numel"])
     flags = int(row["flags"])
     div.device = device_of(flags) if int(row["kind"]) == Kind.OP else None
     div.rng_op = bool(flags & Flag.RNG)

@@ -103,9 +103,10 @@ def load() -> tuple[Recipe, ...]:
 
 
 def _weight(m: dict[str, Any], facts: dict[str, Any]) -> int:
-    """Naming the op counts most, then each fact, then each kind/phase/device condition.
-
-    An op pattern that names no op (``aten.*``) counts like a kind condition.
+    """Naming the op counts most (more than any generic kind+device+fact entry, so an
+    op-specific fix outranks "use one CPU thread"), then each fact, then each
+    kind/phase/device condition. An op pattern that names no op (``aten.*``) counts like
+    a kind condition.
     """
     score = sum(1 for key in ("devices", "phases", "kinds", "entry_kinds") if key in m)
     score += 2 * len(m.get("facts", {}))
@@ -113,7 +114,7 @@ def _weight(m: dict[str, Any], facts: dict[str, Any]) -> int:
         op = str(facts.get("op") or "")
         named = any(fnmatch.fnmatchcase(op, p) and not p.split(".", 1)[-1].startswith("*")
                     for p in m["ops"])
-        score += 3 if named else 1
+        score += 5 if named else 1
     return score
 
 

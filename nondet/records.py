@@ -54,7 +54,8 @@ def device_of(flags: int) -> str:
 
 
 #: Entry descriptions are stored as "<entry kind>:<what>" in the op-name string table.
-ENTRY_KINDS = ("dataloader", "numpy", "python_value", "external", "rng_state", "probe")
+ENTRY_KINDS = ("dataloader", "numpy", "python_value", "external", "rng_state", "probe",
+               "tf_data", "variable")
 
 OP_DTYPE = np.dtype(
     [

@@ -14,7 +14,7 @@ import importlib.machinery
 import importlib.util
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -22,7 +22,7 @@ from nondet.capture import Session
 
 BACKENDS: dict[str, str] = {
     "torch": "nondet.frameworks.pytorch",
-    "tensorflow": "nondet.frameworks.tensorflow",
+    "tensorflow": "nondet.frameworks.tensorflow_backend",
 }
 
 
@@ -30,6 +30,7 @@ class Backend(Protocol):
     """What the session needs from a framework."""
 
     name: str
+    started: bool  # saw the first training step (or init); see Session.trained_elsewhere
 
     def explicit_step(self) -> None:
         """``nondet.step()`` was called: end the current step now."""
@@ -45,6 +46,15 @@ class Backend(Protocol):
 
 
 _installed: list[Backend] = []
+_watchers: dict[str, list[Callable[[], None]]] = {}
+
+
+def after_import(module: str, callback: Callable[[], None]) -> None:
+    """Call ``callback`` once ``module`` has been imported (now, if it already has been)."""
+    if module in sys.modules:
+        callback()
+    else:
+        _watchers.setdefault(module, []).append(callback)
 
 
 def _install(session: Session, framework: str) -> None:
@@ -69,7 +79,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in BACKENDS or fullname in self._busy:
+        if (fullname not in BACKENDS and fullname not in _watchers) or fullname in self._busy:
             return None
         self._busy.add(fullname)
         try:
@@ -84,7 +94,13 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             original_exec(module)
-            _install(session, fullname)
+            if fullname in BACKENDS:
+                _install(session, fullname)
+            for callback in _watchers.pop(fullname, []):
+                try:
+                    callback()
+                except Exception:
+                    session.send_meta({"hook_error": traceback.format_exc()})
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

@@ -560,7 +560,7 @@ class TorchBackend:
         if self.disabled:
             return status
         session = self.session
-        if status == "complete":
+        if status == "complete" and not session.trained_elsewhere(self):
             try:
                 if not self.started:
                     self.start_training()  # no training step at all: the init row is all

@@ -57,7 +57,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nondet.fingerprint import MASK64, combine, name_code, scalar_value
+from nondet.fingerprint import combine, name_code, scalar_value
+from nondet.frameworks.fp import Fp
 from nondet.records import OP_DTYPE, Flag, Kind, Phase
 
 if TYPE_CHECKING:
@@ -107,29 +108,6 @@ RNG_OPS = frozenset(
         "_sample_dirichlet", "rrelu_with_noise", "_fused_dropout",
     }
 )
-
-
-class Fp:
-    """One tensor's fingerprint: its content sum (pending on the device, or already on the
-    host) plus its description, combined into the final 64-bit ``value`` by ``resolve``.
-
-    See Note [Derived fingerprints]: a fingerprint can instead be *derived* from other
-    fingerprints (``parents``) and a description, without reading the tensor. ``lazy``
-    fingerprints (uninitialized outputs, views of them) are computed only if read.
-    """
-
-    __slots__ = ("content", "meta", "parents", "uninit", "value")
-
-    def __init__(self, value: int | None = None, uninit: bool = False) -> None:
-        self.content: torch.Tensor | int | None = None
-        self.meta: tuple[int, ...] = ()
-        self.parents: tuple[Fp, ...] | None = None
-        self.value = value
-        self.uninit = uninit
-
-    @property
-    def lazy(self) -> bool:
-        return self.value is None and self.content is None and self.parents is None
 
 
 _VIEW_TAG = 0x71E3_5EED
@@ -360,12 +338,7 @@ class OpRecorder:
             for fp, value in zip(fps, values, strict=True):
                 fp.content = value
         for fp in self.pending:
-            if fp.parents is not None:
-                fp.value = combine((*(p.value or 0 for p in fp.parents), *fp.meta))
-                fp.parents = None
-            else:
-                fp.value = combine((int(fp.content) & MASK64, *fp.meta))  # type: ignore[arg-type]
-            fp.content = None
+            fp.finalize()
         self.pending = []
 
     # -- records ----------------------------------------------------------------------------

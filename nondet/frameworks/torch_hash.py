@@ -22,10 +22,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys
+from nondet.fingerprint import (
+    CHUNK_WORDS,
+    chunk_keys,
+    host_content,
+    host_words,
+    position_keys,
+    word_size,
+)
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
-_NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Taken before nondet wraps torch.from_numpy to see data entering the user's script.
 _from_numpy = torch.from_numpy
@@ -41,7 +47,6 @@ class TorchHasher:
     def __init__(self) -> None:
         self._keys: dict[torch.device, torch.Tensor] = {}
         self._chunk_keys: dict[torch.device, torch.Tensor] = {}
-        self._host_keys = np.zeros(0, dtype=np.int64)
         self._local = threading.local()  # scratch per thread: autograd may run on other threads
 
     def content(self, tensor: torch.Tensor, *, on_device: bool = False) -> Content | None:
@@ -53,7 +58,7 @@ class TorchHasher:
         if t is None:
             return None
         if t.device.type == "cpu" and not on_device and t.numel() <= HOST_LIMIT:
-            return self._host_sum([_host_words(t)])
+            return host_content([_host_words(t)])
         return self._device_sum([self.words(t)], t.device)
 
     def content_of_many(self, tensors: Sequence[torch.Tensor], *,
@@ -71,39 +76,10 @@ class TorchHasher:
         out: dict[str, Content] = {}
         for device, ts in groups.items():
             if device.type == "cpu" and not on_device:
-                out[str(device)] = self._host_sum([_host_words(t) for t in ts])
+                out[str(device)] = host_content([_host_words(t) for t in ts])
             else:
                 out[str(device)] = self._device_sum([self.words(t) for t in ts], device)
         return out
-
-    # -- host (CPU) path ------------------------------------------------------------------
-    def _host_sum(self, parts: list[np.ndarray]) -> int:
-        total = sum(p.size for p in parts)
-        keys = self._host_keys_for(min(total, CHUNK_WORDS))
-        partial: list[int] = []
-        acc, pos = 0, 0
-        for words in parts:
-            start, n = 0, words.size
-            while start < n:
-                take = min(n - start, CHUNK_WORDS - pos)
-                # Integer dot products wrap modulo 2**64, like the device path.
-                acc += int(np.dot(words[start : start + take], keys[pos : pos + take]))
-                pos, start = pos + take, start + take
-                if pos == CHUNK_WORDS:
-                    partial.append(acc & MASK64)
-                    acc, pos = 0, 0
-        if pos or not partial:
-            partial.append(acc & MASK64)
-        if len(partial) == 1:
-            return partial[0]
-        weights = chunk_keys(len(partial))
-        return sum(p * (int(w) & MASK64) for p, w in zip(partial, weights, strict=True)) & MASK64
-
-    def _host_keys_for(self, n: int) -> np.ndarray:
-        if self._host_keys.size < n:
-            self._host_keys = position_keys(min(CHUNK_WORDS, max(n, 4096,
-                                                                 2 * self._host_keys.size)))
-        return self._host_keys
 
     # -- device path ----------------------------------------------------------------------
     def _device_sum(self, parts: list[torch.Tensor | None], device: Any) -> torch.Tensor:
@@ -166,7 +142,7 @@ class TorchHasher:
         if flat.numel() and flat.stride(0) != 1:  # expanded or strided: copy to dense
             flat = flat.new_empty(flat.shape).copy_(flat)
         size = flat.element_size()
-        word = _word_size(flat.numel() * size)
+        word = word_size(flat.numel() * size)
         if (flat.storage_offset() * size) % word:  # wider words need an aligned start
             flat = flat.new_empty(flat.shape).copy_(flat)
         raw = flat.view(torch.uint8)  # every dtype has a byte view
@@ -185,10 +161,6 @@ class TorchHasher:
         if t.is_complex():
             t = torch.view_as_real(t.resolve_conj())
         return t.sum(dtype=torch.float64), t.abs().max().to(torch.float64)
-
-
-def _word_size(nbytes: int) -> int:
-    return 8 if nbytes % 8 == 0 else 4 if nbytes % 4 == 0 else 1
 
 
 def _prepare(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -221,10 +193,4 @@ def _host_words(t: torch.Tensor) -> np.ndarray:
         return np.concatenate([_host_words(t._indices()), _host_words(t._values())])
     if t.element_size() not in _SAME_SIZE_INT:  # complex128: two float64 per element
         t = torch.view_as_real(t)
-    values = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()  # zero-copy, any dtype
-    if not values.flags.c_contiguous:
-        values = np.ascontiguousarray(values)
-    raw = values.reshape(-1).view(np.uint8)
-    word = _word_size(raw.size)
-    words = raw.view(_NP_WORDS[word])
-    return words if word == 8 else words.astype(np.int64)
+    return host_words(t.view(_SAME_SIZE_INT[t.element_size()]).numpy())  # zero-copy view

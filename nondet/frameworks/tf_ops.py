@@ -1,0 +1,455 @@
+"""Op-level capture for TensorFlow, through TF's op callbacks (the mechanism behind
+Debugger V2): eager ops are fingerprinted as they run; graph ops (``tf.function``, Keras
+``fit``) are instrumented when the graph is traced.
+
+Note [Graph instrumentation]
+At trace time, every graph op whose outputs must be hashed gets, next to it, an in-graph
+fingerprint of each output written into a slot of one int64 buffer variable
+(``content + 1``, so 0 means "did not run"), guarded by a ``tf.cond`` on a boolean
+variable that is true only during steps with op-level capture: graphs are traced once but
+run every step, and outside the op window the guard skips all the work. Only the slots
+leave the device. When a traced function has run (its eager call shows up in the eager
+callback), nondet reads the slots, zeroes them, and turns the graph's op table (built at
+trace time, in creation order, which is deterministic unlike execution order) into
+records. Data entering the graph (``IteratorGetNext``) and optimizer updates are recorded
+outside the guard, because step boundaries and the step's data need them every step.
+
+Outputs that are pure functions of their inputs (``DERIVED_OPS``) are not hashed: their
+fingerprints are derived from their inputs' (Note [Derived fingerprints] in
+torch_dispatch.py), on the host. The inputs of a graph op are known from the graph, so an
+input's fingerprint is its producer's: nothing extra is hashed for inputs.
+
+TODO: Limitations
+- Ops inside ``tf.cond``/``tf.while_loop`` bodies and nested functions are not recorded one by
+  one: the control-flow or call op that runs them is (``If``, ``While``,
+  ``StatefulPartitionedCall``), so a difference made inside is attributed to it. Running the
+  functions eagerly (``tf.config.run_functions_eagerly(True)``) shows every op.
+- Graphs compiled with XLA (``jit_compile=True``) are instrumented like others, untested.
+- Ops in graphs traced before nondet's hooks were installed are not seen.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import op_callbacks
+
+from nondet.fingerprint import MASK64, combine, name_code
+from nondet.frameworks.fp import Fp
+from nondet.frameworks.tf_hash import GraphHasher, hashable, host
+from nondet.records import OP_DTYPE, Kind, Phase
+
+if TYPE_CHECKING:
+    from nondet.frameworks.tensorflow_backend import TFBackend
+
+#: Elementwise ops (and pass-throughs) whose outputs are derived, not hashed.
+DERIVED_OPS = frozenset({
+    "Identity", "IdentityN", "StopGradient", "Snapshot", "AddV2", "Add", "Sub", "Mul",
+    "RealDiv", "Div", "DivNoNan", "Neg", "Abs", "Relu", "Relu6", "Elu", "Selu", "Sigmoid",
+    "Tanh", "Softplus", "Maximum", "Minimum", "Cast", "Square", "Sqrt", "Rsqrt", "Exp",
+    "Log", "Reciprocal", "Select", "SelectV2", "Greater", "GreaterEqual", "Less",
+    "LessEqual", "Equal", "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "ReluGrad",
+    "Relu6Grad", "EluGrad", "SeluGrad", "SigmoidGrad", "TanhGrad", "SoftplusGrad",
+    "SqrtGrad", "RsqrtGrad", "BiasAdd", "Reshape", "ExpandDims", "Squeeze", "Transpose",
+    "ZerosLike", "OnesLike", "Fill", "Pow", "SquaredDifference", "Floor", "Ceil", "Round",
+})
+#: Ops whose outputs carry nothing to compare or that only plumb control flow.
+SKIPPED_OPS = frozenset({
+    "Const", "NoOp", "VarHandleOp", "VarIsInitializedOp", "AssignVariableOp",
+    "AssignAddVariableOp", "AssignSubVariableOp", "Shape", "ShapeN", "Size", "Rank",
+    "Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond",
+    "ResourceScatterNdUpdate", "ResourceStridedSliceAssign",
+})
+#: Ops that run a body nondet does not record op by op; their outputs are fingerprinted
+#: where something reads them (the op itself must not be touched while TF builds it).
+CONTROL_FLOW_OPS = frozenset({
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall",
+})
+#: Recorded where something first reads their outputs: control-flow ops (see above) and
+#: function inputs (a Placeholder's own instrumentation would be pruned from the function).
+LATE_OPS = CONTROL_FLOW_OPS | {"Placeholder"}
+#: Ops whose outputs are data entering the computation.
+DATA_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue"})
+ENTRY_KINDS_OF = {"Placeholder": "external", "ReadVariableOp": "variable"}
+#: Graphs of tf.cond/tf.while_loop bodies and their gradients (not nested tf.functions).
+_CONTROL_FLOW_GRAPHS = frozenset({
+    "CondBranchFuncGraph", "_CondGradFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph",
+    "_WhileBodyGradFuncGraph",
+})
+_CAPACITY = 1 << 18  # slots in the buffer variable: outputs of all graphs traced in a run
+
+
+@dataclass
+class GraphOp:
+    """What nondet knows about one graph op from trace time (see the module Note)."""
+
+    kind: Kind
+    phase: int
+    name_id: int
+    module: int
+    source: int
+    slots: list[int]  # one per hashed output (empty for derived ops)
+    meta: list[tuple[int, ...]]  # description of each output
+    producers: list[tuple[int, int]]  # (op table index, output index) of each input
+    derived: bool = False
+    code: int = 0
+    numel: int = -1
+    data: bool = False  # recorded every step, outside the op window
+    fps: list[Fp] = field(default_factory=list)  # of the last execution
+
+
+class TFOpRecorder:
+    """Eager records in execution order, graph records from the slots (module Note)."""
+
+    def __init__(self, backend: TFBackend) -> None:
+        self.backend = backend
+        self.session = backend.session
+        self.hasher = GraphHasher()
+        with tf.init_scope():
+            self.buffer = tf.Variable(tf.zeros([_CAPACITY], tf.int64), trainable=False,
+                                      name="nondet_slots")
+            self.window_flag = tf.Variable(False, trainable=False, name="nondet_window")
+            self.updates = tf.Variable(tf.zeros([], tf.int64), trainable=False,
+                                       name="nondet_updates")
+        self.instrument = backend.session.config.op_steps != []
+        self.table: list[GraphOp] = []
+        self.where: dict[tuple[int, str], tuple[int, int]] = {}  # (graph, tensor) -> producer
+        self.next_slot = 0
+        self.records: list[tuple[Any, ...]] = []
+        self.cache: dict[int, tuple[weakref.ref[Any], Fp]] = {}  # eager tensors
+        self.active = False
+        self.updates_seen = 0
+        self.reordering_stage = -1  # source of the last tf.data stage built unordered
+        self._local = threading.local()
+        op_callbacks.add_op_callback(self._callback)
+
+    # -- window ----------------------------------------------------------------------------
+    def set_window(self, on: bool) -> None:
+        self.active = on
+        if self.instrument:
+            self.window_flag.assign(on)
+        if not on:
+            self.cache = {}
+
+    # -- the callback ----------------------------------------------------------------------
+    def _callback(self, op_type: str, inputs: Any, attrs: Any, outputs: Any,
+                  op_name: str | None = None, graph: Any = None) -> list[Any] | None:
+        """TensorFlow's op callback; a list returned while tracing replaces the outputs."""
+        if getattr(self._local, "busy", False) or self.backend.disabled:
+            return None
+        op_type = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
+        self._local.busy = True
+        try:
+            if graph is not None:
+                if self.instrument and _recordable_graph(graph):
+                    return self._trace(op_type, inputs, outputs, op_name or op_type, graph)
+            elif op_type.startswith("__inference_") or op_type.startswith("__forward_"):
+                self.backend.after_function()
+            elif op_type.endswith("Dataset") or "DatasetV" in op_type:
+                self._note_dataset(attrs)
+            elif self.active:
+                self._eager(op_type, inputs, outputs)
+        finally:
+            self._local.busy = False
+        return None
+
+    def _note_dataset(self, attrs: Any) -> None:
+        """Remember where a tf.data stage that may reorder its elements was built
+        (``deterministic=False``): batches that differ are reported at that line, the one
+        to fix, rather than where they were read."""
+        pairs = dict(zip(attrs[::2], attrs[1::2], strict=False)) if attrs else {}
+        flag = pairs.get("deterministic")
+        if (flag.decode() if isinstance(flag, bytes) else flag) == "false":
+            self.reordering_stage = self.session.sources.here(4)
+
+    # -- eager ops -------------------------------------------------------------------------
+    def _eager(self, op_type: str, inputs: Any, outputs: Any) -> None:
+        backend = self.backend
+        phase = int(backend.phase)
+        module = backend.current_module()
+        source = self.session.sources.here(3)
+        ins = []
+        for t in inputs or ():
+            if hashable(t):
+                ins.append(self._eager_input(t, phase, module, source))
+        outs_t = [t for t in (outputs or ()) if hashable(t)]
+        if not outs_t:
+            return
+        name = self.session.intern(op_type)
+        if op_type in ENTRY_KINDS_OF:
+            kind = Kind.ENTRY
+            name = self.session.intern(f"{ENTRY_KINDS_OF[op_type]}:{_entry_label(op_type)}")
+        else:
+            kind = Kind.OP
+        if op_type in DERIVED_OPS and kind == Kind.OP:
+            fps = [self._derive(name_code(op_type), ins, t) for t in outs_t]
+        else:
+            fps = [self._hash_eager(t) for t in outs_t]
+        for t, fp in zip(outs_t, fps, strict=True):
+            self._remember(t, fp)
+        self.records.append((kind, phase, 0, name, module, source, fps, ins, _numel(outs_t[0])))
+
+    def _eager_input(self, t: Any, phase: int, module: int, source: int) -> Fp:
+        hit = self.cache.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        fp = self._remember(t, self._hash_eager(t))
+        self.records.append((Kind.ENTRY, phase, 0, self.session.intern("external:tensor"),
+                             module, source, [fp], [], _numel(t)))
+        return fp
+
+    def _remember(self, t: Any, fp: Fp) -> Fp:
+        try:
+            self.cache[id(t)] = (weakref.ref(t), fp)
+        except TypeError:  # not weak-referenceable
+            pass
+        return fp
+
+    def _hash_eager(self, t: Any) -> Fp:
+        fp = Fp()
+        fp.meta = _describe(t)
+        if "CPU" in (getattr(t, "device", "") or "CPU"):
+            fp.content = host(t)
+        else:  # pragma: no cover - no GPU here
+            fp.content = int(self.hasher.content(t).numpy())
+        fp.finalize()
+        return fp
+
+    def _derive(self, code: int, parents: list[Fp], t: Any) -> Fp:
+        fp = Fp()
+        fp.parents = tuple(parents)
+        fp.meta = (code, *_describe(t))
+        fp.finalize()
+        return fp
+
+    def entry(self, kind: str, what: str, tensors: list[Any]) -> list[Fp]:
+        """Data entering from outside in eager code (e.g. a tf.data iterator's next)."""
+        fps = [self._remember(t, self._hash_eager(t)) for t in tensors if hashable(t)]
+        if self.active and fps:
+            source = self.session.sources.here(3)
+            if kind == "tf_data" and self.reordering_stage >= 0:
+                source = self.reordering_stage
+            self.records.append((Kind.ENTRY, int(self.backend.phase), 0,
+                                 self.session.intern(f"{kind}:{what}"),
+                                 self.backend.current_module(), source, fps, [],
+                                 _numel(tensors[0])))
+        return fps
+
+    # -- graph ops (trace time) ----------------------------------------------------------------
+    def _trace(self, op_type: str, inputs: Any, outputs: Any, op_name: str,
+               graph: Any) -> list[Any] | None:
+        """Record a graph op being traced; returns its outputs with the hashed ones replaced
+        by identities that depend on their fingerprint's write, so the write always runs
+        (ops nothing depends on may be pruned from a function)."""
+        outputs = list(outputs or ())
+        if op_type in SKIPPED_OPS or op_type in LATE_OPS:
+            return None
+        backend = self.backend
+        numeric = [t for t in outputs if hashable(t)]
+        gid = id(graph)
+        late: list[Any] = []
+        producers = [self._producer(gid, t, late) for t in (inputs or ()) if hashable(t)]
+        module, source = backend.graph_origin(op_name, outputs[0] if outputs else None)
+        index = len(self.table)
+        data = op_type in DATA_OPS
+        if data and self.reordering_stage >= 0:
+            source = self.reordering_stage
+        entry = op_type in ENTRY_KINDS_OF or data
+        name = (f"tf_data:{op_type}" if data else
+                f"{ENTRY_KINDS_OF[op_type]}:{_entry_label(op_type)}" if entry else op_type)
+        op = GraphOp(
+            kind=Kind.ENTRY if entry else Kind.OP,
+            phase=int(Phase.DATA if data else backend.phase),
+            name_id=self.session.intern(name), module=module, source=source, slots=[],
+            meta=[_describe(t) for t in numeric], producers=producers,
+            derived=op_type in DERIVED_OPS and not entry, code=name_code(op_type),
+            numel=_numel(numeric[0]) if numeric else -1, data=data,
+        )
+        for position, t in enumerate(numeric):  # positions count hashed outputs, as op.fps
+            self.where[(gid, t.name)] = (index, position)
+        if not numeric:
+            return None
+        self.table.append(op)
+        if op.derived and not late:
+            return None
+        replaced = []
+        position = 0
+        for t in outputs:
+            if hashable(t):
+                writes = list(late)
+                if not op.derived:
+                    slot = self._slot()
+                    op.slots.append(slot)
+                    writes.append(self._write(t, slot, always=data))
+                with tf.control_dependencies(writes):
+                    t = tf.identity(t)
+                # consumers see the identity, not the op's own output
+                self.where[(gid, t.name)] = (index, position)
+                position += 1
+            replaced.append(t)
+        return replaced
+
+    def _producer(self, gid: int, t: Any, late: list[Any]) -> tuple[int, int]:
+        """Where an input comes from; the outputs of LATE_OPS are recorded here, the first
+        time something reads them."""
+        known = self.where.get((gid, t.name))
+        if known is not None:
+            return known
+        op = getattr(t, "op", None)
+        if op is None or op.type not in LATE_OPS:
+            return (-1, 0)
+        backend = self.backend
+        module, source = backend.graph_origin(op.name, t)
+        entry = op.type == "Placeholder"
+        record = GraphOp(
+            kind=Kind.ENTRY if entry else Kind.OP, phase=int(backend.phase),
+            name_id=self.session.intern("external:graph input" if entry else op.type),
+            module=module, source=source, slots=[], meta=[],
+            producers=[self.where.get((gid, i.name), (-1, 0)) for i in op.inputs
+                       if hashable(i)], code=name_code(op.type))
+        index = len(self.table)
+        self.table.append(record)
+        for position, output in enumerate(o for o in op.outputs if hashable(o)):
+            slot = self._slot()
+            record.slots.append(slot)
+            record.meta.append(_describe(output))
+            late.append(self._write(output, slot, always=False))
+            self.where[(gid, output.name)] = (index, position)
+        record.numel = _numel(op.outputs[0]) if op.outputs else -1
+        return self.where.get((gid, t.name), (-1, 0))
+
+    def _slot(self) -> int:
+        if self.next_slot >= _CAPACITY:
+            raise RuntimeError("nondet: too many graph ops to capture (more than "
+                               f"{_CAPACITY} outputs traced)")
+        slot, self.next_slot = self.next_slot, self.next_slot + 1
+        return slot
+
+    def _write(self, t: Any, slot: int, always: bool) -> Any:
+        """The in-graph write of ``t``'s fingerprint into ``slot`` (module Note)."""
+        def write() -> tf.Tensor:
+            value = self.hasher.content(tf.stop_gradient(t)) + 1
+            with tf.control_dependencies([self.buffer.scatter_nd_update([[slot]], [value])]):
+                return tf.constant(True)
+
+        if always:
+            return write()
+        return tf.cond(self.window_flag, write, lambda: tf.constant(False))
+
+    def count_update(self) -> None:
+        """In a graph being traced: count an optimizer update when the graph runs."""
+        self._local.busy = True
+        try:
+            self.updates.assign_add(1)
+        finally:
+            self._local.busy = False
+
+    # -- after a traced function ran -----------------------------------------------------------
+    def collect(self) -> tuple[list[Fp], int]:
+        """Read the slots of the function that just ran: data fingerprints of this call
+        and how many optimizer updates it made. Op records are added if in the window."""
+        updates = int(self.updates.numpy())
+        new_updates, self.updates_seen = updates - self.updates_seen, updates
+        if self.next_slot == 0:
+            return [], new_updates
+        values = self.buffer[: self.next_slot].numpy()
+        self.buffer[: self.next_slot].assign(tf.zeros([self.next_slot], tf.int64))
+        data: list[Fp] = []
+        for op in self.table:
+            op.fps = []
+            if op.derived:
+                parents = [self._produced(p) for p in op.producers]
+                if not any(parents) or not self.active:
+                    continue
+                op.fps = [self._from_parents(op, parents, m) for m in op.meta]
+            else:
+                stored = [int(values[s]) for s in op.slots]
+                if not any(stored):
+                    continue  # did not run
+                op.fps = [self._from_slot(v, m) for v, m in zip(stored, op.meta, strict=True)]
+            if op.data:
+                data.extend(op.fps)
+            if self.active:
+                ins = [fp for fp in (self._produced(p) for p in op.producers) if fp is not None]
+                self.records.append((op.kind, op.phase, 0, op.name_id, op.module, op.source,
+                                     op.fps, ins, op.numel))
+        return data, new_updates
+
+    def _produced(self, producer: tuple[int, int]) -> Fp | None:
+        index, position = producer
+        if index < 0 or index >= len(self.table):
+            return None
+        fps = self.table[index].fps
+        return fps[position] if position < len(fps) else None
+
+    @staticmethod
+    def _from_slot(stored: int, meta: tuple[int, ...]) -> Fp:
+        fp = Fp()
+        fp.content, fp.meta = (stored - 1) & MASK64, meta
+        fp.finalize()
+        return fp
+
+    @staticmethod
+    def _from_parents(op: GraphOp, parents: list[Fp | None], meta: tuple[int, ...]) -> Fp:
+        fp = Fp()
+        fp.parents = tuple(p for p in parents if p is not None)
+        fp.meta = (op.code, *meta)
+        fp.finalize()
+        return fp
+
+    # -- rows ------------------------------------------------------------------------------
+    def take_rows(self, step: int) -> np.ndarray:
+        rows = [
+            (step, i, kind, phase, flags, name, module, source, _combined(outs),
+             _combined(ins), 0, 0, numel)
+            for i, (kind, phase, flags, name, module, source, outs, ins, numel)
+            in enumerate(self.records)
+        ]
+        self.records = []
+        return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)
+
+
+def _recordable_graph(graph: Any) -> bool:
+    """Only ops of top-level traced functions are recorded: ops in tf.cond/while_loop bodies
+    and nested functions are seen as the control-flow op that runs them (their gradient
+    machinery does not accept state captured from outside), and tf.data's own functions
+    run on its threads, for many elements at once (the batches they make are recorded)."""
+    while graph is not None:
+        if str(getattr(graph, "name", "")).startswith("Dataset_"):
+            return False
+        if type(graph).__name__ in _CONTROL_FLOW_GRAPHS:
+            return False
+        graph = getattr(graph, "outer_graph", None)
+    return True
+
+
+def _combined(fps: list[Fp]) -> int:
+    if not fps:
+        return 0
+    if len(fps) == 1:
+        return fps[0].value or 1
+    return combine(fp.value or 0 for fp in fps)
+
+
+def _describe(t: Any) -> tuple[int, ...]:
+    dims = [-1 if d is None else int(d) for d in (t.shape.as_list() if t.shape.rank is not None
+                                                   else [])]
+    device = "gpu" if "GPU" in (getattr(t, "device", "") or "") else "cpu"
+    return (name_code(t.dtype.name), name_code(device), len(dims), *dims)
+
+
+def _numel(t: Any) -> int:
+    try:
+        return int(np.prod(t.shape.as_list())) if t.shape.is_fully_defined() else -1
+    except (TypeError, ValueError):
+        return -1
+
+
+def _entry_label(op_type: str) -> str:
+    return {"Placeholder": "graph input", "ReadVariableOp": "variable read"}.get(op_type, op_type)

@@ -1,0 +1,91 @@
+"""The fixtures' own declarations of what nondet must find, and the check against a report.
+
+Each fixture declares its expectation in its docstring (``Expected: kind=..., step=...,
+phase=..., op=..., module=..., fix=...``, and ``Expected[<args>]: ...`` for its variants)
+and marks the source line to be reported with ``# nondet: expected-source`` (or
+``# nondet: expected-source[<args>]``). ``step=any`` accepts any step, ``step=init`` the
+state before the first step.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import REPO
+
+_EXPECTED = re.compile(r"^Expected(?:\[(?P<args>[^\]]*)\])?: (?P<body>.*?)\s*$")
+_MARKER = re.compile(r"# nondet: expected-source(?:\[(?P<args>[^\]]*)\])?\s*$")
+
+
+@dataclass(frozen=True)
+class Case:
+    script: Path
+    args: tuple[str, ...]
+    expected: dict[str, str]
+    source_line: int | None
+
+    @property
+    def id(self) -> str:
+        return " ".join([self.script.name, *self.args])
+
+
+def cases(folder: Path) -> list[Case]:
+    found = []
+    for script in sorted(folder.glob("*.py")):
+        lines = script.read_text().splitlines()
+        markers = {}
+        for number, line in enumerate(lines, start=1):
+            hit = _MARKER.search(line)
+            if hit:
+                markers[hit.group("args") or ""] = number
+        for line in lines:
+            hit = _EXPECTED.match(line)
+            if not hit:
+                continue
+            body = dict(part.split("=", 1) for part in hit.group("body").split(", "))
+            args = hit.group("args") or ""
+            found.append(Case(script, tuple(shlex.split(args)), body, markers.get(args)))
+    return found
+
+
+def check_declarations(folder: Path, all_cases: list[Case]) -> None:
+    assert {c.script.name for c in all_cases} == {p.name for p in folder.glob("*.py")}
+    for case in all_cases:
+        if case.expected["kind"] != "none":
+            assert case.source_line, f"{case.id}: no expected-source marker"
+            assert case.expected.get("fix"), f"{case.id}: no expected fix id"
+
+
+def check_finding(case: Case, result: subprocess.CompletedProcess[str],
+                  report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The report and exit code say exactly what the fixture declares; returns the finding."""
+    assert report is not None, result.stderr
+    found = report["first_divergence"]
+    want = case.expected
+    if want["kind"] == "none":
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert report["verdict"] == "deterministic" and found is None
+        return None
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert report["verdict"] == "nondeterministic"
+    assert found is not None
+    assert found["kind"] == want["kind"], result.stdout
+    if want["step"] == "any":
+        assert isinstance(found["step"], int) and found["step"] >= 0
+    elif want["step"] == "init":
+        assert found["step"] is None, result.stdout
+    else:
+        assert found["step"] == int(want["step"]), result.stdout
+    assert found["phase"] == want["phase"], result.stdout
+    assert found["op"] == want["op"], result.stdout
+    assert found["module"] == want["module"], result.stdout
+    rel = case.script.relative_to(REPO)
+    assert found["source"] == f"{rel}:{case.source_line}", result.stdout
+    assert report["suggestions"] and report["suggestions"][0]["id"] == want["fix"], result.stdout
+    assert result.stdout.startswith("nondet: nondeterministic")
+    return found

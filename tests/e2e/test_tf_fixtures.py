@@ -1,0 +1,37 @@
+"""Every TensorFlow fixture through the real CLI: the exact finding, the fix id, the exit
+code. The expected findings are declared by the fixtures (tests/e2e/fixture_cases.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIXTURES, REPO, run_cli
+from tests.e2e.fixture_cases import Case, cases, check_declarations, check_finding
+
+pytest.importorskip("tensorflow")
+pytestmark = [pytest.mark.e2e, pytest.mark.tensorflow]
+
+CASES = cases(FIXTURES / "tensorflow")
+
+
+def test_every_fixture_declares_its_expectation() -> None:
+    check_declarations(FIXTURES / "tensorflow", CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_fixture(case: Case, tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "--json", str(report_path),
+                     str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    found = check_finding(case, result, report)
+    if found is None:
+        return
+    assert found["localized"] and found["op_index"] is not None
+    if found["kind"] == "op":
+        # graph outputs are hashed in the graph: the report says sizes were not measured
+        assert found["mismatched_elements"] is None
+        assert "sizes are not measured for TensorFlow ops" in found["notes"]

@@ -1,0 +1,170 @@
+"""What the TensorFlow backend records, checked on small scripts run as real captured runs."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from nondet.launch import CapturedRun, Plan, RunResult, Target
+from nondet.records import Kind, Phase
+from nondet.store import Capture, open_capture
+
+HEADER = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import tensorflow as tf
+tf.keras.utils.set_random_seed(0)
+"""
+
+
+def capture(tmp_path: Path, body: str, op_steps: list[int] | None = None) -> Capture:
+    return run_script(tmp_path, body, op_steps)[0]
+
+
+def run_script(
+    tmp_path: Path, body: str, op_steps: list[int] | None = None
+) -> tuple[Capture, RunResult]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "train.py"
+    script.write_text(HEADER + textwrap.dedent(body))
+    run = CapturedRun(Target(str(script), None, ()), Plan("t", op_steps), 0, tmp_path / "out")
+    run.start()
+    result = run.wait()
+    assert result.status == "complete", result.log_tail()
+    return open_capture(result.path), result
+
+
+def line_of(tmp_path: Path, marker: str) -> str:
+    lines = (tmp_path / "train.py").read_text().splitlines()
+    return str(next(i for i, line in enumerate(lines, start=1) if marker in line))
+
+
+def records(c: Capture, step: int) -> list[dict[str, object]]:
+    return [{"name": c.string(int(r["name"])), "phase": Phase(int(r["phase"])).label,
+             "module": c.string(int(r["module"])),
+             "line": c.string(int(r["source"])).rpartition(":")[2],
+             "kind": Kind(int(r["kind"])), "out": int(r["out_fp"]), "in": int(r["in_fp"])}
+            for r in c.ops(step)]
+
+
+CUSTOM_LOOP = """
+class Block(tf.keras.layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.dense = tf.keras.layers.Dense(8, activation="tanh", name="dense")
+    def call(self, x):
+        return self.dense(x)  # block line
+
+inputs = tf.keras.Input((4,))
+model = tf.keras.Sequential([Block(name="block"), tf.keras.layers.Dense(1, name="head")])
+model.build((None, 4))
+opt = tf.keras.optimizers.SGD(0.1)
+x, y = tf.random.normal([16, 4]), tf.random.normal([16, 1])
+
+@tf.function
+def train_step(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))  # forward line
+    grads = tape.gradient(loss, model.trainable_variables)  # gradient line
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+for _ in range(3):
+    train_step(x, y)
+"""
+
+
+def test_graph_ops_have_phase_layer_path_line_and_linked_inputs(tmp_path: Path) -> None:
+    c = capture(tmp_path, CUSTOM_LOOP, op_steps=[1])
+    assert c.n_steps == 3 and c.status == "complete"
+    step1 = records(c, 1)
+    forward_line = line_of(tmp_path, "# block line")  # the innermost line in user code
+    by_name = {(r["name"], r["phase"]): r for r in step1}
+    tanh = by_name[("Tanh", "forward")]
+    assert (tanh["module"], tanh["line"]) == ("block/dense", forward_line)
+    # the Tanh's input fingerprint is its producer's output fingerprint
+    bias_add = next(r for r in step1 if r["name"] == "BiasAdd" and r["module"] == "block/dense")
+    assert tanh["in"] == bias_add["out"] != 0
+    # gradient ops carry the layer and line of the forward op they differentiate
+    tanh_grad = by_name[("TanhGrad", "backward")]
+    assert (tanh_grad["module"], tanh_grad["line"]) == ("block/dense", forward_line)
+    assert tanh_grad["in"] != 0
+    assert any(r["phase"] == "optimizer" for r in step1)
+    # only the asked-for step has op records; it also names each variable
+    assert not records(c, 0) and not records(c, 2)
+    names = {c.string(int(r["name"])) for r in c.tensor_rows(1)}
+    assert {"variable sequential/head/kernel:0", "variable sgd/iteration:0"} <= names
+
+
+def test_same_script_twice_gives_identical_records(tmp_path: Path) -> None:
+    first = records(capture(tmp_path / "a", CUSTOM_LOOP, op_steps=[0]), 0)
+    second = records(capture(tmp_path / "b", CUSTOM_LOOP, op_steps=[0]), 0)
+    assert len(first) > 20
+    assert first == second
+
+
+def test_fit_counts_one_step_per_batch_and_records_each_batch(tmp_path: Path) -> None:
+    c = capture(tmp_path, """
+        import numpy as np
+        x = np.random.default_rng(0).normal(size=(40, 3)).astype("float32")
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, x[:, :1], batch_size=8, epochs=2, shuffle=False, verbose=0)
+        """, op_steps=[2])
+    assert c.n_steps == 10
+    entries = [r for r in records(c, 2) if r["kind"] == Kind.ENTRY and "IteratorGetNext"
+               in str(r["name"])]
+    assert entries and entries[0]["phase"] == "data"
+    data_rows = {int(r["fp"]) for s in range(5) for r in c.tensor_rows(s)
+                 if "IteratorGetNext" in c.string(int(r["name"]))}
+    assert len(data_rows) == 5, "each of the 5 batches of an epoch is a different value"
+
+
+def test_eager_ops_outside_functions_are_recorded_with_their_line(tmp_path: Path) -> None:
+    c = capture(tmp_path, """
+        w = tf.Variable(tf.ones([3]))
+        opt = tf.keras.optimizers.SGD(0.1)
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.sin(w) * 2.0)  # eager line
+            opt.apply_gradients([(tape.gradient(loss, [w])[0], w)])
+        """, op_steps=[0, 1])
+    assert c.n_steps == 2
+    sin = [r for r in records(c, 1) if r["name"] == "Sin"]
+    assert sin and sin[0]["line"] == line_of(tmp_path, "# eager line")
+    assert sin[0]["phase"] == "forward"
+
+
+@pytest.mark.parametrize("trains", ["torch", "tensorflow"])
+def test_a_script_importing_both_frameworks(tmp_path: Path, trains: str) -> None:
+    pytest.importorskip("torch")
+    loop = {
+        "torch": """
+            torch.manual_seed(0)
+            lin = torch.nn.Linear(3, 1)
+            opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+            for _ in range(3):
+                loss = lin(torch.ones(2, 3)).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            """,
+        "tensorflow": """
+            w = tf.Variable(tf.ones([3]))
+            opt = tf.keras.optimizers.SGD(0.1)
+            for _ in range(3):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tf.sin(w))
+                opt.apply_gradients([(tape.gradient(loss, [w])[0], w)])
+            """,
+    }[trains]
+    c, result = run_script(tmp_path, "import torch\n" + textwrap.dedent(loop), op_steps=[0])
+    assert c.n_steps == 3  # the idle framework adds no step of its own
+    assert result.final["final_params_fp"] != 0  # nor replaces the weights digest with its own
+    names = {r["name"] for r in records(c, 0)}
+    expected = "aten.addmm.default" if trains == "torch" else "Sin"
+    assert expected in names

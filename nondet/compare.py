@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nondet.records import INIT_STEP, STEP_COMPONENTS, Flag, Kind, Phase
+from nondet.records import INIT_STEP, STEP_COMPONENTS, Flag, Kind, Phase, split_node
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,8 @@ class OpDivergence:
 
 
 def _names(rows: np.ndarray, strings: list[str]) -> np.ndarray:
-    table = np.array([*strings, ""], dtype=object)
+    """What must match for two records to be the same op: the name, without a node name."""
+    table = np.array([split_node(s)[0] for s in strings] + [""], dtype=object)
     ids = rows["name"].astype(np.int64)
     ids[(ids < 0) | (ids >= len(strings))] = len(strings)
     return table[ids]

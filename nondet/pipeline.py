@@ -37,6 +37,7 @@ from nondet.records import (
     Kind,
     Phase,
     device_of,
+    split_node,
 )
 from nondet.report import ContextLine, Divergence, GrowthRow, RepeatRow, Report, RunSummary
 from nondet.store import Capture, open_capture
@@ -558,8 +559,9 @@ def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
     step = int(row["step"])
     name = capture.string(int(row["name"]))
     entry_kind = None
-    op = name
+    op, node = split_node(name)
     if int(row["kind"]) != Kind.OP:
+        op, node = name, None
         entry_kind, _, op = name.partition(":")
         entry_kind = entry_kind if entry_kind in ENTRY_KINDS else "external"
     if found.scalar_argument:
@@ -567,14 +569,16 @@ def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
     div = Divergence(
         kind=found.kind, step=None if step == INIT_STEP else step,
         phase=Phase(int(row["phase"])).label if step != INIT_STEP else "init",
-        op=op, op_index=int(row["index"]), module=capture.string(int(row["module"])),
+        op=op, node=node, op_index=int(row["index"]), module=capture.string(int(row["module"])),
         source=capture.string(int(row["source"])) or None, entry_kind=entry_kind,
         explained=found.explained, reads_uninitialized=found.reads_uninitialized,
         scalar_argument=found.scalar_argument,
     )
     if found.kind == "structure":
-        div.op = capture.string(int(found.row_a["name"])) if found.row_a is not None else None
-        div.op_b = b.string(int(found.row_b["name"])) if found.row_b is not None else None
+        div.op = split_node(a.string(int(found.row_a["name"])))[0] \
+            if found.row_a is not None else None
+        div.op_b = split_node(b.string(int(found.row_b["name"])))[0] \
+            if found.row_b is not None else None
         div.notes.append("the runs executed different ops here: control flow (or the number "
                          "of batches) depends on a value that differs between runs")
     if not found.explained:
@@ -586,7 +590,7 @@ def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
                          "differed: that value came from outside the framework")
     div.source_text = source_text(capture, div.source)
     div.context = [
-        ContextLine(index=int(ops_a[j]["index"]), op=a.string(int(ops_a[j]["name"])),
+        ContextLine(index=int(ops_a[j]["index"]), op=split_node(a.string(int(ops_a[j]["name"])))[0],
                     module=a.string(int(ops_a[j]["module"])),
                     source=a.string(int(ops_a[j]["source"])), state=state,
                     focus=j == found.position)

@@ -57,6 +57,18 @@ def device_of(flags: int) -> str:
 ENTRY_KINDS = ("dataloader", "numpy", "python_value", "external", "rng_state", "probe",
                "tf_data", "variable")
 
+#: A graph op is named "<op type>@<node name>" (``BiasAddGrad@gradient_tape/dense/BiasAddGrad``);
+#: runs are aligned and recipes matched on the op type, so renamed nodes do not count as a
+#: difference. Eager and torch ops have no node name.
+NODE_SEP = "@"
+
+
+def split_node(name: str) -> tuple[str, str | None]:
+    """``(op type, node name or None)`` of an op record's name."""
+    op_type, sep, node = name.partition(NODE_SEP)
+    return (op_type, node) if sep else (name, None)
+
+
 OP_DTYPE = np.dtype(
     [
         ("step", "<i4"),
@@ -64,7 +76,7 @@ OP_DTYPE = np.dtype(
         ("kind", "u1"),
         ("phase", "u1"),
         ("flags", "<u2"),
-        ("name", "<i4"),  # string id: "aten.index_put.default" or "dataloader:batch"
+        ("name", "<i4"),  # string id: "aten.mm.default", "MatMul@dense/MatMul", "dataloader:batch"
         ("module", "<i4"),  # string id: "encoder.layers.3.attn" ("" = the root module)
         ("source", "<i4"),  # string id: "train.py:27" (-1 = unknown)
         ("out_fp", "<u8"),  # combined fingerprint of all outputs (incl. mutated inputs)

@@ -19,6 +19,20 @@ def test_identical_streams_have_no_finding() -> None:
     assert _pair(a, b) is None
 
 
+def test_tensorflow_node_names_do_not_count_as_a_difference_but_op_types_do() -> None:
+    a = OpStream().add(0, "MatMul@model/dense/MatMul", 11, 1)
+    a.add(0, "Tanh@model/dense/Tanh", 12, 11)
+    renamed = (
+        OpStream().add(0, "MatMul@model_1/dense_1/MatMul", 11, 1)
+        .add(0, "Tanh@model_1/dense_1/Tanh", 12, 11)
+    )
+    assert _pair(a, renamed) is None
+    other = OpStream().add(0, "MatMul@model/dense/MatMul", 11, 1)
+    other.add(0, "Relu@model/dense/Tanh", 12, 11)
+    found = _pair(a, other)
+    assert found is not None and found.kind == "structure" and found.position == 1
+
+
 def test_first_op_with_matching_inputs_and_differing_output_is_the_injection_point() -> None:
     a = (OpStream().add(0, "aten.mm.default", 11, 1).add(0, "aten.index_put.default", 12, 11)
          .add(0, "aten.add.Tensor", 13, 12))

@@ -23,7 +23,7 @@ def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int
     from rich.table import Table
 
     from nondet.fingerprint import short
-    from nondet.records import Kind, Phase
+    from nondet.records import Kind, Phase, split_node
     from nondet.store import open_capture
 
     c = open_capture(capture)
@@ -69,7 +69,7 @@ def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int
         summary.add_column("most frequent ops")
         for s in op_steps:
             ops = c.ops(s)
-            counts = collections.Counter(c.string(int(n)) for n in ops["name"])
+            counts = collections.Counter(split_node(c.string(int(n)))[0] for n in ops["name"])
             common = ", ".join(f"{name} ({n})" for name, n in counts.most_common(4))
             summary.add_row("init" if s < 0 else str(s), str(len(ops)), common)
         out.print(summary)
@@ -79,11 +79,14 @@ def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int
             raise click.UsageError(f"no op records for step {op_step}; steps with op records: "
                                    f"{op_steps or 'none'}")
         table = Table(title=f"op records of step {op_step}")
-        for column in ("#", "kind", "phase", "op", "module", "source", "out", "in"):
-            table.add_column(column)
-        for r in ops:
+        names = [split_node(c.string(int(r["name"]))) for r in ops]
+        with_nodes = any(node for _, node in names)  # TensorFlow graph ops
+        for column in ("#", "kind", "phase", "op", "node", "module", "source", "out", "in"):
+            if column != "node" or with_nodes:
+                table.add_column(column)
+        for r, (op, node) in zip(ops, names, strict=True):
             table.add_row(str(int(r["index"])), Kind(int(r["kind"])).name.lower(),
-                          Phase(int(r["phase"])).label, c.string(int(r["name"])),
+                          Phase(int(r["phase"])).label, op, *([node or ""] if with_nodes else []),
                           c.string(int(r["module"])), c.string(int(r["source"])),
                           short(int(r["out_fp"])), short(int(r["in_fp"])))
         out.print(table)

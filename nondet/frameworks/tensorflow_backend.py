@@ -212,7 +212,10 @@ class TFBackend:
                                               self.session.string(source), group))
 
     def _note_loss(self, target: Any) -> None:
-        if not tf.executing_eagerly() or not hasattr(target, "numpy"):
+        if not tf.executing_eagerly():
+            self.recorder.carry_loss(target)
+            return
+        if not hasattr(target, "numpy"):
             return
         with self._paused():
             fp = self.recorder._hash_eager(target)
@@ -262,6 +265,10 @@ class TFBackend:
     # -- after a traced function ran -----------------------------------------------------------
     def after_function(self) -> None:
         data, updates = self.recorder.collect()
+        loss = self.recorder.take_loss()
+        if loss is not None:
+            fp, self.loss_value = loss
+            self.losses.append(fp)
         if data:
             self.data.append(("tf_data:IteratorGetNext", data, 0))
         for _ in range(updates):

@@ -30,6 +30,7 @@ TODO: Limitations
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from tensorflow.python.framework import op_callbacks
 from nondet.fingerprint import MASK64, combine, name_code
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.tf_hash import GraphHasher, hashable, host
-from nondet.records import OP_DTYPE, Kind, Phase
+from nondet.records import NODE_SEP, OP_DTYPE, Kind, Phase
 
 if TYPE_CHECKING:
     from nondet.frameworks.tensorflow_backend import TFBackend
@@ -117,6 +118,12 @@ class TFOpRecorder:
             self.window_flag = tf.Variable(False, trainable=False, name="nondet_window")
             self.updates = tf.Variable(tf.zeros([], tf.int64), trainable=False,
                                        name="nondet_updates")
+            # the loss of a traced step (see carry_loss): its content hash + 1, and its value
+            self.loss_hash = tf.Variable(tf.zeros([], tf.int64), trainable=False,
+                                         name="nondet_loss_hash")
+            self.loss_value = tf.Variable(tf.constant(math.nan, tf.float64), trainable=False,
+                                          name="nondet_loss")
+        self.loss_meta: tuple[int, ...] | None = None  # set once a traced graph carries a loss
         self.instrument = backend.session.config.op_steps != []
         self.table: list[GraphOp] = []
         self.where: dict[tuple[int, str], tuple[int, int]] = {}  # (graph, tensor) -> producer
@@ -261,8 +268,10 @@ class TFOpRecorder:
         if data and self.reordering_stage >= 0:
             source = self.reordering_stage
         entry = op_type in ENTRY_KINDS_OF or data
+        node = getattr(getattr(outputs[0], "op", None), "name", op_name) if outputs else op_name
         name = (f"tf_data:{op_type}" if data else
-                f"{ENTRY_KINDS_OF[op_type]}:{_entry_label(op_type)}" if entry else op_type)
+                f"{ENTRY_KINDS_OF[op_type]}:{_entry_label(op_type)}" if entry else
+                f"{op_type}{NODE_SEP}{node}")
         op = GraphOp(
             kind=Kind.ENTRY if entry else Kind.OP,
             phase=int(Phase.DATA if data else backend.phase),
@@ -309,7 +318,8 @@ class TFOpRecorder:
         entry = op.type == "Placeholder"
         record = GraphOp(
             kind=Kind.ENTRY if entry else Kind.OP, phase=int(backend.phase),
-            name_id=self.session.intern("external:graph input" if entry else op.type),
+            name_id=self.session.intern("external:graph input" if entry
+                                        else f"{op.type}{NODE_SEP}{op.name}"),
             module=module, source=source, slots=[], meta=[],
             producers=[self.where.get((gid, i.name), (-1, 0)) for i in op.inputs
                        if hashable(i)], code=name_code(op.type))
@@ -349,6 +359,33 @@ class TFOpRecorder:
             self.updates.assign_add(1)
         finally:
             self._local.busy = False
+
+    def carry_loss(self, target: Any) -> None:
+        """In a graph being traced: the loss ``tape.gradient`` differentiates is symbolic, so
+        assignments (which a tf.function always runs) carry its hash and value to the step
+        end, where ``take_loss`` reads them."""
+        if not hashable(target):
+            return
+        self._local.busy = True
+        try:
+            t = tf.stop_gradient(target)
+            self.loss_hash.assign(self.hasher.content(t) + 1)
+            scalar = t.shape.is_fully_defined() and t.shape.num_elements() == 1
+            self.loss_value.assign(tf.cast(tf.reshape(t, []) if scalar else math.nan,
+                                           tf.float64))
+            self.loss_meta = _describe(t)
+        finally:
+            self._local.busy = False
+
+    def take_loss(self) -> tuple[Fp, float] | None:
+        """The loss carried out of the function that just ran, if it computed one."""
+        if self.loss_meta is None:
+            return None
+        stored = int(self.loss_hash.numpy())
+        if not stored:
+            return None
+        self.loss_hash.assign(0)
+        return self._from_slot(stored, self.loss_meta), float(self.loss_value.numpy())
 
     # -- after a traced function ran -----------------------------------------------------------
     def collect(self) -> tuple[list[Fp], int]:

@@ -53,6 +53,7 @@ class Divergence:
     step: int | None  # None: the init phase
     phase: str
     op: str | None = None
+    node: str | None = None  # TensorFlow graph ops: the node name (op is the op type)
     op_index: int | None = None
     module: str | None = None
     source: str | None = None
@@ -78,7 +79,8 @@ class Divergence:
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind, "step": self.step, "phase": self.phase, "op": self.op,
-            "op_index": self.op_index, "module": self.module, "source": self.source,
+            "node": self.node, "op_index": self.op_index, "module": self.module,
+            "source": self.source,
             "rank": self.rank, "mismatched_elements": self.mismatched_elements,
             "numel": self.numel, "max_abs_diff": _finite(self.max_abs_diff),
             "localized": self.localized, "explained": self.explained,

@@ -82,6 +82,8 @@ def _finding(div: Divergence) -> list[str]:
     step = "init" if div.step is None else f"step {div.step}"
     if div.kind == "op" and div.localized:
         head = f"{step}, {div.phase}, op #{div.op_index}: [bold]{escape(div.op or '')}[/]"
+        if div.node:
+            head += f" at node {escape(div.node)}"
         why = ("its output differs while all its inputs matched: this op created the difference"
                if div.explained else "its output differs; its inputs differed too, but no "
                "earlier recorded op did")

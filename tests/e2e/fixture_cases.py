@@ -4,7 +4,8 @@ Each fixture declares its expectation in its docstring (``Expected: kind=..., st
 phase=..., op=..., module=..., fix=...``, and ``Expected[<args>]: ...`` for its variants)
 and marks the source line to be reported with ``# nondet: expected-source`` (or
 ``# nondet: expected-source[<args>]``). ``step=any`` accepts any step, ``step=init`` the
-state before the first step.
+state before the first step. An optional ``node=`` names a TensorFlow graph node; Keras'
+``_1``-style uniquifying suffixes are ignored in the comparison.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def check_finding(case: Case, result: subprocess.CompletedProcess[str],
     assert found["phase"] == want["phase"], result.stdout
     assert found["op"] == want["op"], result.stdout
     assert found["module"] == want["module"], result.stdout
+    if "node" in want:
+        node = "/".join(re.sub(r"_\d+$", "", part) for part in (found["node"] or "").split("/"))
+        assert node == want["node"], result.stdout
     rel = case.script.relative_to(REPO)
     assert found["source"] == f"{rel}:{case.source_line}", result.stdout
     assert report["suggestions"] and report["suggestions"][0]["id"] == want["fix"], result.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from nondet.launch import CapturedRun, Plan, RunResult, Target
-from nondet.records import Kind, Phase
+from nondet.records import Kind, Phase, split_node
 from nondet.store import Capture, open_capture
 
 HEADER = """
@@ -44,7 +45,9 @@ def line_of(tmp_path: Path, marker: str) -> str:
 
 
 def records(c: Capture, step: int) -> list[dict[str, object]]:
-    return [{"name": c.string(int(r["name"])), "phase": Phase(int(r["phase"])).label,
+    return [{"name": split_node(c.string(int(r["name"])))[0],
+             "node": split_node(c.string(int(r["name"])))[1],
+             "phase": Phase(int(r["phase"])).label,
              "module": c.string(int(r["module"])),
              "line": c.string(int(r["source"])).rpartition(":")[2],
              "kind": Kind(int(r["kind"])), "out": int(r["out_fp"]), "in": int(r["in_fp"])}
@@ -73,8 +76,9 @@ def train_step(x, y):
     opt.apply_gradients(zip(grads, model.trainable_variables))
     return loss
 
-for _ in range(3):
-    train_step(x, y)
+losses = [float(train_step(x, y)) for _ in range(3)]
+with open(__file__ + ".losses", "w") as f:
+    f.write(" ".join(repr(v) for v in losses))
 """
 
 
@@ -86,6 +90,8 @@ def test_graph_ops_have_phase_layer_path_line_and_linked_inputs(tmp_path: Path) 
     by_name = {(r["name"], r["phase"]): r for r in step1}
     tanh = by_name[("Tanh", "forward")]
     assert (tanh["module"], tanh["line"]) == ("block/dense", forward_line)
+    # the graph node's name, as Keras scoped it (with its _1-style suffixes)
+    assert re.fullmatch(r"sequential(_\d+)?/block(_\d+)?/dense(_\d+)?/Tanh", str(tanh["node"]))
     # the Tanh's input fingerprint is its producer's output fingerprint
     bias_add = next(r for r in step1 if r["name"] == "BiasAdd" and r["module"] == "block/dense")
     assert tanh["in"] == bias_add["out"] != 0
@@ -98,6 +104,13 @@ def test_graph_ops_have_phase_layer_path_line_and_linked_inputs(tmp_path: Path) 
     assert not records(c, 0) and not records(c, 2)
     names = {c.string(int(r["name"])) for r in c.tensor_rows(1)}
     assert {"variable sequential/head/kernel:0", "variable sgd/iteration:0"} <= names
+
+
+def test_the_loss_of_a_traced_step_is_carried_out_to_the_step_row(tmp_path: Path) -> None:
+    c = capture(tmp_path, CUSTOM_LOOP)
+    losses = [float(v) for v in (tmp_path / "train.py.losses").read_text().split()]
+    assert list(c.steps["loss"][1:]) == losses  # the init row has no loss
+    assert all(c.steps["loss_fp"][1:]) and len(set(c.steps["loss_fp"][1:])) == 3
 
 
 def test_same_script_twice_gives_identical_records(tmp_path: Path) -> None:

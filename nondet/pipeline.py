@@ -475,12 +475,23 @@ def _op_steps_of(capture: Capture) -> list[int] | None:
 
 
 # -- comparing ---------------------------------------------------------------------------------
+def capture_notes(*captures: Capture) -> list[str]:
+    """What the backends noted about their own capture (``capture_note.*`` facts), once."""
+    notes: list[str] = []
+    for capture in captures:
+        for key, value in capture.facts.items():
+            if key.startswith("capture_note.") and str(value) not in notes:
+                notes.append(str(value))
+    return notes
+
+
 def compare_captures(a: Capture, b: Capture) -> Report:
     """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
     env_diff = environment.differences(a.env, b.env)
     report = Report(verdict="deterministic", exit_code=ExitCode.DETERMINISTIC,
                     runs=[_summary_of_capture(a), _summary_of_capture(b)],
                     environment_differences=env_diff, captures=[str(a.path), str(b.path)])
+    report.notes.extend(capture_notes(a, b))
     step_div = compare.first_step_divergence(a.steps, b.steps)
     common_op_steps = sorted(set(a.op_steps()) & set(b.op_steps()))
     report.op_records = sum(min(len(a.ops(s)), len(b.ops(s))) for s in common_op_steps)

@@ -45,13 +45,20 @@ class Backend(Protocol):
         """Stop capturing (forked child processes)."""
 
 
+#: Packages a backend watches for, which may be imported *before* their framework: Keras 3
+#: imports tensorflow from its own ``__init__``, so the TensorFlow backend only exists (and
+#: registers its Keras hooks) while ``keras`` is still half-imported.
+WATCHED_EARLY = ("keras",)
+
 _installed: list[Backend] = []
 _watchers: dict[str, list[Callable[[], None]]] = {}
 
 
 def after_import(module: str, callback: Callable[[], None]) -> None:
     """Call ``callback`` once ``module`` has been imported (now, if it already has been)."""
-    if module in sys.modules:
+    loaded = sys.modules.get(module)
+    initializing = getattr(getattr(loaded, "__spec__", None), "_initializing", False)
+    if loaded is not None and not initializing:
         callback()
     else:
         _watchers.setdefault(module, []).append(callback)
@@ -79,7 +86,8 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if (fullname not in BACKENDS and fullname not in _watchers) or fullname in self._busy:
+        watched = fullname in BACKENDS or fullname in _watchers or fullname in WATCHED_EARLY
+        if not watched or fullname in self._busy:
             return None
         self._busy.add(fullname)
         try:

@@ -15,6 +15,7 @@ then hooks:
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import math
 import os
 import random
@@ -60,13 +61,20 @@ class TFBackend:
         self.layer_stack: list[int] = []
         self.scopes: dict[str, tuple[int, int]] = {}  # graph name scope -> (module, source)
         self.variables: list[TrackedVariable] = []
+        self._making_own_variables = False
+        self.evaluating = False  # inside Keras evaluate/predict (see _mark_evaluation)
+        self.noted: set[str] = set()
         self._reset_step()
-        tf.random.set_seed(session.config.seed)
-        self.recorder = TFOpRecorder(self)  # creates nondet's own variables, untracked
-        self._install_hooks()
-        frameworks.after_import("keras", self._install_keras_hooks)
-        session.send_meta({"env": tf_environment()})
-        self._sync_window()
+        try:
+            tf.random.set_seed(session.config.seed)
+            self.recorder = TFOpRecorder(self)
+            self._install_hooks()
+            frameworks.after_import("keras", self._install_keras_hooks)
+            session.send_meta({"env": tf_environment()})
+            self._sync_window()
+        except Exception:
+            self.disable()  # hooks installed before the failure stay, but do nothing
+            raise
 
     def _reset_step(self) -> None:
         self.data: list[tuple[str, list[Fp], int]] = []
@@ -80,7 +88,7 @@ class TFBackend:
 
         def creator(next_creator: Any, **kwargs: Any) -> Any:
             variable = next_creator(**kwargs)
-            if not backend.disabled:
+            if not backend.disabled and not backend._making_own_variables:
                 backend._track(variable)
             return variable
 
@@ -96,7 +104,8 @@ class TFBackend:
         def gradient(tape: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
             if backend.disabled:
                 return original_gradient(tape, target, *args, **kwargs)
-            backend._note_loss(target)
+            with backend.guarded():
+                backend._note_loss(target)
             previous, backend.phase = backend.phase, Phase.BACKWARD
             try:
                 return original_gradient(tape, target, *args, **kwargs)
@@ -112,7 +121,7 @@ class TFBackend:
         @functools.wraps(original_next)
         @tf.autograph.experimental.do_not_convert
         def iterator_next(iterator: Any) -> Any:
-            if backend.disabled or not tf.executing_eagerly():
+            if backend.disabled or backend.evaluating or not tf.executing_eagerly():
                 return original_next(iterator)
             previous, backend.phase = backend.phase, Phase.DATA
             try:
@@ -120,9 +129,10 @@ class TFBackend:
             finally:
                 backend.phase = previous
             tensors = tf.nest.flatten(element)
-            fps = backend.recorder.entry("tf_data", "iterator next", tensors)
-            if fps:
-                backend.data.append(("tf_data:iterator next", fps, 0))
+            with backend.guarded():
+                fps = backend.recorder.entry("tf_data", "iterator next", tensors)
+                if fps:
+                    backend.data.append(("tf_data:iterator next", fps, 0))
             return element
 
         iterator_ops.OwnedIterator.__next__ = iterator_next  # type: ignore[method-assign]
@@ -182,6 +192,28 @@ class TFBackend:
             return result
 
         BaseOptimizer.apply = apply  # type: ignore[method-assign]
+        self._mark_evaluation()
+
+    def _mark_evaluation(self) -> None:
+        """``evaluate``/``predict`` (also ``fit``'s validation) do not train: what their
+        functions read and compute is not part of the next training step."""
+        try:
+            from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+        except ImportError:  # another Keras layout: validation counts into the next step
+            return
+        backend = self
+        for method in ("evaluate", "predict"):
+            original = getattr(TensorFlowTrainer, method)
+
+            def not_training(model: Any, *args: Any, _original: Any = original,
+                             **kwargs: Any) -> Any:
+                outer, backend.evaluating = backend.evaluating, True
+                try:
+                    return _original(model, *args, **kwargs)
+                finally:
+                    backend.evaluating = outer
+
+            setattr(TensorFlowTrainer, method, functools.wraps(original)(not_training))
 
     def _layer_id(self, layer: Any) -> int:
         path = getattr(layer, "path", None) or getattr(layer, "name", "")
@@ -264,13 +296,22 @@ class TFBackend:
 
     # -- after a traced function ran -----------------------------------------------------------
     def after_function(self) -> None:
+        training_records = len(self.recorder.records)
         data, updates = self.recorder.collect()
+        if self.evaluating:
+            del self.recorder.records[training_records:]
+            return
         loss = self.recorder.take_loss()
         if loss is not None:
             fp, self.loss_value = loss
             self.losses.append(fp)
         if data:
             self.data.append(("tf_data:IteratorGetNext", data, 0))
+        if updates > 1 and not self.explicit:
+            self.note_once("steps_per_execution", (
+                "one traced call made several training steps (Keras steps_per_execution > 1): "
+                "they share one weights snapshot and the op records of the first; for a "
+                "step-exact finding, compile with steps_per_execution=1"))
         for _ in range(updates):
             if not self.explicit:
                 self.boundary()
@@ -278,6 +319,36 @@ class TFBackend:
     # -- window, pause ---------------------------------------------------------------------------
     def _sync_window(self) -> None:
         self.recorder.set_window(not self.disabled and self.session.captures_ops())
+
+    def note_once(self, key: str, text: str) -> None:
+        """A note on the capture itself, shown with the report (see pipeline.capture_notes)."""
+        if key not in self.noted:
+            self.noted.add(key)
+            self.session.send_facts({f"capture_note.{key}": text})
+
+    def hook_failed(self) -> None:
+        """A hook raised: report it once (a nondet bug: exit 3, with a log) and stop
+        capturing, so that the script itself runs on."""
+        if not self.disabled:
+            self.session.send_meta({"hook_error": traceback.format_exc()})
+        self.disable()
+
+    @contextmanager
+    def guarded(self) -> Any:
+        """Runs nondet's part of a hook; an error in it must not reach the script."""
+        try:
+            yield
+        except Exception:
+            self.hook_failed()
+
+    @contextmanager
+    def own_variables(self) -> Any:
+        """Variables made in here are nondet's: not tracked as the script's state."""
+        self._making_own_variables = True
+        try:
+            yield
+        finally:
+            self._making_own_variables = False
 
     @contextmanager
     def _paused(self) -> Any:
@@ -378,7 +449,12 @@ class TFBackend:
     def probe(self, value: Any, name: str) -> bool:
         if self.disabled or not isinstance(value, (tf.Tensor, tf.Variable)):
             return False
-        self.recorder.entry("probe", name, [tf.convert_to_tensor(value)])
+        if not tf.executing_eagerly():  # a symbolic tensor: there is no value to take here
+            self.note_once("probe_in_graph", "nondet.probe() inside a tf.function is ignored: "
+                           "call it on the function's result, outside")
+            return True
+        with self.guarded():
+            self.recorder.entry("probe", name, [tf.convert_to_tensor(value)])
         return True
 
     def finish(self, status: str) -> str:
@@ -405,7 +481,8 @@ class TFBackend:
 
     def disable(self) -> None:
         self.disabled = True
-        self.recorder.active = False
+        if hasattr(self, "recorder"):
+            self.recorder.active = False
 
 
 def _group_fp(items: list[tuple[str, np.ndarray]]) -> int:
@@ -442,11 +519,9 @@ def tf_environment() -> dict[str, str]:
     gpus = tf.config.list_physical_devices("GPU")
     env["tf.devices"] = ", ".join(d.name for d in tf.config.list_physical_devices()) or "cpu"
     env["tf.gpu_count"] = str(len(gpus))
-    try:
-        import keras
-
-        env["keras_version"] = keras.__version__
-    except ImportError:  # pragma: no cover - Keras ships with TF 2.16+
+    try:  # from the package metadata: keras may be half-imported (it imports tensorflow)
+        env["keras_version"] = importlib.metadata.version("keras")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - ships with TF 2.16+
         pass
     return env
 

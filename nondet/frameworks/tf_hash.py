@@ -29,7 +29,9 @@ _INT_OF_SIZE = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
 
 
 def hashable(t: Any) -> bool:
-    return getattr(t, "dtype", None) in HASHABLE
+    """A dense tensor of a dtype we can hash (sparse and ragged values are composites of
+    dense tensors, hashed where their components are made)."""
+    return isinstance(t, tf.Tensor) and t.dtype in HASHABLE
 
 
 def host(t: Any) -> int:

@@ -5,14 +5,25 @@ Debugger V2): eager ops are fingerprinted as they run; graph ops (``tf.function`
 Note [Graph instrumentation]
 At trace time, every graph op whose outputs must be hashed gets, next to it, an in-graph
 fingerprint of each output written into a slot of one int64 buffer variable
-(``content + 1``, so 0 means "did not run"), guarded by a ``tf.cond`` on a boolean
+(``content + 1``, so 0 means "did not run"), guarded by an ``If`` op on a boolean
 variable that is true only during steps with op-level capture: graphs are traced once but
-run every step, and outside the op window the guard skips all the work. Only the slots
+run every step, and outside the op window the guard skips all the work. The guard's two
+branches are functions traced once per dtype and shared by all ops (``tf.cond`` would
+trace two graphs per op: tracing a Keras CNN took 20 s instead of 4). Only the slots
 leave the device. When a traced function has run (its eager call shows up in the eager
 callback), nondet reads the slots, zeroes them, and turns the graph's op table (built at
 trace time, in creation order, which is deterministic unlike execution order) into
 records. Data entering the graph (``IteratorGetNext``) and optimizer updates are recorded
 outside the guard, because step boundaries and the step's data need them every step.
+
+The guard must stay a real ``If`` op, not the ``Switch``/``Merge`` that ``tf.cond`` is
+lowered to by default: lowered, the hashed tensor's buffer is held by the dead branch for a
+timing-dependent while, so whether the next op may reuse that buffer in place varies from
+run to run, and ``AddN`` sums its inputs starting from whichever buffer it reuses. Measured
+on bench/model_tf.py: with lowered guards, two captured runs of the same seeded script
+differed within six steps; with ``If`` ops, they match (as plain runs do). The identity
+that consumers see depends on the guard, so the guard has let go of the tensor before any
+consumer runs. Data ops, hashed every step, are not guarded.
 
 Outputs that are pure functions of their inputs (``DERIVED_OPS``) are not hashed: their
 fingerprints are derived from their inputs' (Note [Derived fingerprints] in
@@ -39,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
+from tensorflow.python.framework.func_graph import FuncGraph
+from tensorflow.python.ops import gen_functional_ops
 
 from nondet.fingerprint import MASK64, combine, name_code
 from nondet.frameworks.fp import Fp
@@ -84,6 +97,7 @@ _CONTROL_FLOW_GRAPHS = frozenset({
     "_WhileBodyGradFuncGraph",
 })
 _CAPACITY = 1 << 18  # slots in the buffer variable: outputs of all graphs traced in a run
+_SLOT_MARGIN = 4096  # kept free for the graph inputs and control-flow outputs of one op
 
 
 @dataclass
@@ -105,17 +119,18 @@ class GraphOp:
     fps: list[Fp] = field(default_factory=list)  # of the last execution
 
 
-class TFOpRecorder:
-    """Eager records in execution order, graph records from the slots (module Note)."""
+class RecorderVariables:
+    """nondet's own variables. Made on first use, not at import: making a variable starts
+    TensorFlow's runtime, after which the script's own set-up calls
+    (``tf.config.threading.set_intra_op_parallelism_threads``, ``set_memory_growth``,
+    ``set_visible_devices``) would raise."""
 
-    def __init__(self, backend: TFBackend) -> None:
-        self.backend = backend
-        self.session = backend.session
+    def __init__(self, window: bool) -> None:
         self.hasher = GraphHasher()
         with tf.init_scope():
             self.buffer = tf.Variable(tf.zeros([_CAPACITY], tf.int64), trainable=False,
                                       name="nondet_slots")
-            self.window_flag = tf.Variable(False, trainable=False, name="nondet_window")
+            self.window_flag = tf.Variable(window, trainable=False, name="nondet_window")
             self.updates = tf.Variable(tf.zeros([], tf.int64), trainable=False,
                                        name="nondet_updates")
             # the loss of a traced step (see carry_loss): its content hash + 1, and its value
@@ -123,6 +138,42 @@ class TFOpRecorder:
                                          name="nondet_loss_hash")
             self.loss_value = tf.Variable(tf.constant(math.nan, tf.float64), trainable=False,
                                           name="nondet_loss")
+        self._guards: dict[Any, tuple[Any, Any]] = {}
+
+    def guard(self, dtype: Any) -> tuple[Any, Any]:
+        """The two branches of the guard for tensors of ``dtype``, traced once per dtype
+        (a ``tf.cond`` per op would trace two small graphs per op, which made tracing a
+        Keras model many times slower): ``then`` hashes its tensor into the given slot,
+        ``otherwise`` does nothing; both take the tensor, the slot and ``then``'s captured
+        variables, as an ``If`` op requires."""
+        if dtype not in self._guards:
+            hasher, buffer = self.hasher, self.buffer
+
+            def write(t: tf.Tensor, slot: tf.Tensor) -> tf.Tensor:
+                buffer.scatter_nd_update([[slot]], [hasher.content(t) + 1])
+                return tf.constant(True)
+
+            def skip(t: tf.Tensor, slot: tf.Tensor, *captured: tf.Tensor) -> tf.Tensor:
+                return tf.constant(False)
+
+            specs = (tf.TensorSpec(None, dtype), tf.TensorSpec([], tf.int32))
+            with tf.init_scope():
+                then = tf.function(write, autograph=False).get_concrete_function(*specs)
+                captured = [tf.TensorSpec(c.shape, c.dtype) for c in then.captured_inputs]
+                otherwise = tf.function(skip, autograph=False).get_concrete_function(
+                    *specs, *captured)
+            self._guards[dtype] = (then, otherwise)
+        return self._guards[dtype]
+
+
+class TFOpRecorder:
+    """Eager records in execution order, graph records from the slots (module Note)."""
+
+    def __init__(self, backend: TFBackend) -> None:
+        self.backend = backend
+        self.session = backend.session
+        self._vars: RecorderVariables | None = None
+        self.full = False  # no slot left: see _stop_instrumenting
         self.loss_meta: tuple[int, ...] | None = None  # set once a traced graph carries a loss
         self.instrument = backend.session.config.op_steps != []
         self.table: list[GraphOp] = []
@@ -136,11 +187,18 @@ class TFOpRecorder:
         self._local = threading.local()
         op_callbacks.add_op_callback(self._callback)
 
+    @property
+    def vars(self) -> RecorderVariables:
+        if self._vars is None:
+            with self.backend.own_variables():
+                self._vars = RecorderVariables(self.active)
+        return self._vars
+
     # -- window ----------------------------------------------------------------------------
     def set_window(self, on: bool) -> None:
         self.active = on
-        if self.instrument:
-            self.window_flag.assign(on)
+        if self.instrument and self._vars is not None:  # else made with this value
+            self._vars.window_flag.assign(on)
         if not on:
             self.cache = {}
 
@@ -153,15 +211,22 @@ class TFOpRecorder:
         op_type = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
         self._local.busy = True
         try:
+            if self._vars is None and graph is None:
+                # An eager op has run, so the runtime is up: make nondet's variables now
+                # rather than in the middle of a trace (made there, they missed that
+                # trace's first data write).
+                self.vars  # noqa: B018
             if graph is not None:
-                if self.instrument and _recordable_graph(graph):
+                if self.instrument and not self.full and _recordable_graph(graph):
                     return self._trace(op_type, inputs, outputs, op_name or op_type, graph)
             elif op_type.startswith("__inference_") or op_type.startswith("__forward_"):
                 self.backend.after_function()
             elif op_type.endswith("Dataset") or "DatasetV" in op_type:
                 self._note_dataset(attrs)
-            elif self.active:
+            elif self.active and not self.backend.evaluating:
                 self._eager(op_type, inputs, outputs)
+        except Exception:
+            self.backend.hook_failed()  # the script goes on, uncaptured; the report says why
         finally:
             self._local.busy = False
         return None
@@ -224,7 +289,7 @@ class TFOpRecorder:
         if "CPU" in (getattr(t, "device", "") or "CPU"):
             fp.content = host(t)
         else:  # pragma: no cover - no GPU here
-            fp.content = int(self.hasher.content(t).numpy())
+            fp.content = int(self.vars.hasher.content(t).numpy())
         fp.finalize()
         return fp
 
@@ -256,6 +321,9 @@ class TFOpRecorder:
         (ops nothing depends on may be pruned from a function)."""
         outputs = list(outputs or ())
         if op_type in SKIPPED_OPS or op_type in LATE_OPS:
+            return None
+        if self.next_slot + len(outputs) + _SLOT_MARGIN > _CAPACITY:
+            self._stop_instrumenting()
             return None
         backend = self.backend
         numeric = [t for t in outputs if hashable(t)]
@@ -335,28 +403,38 @@ class TFOpRecorder:
         return self.where.get((gid, t.name), (-1, 0))
 
     def _slot(self) -> int:
-        if self.next_slot >= _CAPACITY:
-            raise RuntimeError("nondet: too many graph ops to capture (more than "
-                               f"{_CAPACITY} outputs traced)")
+        if self.next_slot >= _CAPACITY:  # _SLOT_MARGIN makes this a nondet bug
+            raise RuntimeError(f"more than {_CAPACITY} graph outputs traced")
         slot, self.next_slot = self.next_slot, self.next_slot + 1
         return slot
 
-    def _write(self, t: Any, slot: int, always: bool) -> Any:
-        """The in-graph write of ``t``'s fingerprint into ``slot`` (module Note)."""
-        def write() -> tf.Tensor:
-            value = self.hasher.content(tf.stop_gradient(t)) + 1
-            with tf.control_dependencies([self.buffer.scatter_nd_update([[slot]], [value])]):
-                return tf.constant(True)
+    def _stop_instrumenting(self) -> None:
+        """The slot buffer is full (a function retraced again and again, e.g. one called
+        with a new Python number each step): graphs traced from now on run uninstrumented."""
+        self.full = True
+        self.backend.note_once("graph_capacity", (
+            f"op-level capture stopped instrumenting new TensorFlow graphs after {_CAPACITY} "
+            "traced outputs: a tf.function is probably retraced on every call (pass tensors, "
+            "not Python numbers, or give it an input_signature)"))
 
+    def _write(self, t: Any, slot: int, always: bool) -> Any:
+        """The in-graph write of ``t``'s fingerprint into ``slot``: an ``If`` op on the
+        window flag over the shared guard functions (module Note); ``always``: unguarded."""
         if always:
-            return write()
-        return tf.cond(self.window_flag, write, lambda: tf.constant(False))
+            value = self.vars.hasher.content(tf.stop_gradient(t)) + 1
+            with tf.control_dependencies([self.vars.buffer.scatter_nd_update([[slot]],
+                                                                             [value])]):
+                return tf.constant(True)
+        then, otherwise = self.vars.guard(t.dtype)
+        inputs = [tf.stop_gradient(t), tf.constant(slot, tf.int32), *then.captured_inputs]
+        return gen_functional_ops._if(self.vars.window_flag, inputs, [tf.bool],
+                                      then_branch=then, else_branch=otherwise)[0]
 
     def count_update(self) -> None:
         """In a graph being traced: count an optimizer update when the graph runs."""
         self._local.busy = True
         try:
-            self.updates.assign_add(1)
+            self.vars.updates.assign_add(1)
         finally:
             self._local.busy = False
 
@@ -369,9 +447,9 @@ class TFOpRecorder:
         self._local.busy = True
         try:
             t = tf.stop_gradient(target)
-            self.loss_hash.assign(self.hasher.content(t) + 1)
+            self.vars.loss_hash.assign(self.vars.hasher.content(t) + 1)
             scalar = t.shape.is_fully_defined() and t.shape.num_elements() == 1
-            self.loss_value.assign(tf.cast(tf.reshape(t, []) if scalar else math.nan,
+            self.vars.loss_value.assign(tf.cast(tf.reshape(t, []) if scalar else math.nan,
                                            tf.float64))
             self.loss_meta = _describe(t)
         finally:
@@ -381,22 +459,22 @@ class TFOpRecorder:
         """The loss carried out of the function that just ran, if it computed one."""
         if self.loss_meta is None:
             return None
-        stored = int(self.loss_hash.numpy())
+        stored = int(self.vars.loss_hash.numpy())
         if not stored:
             return None
-        self.loss_hash.assign(0)
-        return self._from_slot(stored, self.loss_meta), float(self.loss_value.numpy())
+        self.vars.loss_hash.assign(0)
+        return self._from_slot(stored, self.loss_meta), float(self.vars.loss_value.numpy())
 
     # -- after a traced function ran -----------------------------------------------------------
     def collect(self) -> tuple[list[Fp], int]:
         """Read the slots of the function that just ran: data fingerprints of this call
         and how many optimizer updates it made. Op records are added if in the window."""
-        updates = int(self.updates.numpy())
+        updates = int(self.vars.updates.numpy()) if self._vars is not None else 0
         new_updates, self.updates_seen = updates - self.updates_seen, updates
         if self.next_slot == 0:
             return [], new_updates
-        values = self.buffer[: self.next_slot].numpy()
-        self.buffer[: self.next_slot].assign(tf.zeros([self.next_slot], tf.int64))
+        values = self.vars.buffer[: self.next_slot].numpy()
+        self.vars.buffer[: self.next_slot].assign(tf.zeros([self.next_slot], tf.int64))
         data: list[Fp] = []
         for op in self.table:
             op.fps = []
@@ -457,9 +535,12 @@ def _recordable_graph(graph: Any) -> bool:
     and nested functions are seen as the control-flow op that runs them (their gradient
     machinery does not accept state captured from outside), and tf.data's own functions
     run on its threads, for many elements at once (the batches they make are recorded)."""
+    if not isinstance(graph, FuncGraph):
+        return False  # a TF1-style graph (``with tf.Graph().as_default()``): not ours to change
     while graph is not None:
-        if str(getattr(graph, "name", "")).startswith("Dataset_"):
-            return False
+        name = str(getattr(graph, "name", ""))
+        if name.startswith("Dataset_") or name.startswith("scratch_graph"):
+            return False  # tf.data's functions; Keras' shape inference (never run)
         if type(graph).__name__ in _CONTROL_FLOW_GRAPHS:
             return False
         graph = getattr(graph, "outer_graph", None)

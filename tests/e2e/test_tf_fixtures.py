@@ -35,3 +35,14 @@ def test_fixture(case: Case, tmp_path: Path) -> None:
         # graph outputs are hashed in the graph: the report says sizes were not measured
         assert found["mismatched_elements"] is None
         assert "sizes are not measured for TensorFlow ops" in found["notes"]
+
+
+def test_capture_does_not_make_a_deterministic_conv_net_diverge(tmp_path: Path) -> None:
+    # The benchmark's Keras CNN repeats exactly when run plainly. Capture once made it
+    # diverge within a few steps: lowered tf.cond guards held tensors for a timing-dependent
+    # while, which changed which input buffer AddN reused and so its summation order
+    # (tf_ops.py, Note [Graph instrumentation]).
+    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "bench/model_tf.py",
+                     "--steps", "8", cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("nondet: deterministic"), result.stdout

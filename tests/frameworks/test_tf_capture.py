@@ -22,16 +22,18 @@ tf.keras.utils.set_random_seed(0)
 """
 
 
-def capture(tmp_path: Path, body: str, op_steps: list[int] | None = None) -> Capture:
-    return run_script(tmp_path, body, op_steps)[0]
+def capture(
+    tmp_path: Path, body: str, op_steps: list[int] | None = None, header: str = HEADER
+) -> Capture:
+    return run_script(tmp_path, body, op_steps, header)[0]
 
 
 def run_script(
-    tmp_path: Path, body: str, op_steps: list[int] | None = None
+    tmp_path: Path, body: str, op_steps: list[int] | None = None, header: str = HEADER
 ) -> tuple[Capture, RunResult]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "train.py"
-    script.write_text(HEADER + textwrap.dedent(body))
+    script.write_text(header + textwrap.dedent(body))
     run = CapturedRun(Target(str(script), None, ()), Plan("t", op_steps), 0, tmp_path / "out")
     run.start()
     result = run.wait()
@@ -181,3 +183,75 @@ def test_a_script_importing_both_frameworks(tmp_path: Path, trains: str) -> None
     names = {r["name"] for r in records(c, 0)}
     expected = "aten.addmm.default" if trains == "torch" else "Sin"
     assert expected in names
+
+
+FIT = """
+import numpy as np
+x = np.random.default_rng(0).normal(size=(40, 3)).astype("float32")
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="hidden"),
+                          keras.layers.Dense(1, name="out")])
+model.compile(optimizer="sgd", loss="mse")
+"""
+
+
+def test_set_up_calls_after_importing_tensorflow_still_work(tmp_path: Path) -> None:
+    # TensorFlow refuses these once its runtime has started: nondet must not start it
+    c = capture(tmp_path, """
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        tf.config.set_visible_devices([], "GPU")
+        w = tf.Variable(tf.ones([3]))
+        opt = tf.keras.optimizers.SGD(0.1)
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.sin(w))
+            opt.apply_gradients([(tape.gradient(loss, [w])[0], w)])
+        """, op_steps=[0])
+    assert c.n_steps == 2 and c.env["tf.intra_op_threads"] == "1"
+    variables = {c.string(int(r["name"])) for r in c.tensor_rows(0)}
+    assert variables and not any("nondet_" in v for v in variables), variables
+
+
+def test_a_script_that_imports_keras_first(tmp_path: Path) -> None:
+    # Keras 3 imports tensorflow half-way through its own import
+    c = capture(tmp_path, FIT + """
+model.fit(x, x[:, :1], batch_size=8, epochs=1, shuffle=False, verbose=0)
+""", op_steps=[0], header='import os\nos.environ["KERAS_BACKEND"] = "tensorflow"\nimport keras\n')
+    assert c.n_steps == 5
+    assert {"hidden", "out"} <= {r["module"] for r in records(c, 0)}
+
+
+def test_validation_in_fit_is_not_counted_into_training(tmp_path: Path) -> None:
+    fit = "model.fit(x, x[:, :1], batch_size=8, epochs=2, shuffle=False, verbose=0{})\n"
+    header = HEADER + "keras = tf.keras\n"
+    plain = capture(tmp_path / "plain", FIT + fit.format(""), op_steps=[4, 5], header=header)
+    validated = capture(tmp_path / "validated", FIT + fit.format(
+        ", validation_data=(x[::-1], x[::-1, :1]), validation_batch_size=8"),
+        op_steps=[4, 5], header=header)
+    assert plain.n_steps == validated.n_steps == 10
+    for field in ("data_fp", "params_fp", "loss_fp"):
+        assert list(plain.steps[field]) == list(validated.steps[field]), field
+    assert records(plain, 5) == records(validated, 5)  # step 5 follows epoch 1's validation
+
+
+def test_hook_trouble_never_reaches_the_script(tmp_path: Path) -> None:
+    c = capture(tmp_path, """
+        import nondet
+        sparse = tf.sparse.from_dense(tf.eye(4))
+        ragged = tf.ragged.constant([[1.0], [2.0, 3.0], [], [4.0]])
+        ds = tf.data.Dataset.from_tensor_slices((sparse, ragged, tf.ones([4, 2]))).batch(2)
+        w = tf.Variable(tf.ones([2]))
+        opt = tf.keras.optimizers.SGD(0.1)
+
+        @tf.function
+        def step(dense):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(dense * w)
+                nondet.probe(loss, "loss in graph")
+            opt.apply_gradients([(tape.gradient(loss, [w])[0], w)])
+
+        for _, _, dense in ds:
+            step(dense)
+        """, op_steps=[0, 1])
+    assert c.n_steps == 2
+    assert any("probe() inside a tf.function" in str(v) for v in c.facts.values())

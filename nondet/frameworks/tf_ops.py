@@ -89,6 +89,9 @@ CONTROL_FLOW_OPS = frozenset({
 #: function inputs (a Placeholder's own instrumentation would be pruned from the function).
 LATE_OPS = CONTROL_FLOW_OPS | {"Placeholder"}
 #: Ops whose outputs are data entering the computation.
+#: Eager ops that run a traced function (its slots are read right after): a plain call, and
+#: under an eager GradientTape its forward and, during ``tape.gradient``, its backward.
+_FUNCTION_CALLS = ("__inference_", "__forward_", "__backward_")
 DATA_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue"})
 ENTRY_KINDS_OF = {"Placeholder": "external", "ReadVariableOp": "variable"}
 #: Graphs of tf.cond/tf.while_loop bodies and their gradients (not nested tf.functions).
@@ -219,7 +222,7 @@ class TFOpRecorder:
             if graph is not None:
                 if self.instrument and not self.full and _recordable_graph(graph):
                     return self._trace(op_type, inputs, outputs, op_name or op_type, graph)
-            elif op_type.startswith("__inference_") or op_type.startswith("__forward_"):
+            elif op_type.startswith(_FUNCTION_CALLS):
                 self.backend.after_function()
             elif op_type.endswith("Dataset") or "DatasetV" in op_type:
                 self._note_dataset(attrs)
@@ -342,7 +345,8 @@ class TFOpRecorder:
                 f"{op_type}{NODE_SEP}{node}")
         op = GraphOp(
             kind=Kind.ENTRY if entry else Kind.OP,
-            phase=int(Phase.DATA if data else backend.phase),
+            phase=int(Phase.DATA if data else
+                      Phase.BACKWARD if _backward_graph(graph) else backend.phase),
             name_id=self.session.intern(name), module=module, source=source, slots=[],
             meta=[_describe(t) for t in numeric], producers=producers,
             derived=op_type in DERIVED_OPS and not entry, code=name_code(op_type),
@@ -528,6 +532,12 @@ class TFOpRecorder:
         ]
         self.records = []
         return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)
+
+
+def _backward_graph(graph: Any) -> bool:
+    """The gradient function TensorFlow builds for a function called under an eager tape:
+    it is traced along with the forward call, while nondet's phase is still "forward"."""
+    return str(getattr(graph, "name", "")).startswith("__backward_")
 
 
 def _recordable_graph(graph: Any) -> bool:

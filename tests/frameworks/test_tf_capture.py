@@ -255,3 +255,24 @@ def test_hook_trouble_never_reaches_the_script(tmp_path: Path) -> None:
         """, op_steps=[0, 1])
     assert c.n_steps == 2
     assert any("probe() inside a tf.function" in str(v) for v in c.facts.values())
+
+
+def test_a_function_differentiated_by_an_eager_tape_records_its_backward_in_that_step(
+    tmp_path: Path,
+) -> None:
+    c = capture(tmp_path, """
+        w = tf.Variable(tf.ones([3]))
+        opt = tf.keras.optimizers.SGD(0.1)
+
+        @tf.function
+        def forward(w):
+            return tf.reduce_sum(tf.tanh(w) * 3.0)
+
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = forward(w)
+            opt.apply_gradients([(tape.gradient(loss, [w])[0], w)])
+        """, op_steps=[0, 1])
+    for step in (0, 1):  # each step's own backward, read when it ran (not at the next call)
+        backward = [r["name"] for r in records(c, step) if r["phase"] == "backward"]
+        assert "TanhGrad" in backward, (step, backward)

@@ -535,7 +535,7 @@ def _data_entry_divergence(a: Capture, b: Capture,
             else "data" if entry_kind in ("dataloader", "tf_data") else "forward",
             op=what, module="", source=source or None,
             entry_kind=entry_kind if entry_kind in ENTRY_KINDS else "external",
-            numel=int(ra["numel"]),
+            numel=int(ra["numel"]) if int(ra["numel"]) >= 0 else None,
             notes=["named from the step-level record of the data that entered; the op-level "
                    "records do not cover this step"])
         div.source_text = source_text(a, div.source)

@@ -8,7 +8,8 @@ then hooks:
   fingerprinted when training starts and after each step (random generator states too);
 - Keras: layer calls (module paths), optimizer creation (training starts) and updates
   (the step boundary: directly in eager code, counted in-graph for ``tf.function``/``fit``);
-- ``GradientTape.gradient`` (backward phase, and the loss in eager code);
+- ``GradientTape.gradient`` (backward phase, and the loss: hashed in eager code, carried
+  out of traced steps by ``TFOpRecorder.carry_loss``);
 - tf.data iterators used from Python (data entering).
 """
 
@@ -32,6 +33,7 @@ from nondet import frameworks
 from nondet.capture import Session, StopRun
 from nondet.fingerprint import bytes_fp, combine, host_content, host_words, name_code
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.tf_hash import hashable
 from nondet.frameworks.tf_ops import TFOpRecorder
 from nondet.records import TENSOR_DTYPE, Group, Phase
 
@@ -54,7 +56,6 @@ class TFBackend:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.disabled = False
-        self.paused = False
         self.phase = Phase.INIT
         self.started = False
         self.explicit = False
@@ -77,10 +78,9 @@ class TFBackend:
             raise
 
     def _reset_step(self) -> None:
-        self.data: list[tuple[str, list[Fp], int]] = []
+        self.data: list[tuple[str, list[Fp], int]] = []  # (label, fingerprints, numel or -1)
         self.losses: list[Fp] = []
         self.loss_value = math.nan
-        self.updates_pending = 0
 
     # -- hooks ---------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -132,7 +132,8 @@ class TFBackend:
             with backend.guarded():
                 fps = backend.recorder.entry("tf_data", "iterator next", tensors)
                 if fps:
-                    backend.data.append(("tf_data:iterator next", fps, 0))
+                    numel = sum(t.shape.num_elements() or 0 for t in tensors if hashable(t))
+                    backend.data.append(("tf_data:iterator next", fps, numel))
             return element
 
         iterator_ops.OwnedIterator.__next__ = iterator_next  # type: ignore[method-assign]
@@ -306,7 +307,7 @@ class TFBackend:
             fp, self.loss_value = loss
             self.losses.append(fp)
         if data:
-            self.data.append(("tf_data:IteratorGetNext", data, 0))
+            self.data.append(("tf_data:IteratorGetNext", data, -1))  # size not known here
         if updates > 1 and not self.explicit:
             self.note_once("steps_per_execution", (
                 "one traced call made several training steps (Keras steps_per_execution > 1): "
@@ -353,11 +354,10 @@ class TFBackend:
     @contextmanager
     def _paused(self) -> Any:
         was, self.recorder.active = self.recorder.active, False
-        self.paused = True
         try:
             yield
         finally:
-            self.recorder.active, self.paused = was, False
+            self.recorder.active = was
 
     # -- step-level state ------------------------------------------------------------------------
     def _live_variables(self) -> list[tuple[TrackedVariable, Any]]:

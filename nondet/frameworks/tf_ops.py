@@ -30,11 +30,11 @@ fingerprints are derived from their inputs' (Note [Derived fingerprints] in
 torch_dispatch.py), on the host. The inputs of a graph op are known from the graph, so an
 input's fingerprint is its producer's: nothing extra is hashed for inputs.
 
-TODO: Limitations
-- Ops inside ``tf.cond``/``tf.while_loop`` bodies and nested functions are not recorded one by
-  one: the control-flow or call op that runs them is (``If``, ``While``,
-  ``StatefulPartitionedCall``), so a difference made inside is attributed to it. Running the
-  functions eagerly (``tf.config.run_functions_eagerly(True)``) shows every op.
+Limitations
+- Ops inside ``tf.cond``/``tf.while_loop`` bodies are not recorded one by one: the
+  control-flow op that runs them is (``If``, ``While``), so a difference made inside is
+  attributed to it. Running the functions eagerly (``tf.config.run_functions_eagerly(True)``)
+  shows every op. Nested ``tf.function`` graphs are recorded like top-level ones.
 - Graphs compiled with XLA (``jit_compile=True``) are instrumented like others, untested.
 - Ops in graphs traced before nondet's hooks were installed are not seen.
 """
@@ -44,6 +44,8 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -212,6 +214,7 @@ class TFOpRecorder:
         if getattr(self._local, "busy", False) or self.backend.disabled:
             return None
         op_type = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
+        # busy was False (checked above); the plain flag, not _quiet(): this runs for every op
         self._local.busy = True
         try:
             if self._vars is None and graph is None:
@@ -233,6 +236,16 @@ class TFOpRecorder:
         finally:
             self._local.busy = False
         return None
+
+    @contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """Ops made in here are nondet's own: the callback leaves them alone."""
+        was = getattr(self._local, "busy", False)
+        self._local.busy = True
+        try:
+            yield
+        finally:
+            self._local.busy = was
 
     def _note_dataset(self, attrs: Any) -> None:
         """Remember where a tf.data stage that may reorder its elements was built
@@ -436,11 +449,8 @@ class TFOpRecorder:
 
     def count_update(self) -> None:
         """In a graph being traced: count an optimizer update when the graph runs."""
-        self._local.busy = True
-        try:
+        with self._quiet():
             self.vars.updates.assign_add(1)
-        finally:
-            self._local.busy = False
 
     def carry_loss(self, target: Any) -> None:
         """In a graph being traced: the loss ``tape.gradient`` differentiates is symbolic, so
@@ -448,16 +458,13 @@ class TFOpRecorder:
         end, where ``take_loss`` reads them."""
         if not hashable(target):
             return
-        self._local.busy = True
-        try:
+        with self._quiet():
             t = tf.stop_gradient(target)
             self.vars.loss_hash.assign(self.vars.hasher.content(t) + 1)
             scalar = t.shape.is_fully_defined() and t.shape.num_elements() == 1
             self.vars.loss_value.assign(tf.cast(tf.reshape(t, []) if scalar else math.nan,
                                            tf.float64))
             self.loss_meta = _describe(t)
-        finally:
-            self._local.busy = False
 
     def take_loss(self) -> tuple[Fp, float] | None:
         """The loss carried out of the function that just ran, if it computed one."""
@@ -541,10 +548,10 @@ def _backward_graph(graph: Any) -> bool:
 
 
 def _recordable_graph(graph: Any) -> bool:
-    """Only ops of top-level traced functions are recorded: ops in tf.cond/while_loop bodies
-    and nested functions are seen as the control-flow op that runs them (their gradient
-    machinery does not accept state captured from outside), and tf.data's own functions
-    run on its threads, for many elements at once (the batches they make are recorded)."""
+    """Ops of traced functions (nested ones too) are recorded; not those of tf.cond/while_loop
+    bodies, seen as the control-flow op that runs them (their gradient machinery does not
+    accept state captured from outside), nor tf.data's own functions, which run on its
+    threads for many elements at once (the batches they make are recorded)."""
     if not isinstance(graph, FuncGraph):
         return False  # a TF1-style graph (``with tf.Graph().as_default()``): not ours to change
     while graph is not None:

@@ -10,14 +10,16 @@ state before the first step. An optional ``node=`` names a TensorFlow graph node
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 _EXPECTED = re.compile(r"^Expected(?:\[(?P<args>[^\]]*)\])?: (?P<body>.*?)\s*$")
 _MARKER = re.compile(r"# nondet: expected-source(?:\[(?P<args>[^\]]*)\])?\s*$")
@@ -60,6 +62,18 @@ def check_declarations(folder: Path, all_cases: list[Case]) -> None:
         if case.expected["kind"] != "none":
             assert case.source_line, f"{case.id}: no expected-source marker"
             assert case.expected.get("fix"), f"{case.id}: no expected fix id"
+
+
+def run_case(
+    case: Case, tmp_path: Path, options: Sequence[str] = ()
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+    """``nondet run [options]`` on the fixture through the real CLI: its result and JSON
+    report (None if none was written)."""
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", *options, "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    return result, report
 
 
 def check_finding(case: Case, result: subprocess.CompletedProcess[str],

@@ -3,13 +3,12 @@ code. The expected findings are declared by the fixtures (tests/e2e/fixture_case
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import FIXTURES, REPO, run_cli
-from tests.e2e.fixture_cases import Case, cases, check_declarations, check_finding
+from tests.e2e.fixture_cases import Case, cases, check_declarations, check_finding, run_case
 
 pytest.importorskip("tensorflow")
 pytestmark = [pytest.mark.e2e, pytest.mark.tensorflow]
@@ -23,11 +22,7 @@ def test_every_fixture_declares_its_expectation() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_fixture(case: Case, tmp_path: Path) -> None:
-    report_path = tmp_path / "report.json"
-    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "--json", str(report_path),
-                     str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
-    found = check_finding(case, result, report)
+    found = check_finding(case, *run_case(case, tmp_path))
     if found is None:
         return
     assert found["localized"] and found["op_index"] is not None

@@ -6,13 +6,12 @@ tests/e2e/fixture_cases.py).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURES, REPO, run_cli
-from tests.e2e.fixture_cases import Case, cases, check_declarations, check_finding
+from tests.conftest import FIXTURES, REPO
+from tests.e2e.fixture_cases import Case, cases, check_declarations, check_finding, run_case
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.e2e
@@ -26,11 +25,7 @@ def test_every_fixture_declares_its_expectation() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_fixture(case: Case, tmp_path: Path) -> None:
-    report_path = tmp_path / "report.json"
-    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "--json", str(report_path),
-                     str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
-    found = check_finding(case, result, report)
+    found = check_finding(case, *run_case(case, tmp_path))
     if found is None:
         return
     assert found["numel"] and found["numel"] > 0
@@ -49,11 +44,10 @@ def test_other_schedules_find_the_same_op(options: list[str], tmp_path: Path) ->
     """One run after the other (as on GPU machines), and op capture of every step, reach
     the same finding as the default lockstep schedule."""
     case = next(c for c in CASES if c.script.name == "racy_sum.py" and not c.args)
-    report_path = tmp_path / "report.json"
-    result = run_cli("run", "-q", *options, "--out", str(tmp_path / "out"), "--json",
-                     str(report_path), str(case.script.relative_to(REPO)), cwd=REPO)
+    result, report = run_case(case, tmp_path, options)
     assert result.returncode == 1, result.stdout + result.stderr
-    found = json.loads(report_path.read_text())["first_divergence"]
+    assert report is not None
+    found = report["first_divergence"]
     assert (found["kind"], found["step"], found["phase"], found["op"], found["module"]) == (
         "op", 3, "forward", "fixtures.racy_sum.default", "encoder.mixer")
     assert found["source"] == f"{case.script.relative_to(REPO)}:{case.source_line}"

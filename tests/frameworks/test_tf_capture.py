@@ -38,6 +38,7 @@ def run_script(
     run.start()
     result = run.wait()
     assert result.status == "complete", result.log_tail()
+    assert not result.hook_error, result.hook_error  # nondet's hooks never failed
     return open_capture(result.path), result
 
 

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 from nondet.capture import Session
 
 BACKENDS: dict[str, str] = {
-    "torch": "nondet.frameworks.pytorch",
-    "tensorflow": "nondet.frameworks.tensorflow_backend",
+    "torch": "nondet.frameworks.torch",
+    "tensorflow": "nondet.frameworks.tensorflow",
 }
 
 

@@ -36,7 +36,7 @@ def test_capture_does_not_make_a_deterministic_conv_net_diverge(tmp_path: Path) 
     # The benchmark's Keras CNN repeats exactly when run plainly. Capture once made it
     # diverge within a few steps: lowered tf.cond guards held tensors for a timing-dependent
     # while, which changed which input buffer AddN reused and so its summation order
-    # (tf_ops.py, Note [Graph instrumentation]).
+    # (tensorflow/ops.py, Note [Graph instrumentation]).
     result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "bench/model_tf.py",
                      "--steps", "8", cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -9,7 +9,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from nondet.fingerprint import CHUNK_WORDS, MASK64  # noqa: E402
-from nondet.frameworks.tf_hash import GraphHasher, host  # noqa: E402
+from nondet.frameworks.tensorflow.hashing import GraphHasher, host  # noqa: E402
 
 HASHER = GraphHasher()
 DTYPES = [tf.bool, tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16,
@@ -49,7 +49,7 @@ def test_every_position_and_order_counts() -> None:
 @pytest.mark.parametrize("dtype", ["float32", "int64", "float16", "bool", "uint8"])
 def test_same_bytes_same_fingerprint_as_torch(dtype: str) -> None:
     torch = pytest.importorskip("torch")
-    from nondet.frameworks.torch_hash import TorchHasher
+    from nondet.frameworks.torch.hashing import TorchHasher
 
     values = np.random.default_rng(1).normal(size=(37, 5)) * 10
     array = values > 0 if dtype == "bool" else values.astype(dtype)

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys  # noqa: E402
-from nondet.frameworks.torch_hash import HOST_LIMIT, TorchHasher  # noqa: E402
+from nondet.frameworks.torch.hashing import HOST_LIMIT, TorchHasher  # noqa: E402
 
 HASHER = TorchHasher()
 

@@ -3,7 +3,7 @@
 Installed right after the script imports tensorflow. It seeds TF (and Keras when imported),
 then hooks:
 
-- the op callbacks (tf_ops.py): eager ops as they run, graph ops when traced;
+- the op callbacks (tensorflow/ops.py): eager ops as they run, graph ops when traced;
 - variable creation (a variable creator): every ``tf.Variable`` with the line that made it,
   fingerprinted when training starts and after each step (random generator states too);
 - Keras: layer calls (module paths), optimizer creation (training starts) and updates
@@ -33,13 +33,9 @@ from nondet import frameworks
 from nondet.capture import Session, StopRun
 from nondet.fingerprint import bytes_fp, combine, host_content, host_words, name_code
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.tf_hash import hashable
-from nondet.frameworks.tf_ops import TFOpRecorder
+from nondet.frameworks.tensorflow.hashing import hashable
+from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.records import TENSOR_DTYPE, Group, Phase
-
-
-def create(session: Session) -> TFBackend:
-    return TFBackend(session)
 
 
 @dataclass

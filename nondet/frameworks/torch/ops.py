@@ -62,7 +62,7 @@ from nondet.frameworks.fp import Fp
 from nondet.records import OP_DTYPE, Flag, Kind, Phase
 
 if TYPE_CHECKING:
-    from nondet.frameworks.pytorch import TorchBackend
+    from nondet.frameworks.torch.backend import TorchBackend
 
 #: In-place ops whose result does not depend on the old value of the tensor they write.
 OVERWRITE_OPS = frozenset(

@@ -27,7 +27,7 @@ consumer runs. Data ops, hashed every step, are not guarded.
 
 Outputs that are pure functions of their inputs (``DERIVED_OPS``) are not hashed: their
 fingerprints are derived from their inputs' (Note [Derived fingerprints] in
-torch_dispatch.py), on the host. The inputs of a graph op are known from the graph, so an
+torch/ops.py), on the host. The inputs of a graph op are known from the graph, so an
 input's fingerprint is its producer's: nothing extra is hashed for inputs.
 
 Limitations
@@ -57,11 +57,11 @@ from tensorflow.python.ops import gen_functional_ops
 
 from nondet.fingerprint import MASK64, combine, name_code
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.tf_hash import GraphHasher, hashable, host
+from nondet.frameworks.tensorflow.hashing import GraphHasher, hashable, host
 from nondet.records import NODE_SEP, OP_DTYPE, Kind, Phase
 
 if TYPE_CHECKING:
-    from nondet.frameworks.tensorflow_backend import TFBackend
+    from nondet.frameworks.tensorflow.backend import TFBackend
 
 #: Elementwise ops (and pass-throughs) whose outputs are derived, not hashed.
 DERIVED_OPS = frozenset({

@@ -10,7 +10,7 @@ Installed right after the user's script imports torch. It seeds torch, then hook
 - module calls (global forward hooks): module paths, and parameter names from root modules;
 - DataLoader iteration and ``torch.from_numpy``/``as_tensor``/``tensor``/``frombuffer``: data
   entering from outside, with the loader's settings as facts for the recipe;
-- ``CaptureMode`` (torch_dispatch.py) during steps that get op-level capture.
+- ``CaptureMode`` (torch/ops.py) during steps that get op-level capture.
 
 Step numbering: "init" (step -1) lasts until training starts, i.e. an optimizer is created
 (or, without one, the first DataLoader batch or root-module call); steps count from 0.
@@ -33,13 +33,9 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 
 from nondet.capture import Session, StopRun
 from nondet.fingerprint import bytes_fp, combine, scalar_value
-from nondet.frameworks.torch_dispatch import CaptureMode, Fp, OpRecorder, tensors_in
-from nondet.frameworks.torch_hash import TorchHasher
+from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.ops import CaptureMode, Fp, OpRecorder, tensors_in
 from nondet.records import TENSOR_DTYPE, Group, Kind, Phase
-
-
-def create(session: Session) -> TorchBackend:
-    return TorchBackend(session)
 
 
 class TorchBackend:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from nondet import channel
+from nondet.frameworks.base import Backend, StopRun
 from nondet.records import INIT_STEP, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 
 CONFIG_ENV = "NONDET_CHILD_CONFIG"
@@ -32,10 +33,6 @@ _CURRENT: Session | None = None
 def current() -> Session | None:
     """The session of this process, or None when not running under nondet."""
     return _CURRENT
-
-
-class StopRun(BaseException):
-    """Raised at a step boundary to end the run early (BaseException: user code won't catch it)."""
 
 
 @dataclass
@@ -80,7 +77,7 @@ class Session:
         self._strings: dict[str, int] = {}
         self._string_list: list[str] = []
         self._new_strings: list[str] = []
-        self.backends: list[Any] = []  # installed framework backends (see frameworks/)
+        self.backends: list[Backend] = []  # installed framework backends (see frameworks/)
         self.sources = SourceLocator(self)
         self.final: dict[str, Any] = {}  # final loss and weights digest, sent with END
         self.pid = os.getpid()
@@ -181,7 +178,7 @@ class Session:
             # it needs (launch.Lockstep holds both runs here) and lets us go.
             channel.wait_for_turn(self.config.control_fd, self._send_kept)
 
-    def trained_elsewhere(self, backend: Any) -> bool:
+    def trained_elsewhere(self, backend: Backend) -> bool:
         """True if another framework's backend saw training while ``backend`` did not: in a
         script that imports both frameworks, the idle one must not add steps or weights."""
         return not backend.started and any(

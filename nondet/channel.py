@@ -119,3 +119,9 @@ def wait_for_turn(fd: int, on_dump: Callable[[int, int], None]) -> bytes:
 
 def dump_request(step: int, index: int) -> bytes:
     return DUMP_REQUEST + f" {step} {index}\n".encode()
+
+
+# META keys (JSON objects sent with META; later keys win)
+ENV = "env"  # environment entries: versions, devices, switches
+HOOK_ERROR = "hook_error"  # traceback of an exception inside nondet's hooks (a nondet bug)
+DUMP_DONE = "dump_done"  # [step, index, count]: the kept outputs asked for have been sent

@@ -16,33 +16,13 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, Protocol
 
-from nondet.capture import Session
+from nondet.frameworks.base import Backend, Session
 
 BACKENDS: dict[str, str] = {
     "torch": "nondet.frameworks.torch",
     "tensorflow": "nondet.frameworks.tensorflow",
 }
-
-
-class Backend(Protocol):
-    """What the session needs from a framework."""
-
-    name: str
-    started: bool  # saw the first training step (or init); see Session.trained_elsewhere
-
-    def explicit_step(self) -> None:
-        """``nondet.step()`` was called: end the current step now."""
-
-    def probe(self, value: Any, name: str) -> bool:
-        """Fingerprint ``value`` if it is this framework's tensor; True if handled."""
-
-    def finish(self, status: str) -> str:
-        """The script ended with ``status``: flush what is pending; return the final status."""
-
-    def disable(self) -> None:
-        """Stop capturing (forked child processes)."""
 
 
 #: Packages a backend watches for, which may be imported *before* their framework: Keras 3

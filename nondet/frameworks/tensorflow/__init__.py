@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from nondet.capture import Session
+from nondet.frameworks.base import Session
 from nondet.frameworks.tensorflow.backend import TFBackend
 
 

@@ -45,9 +45,9 @@ import math
 import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import tensorflow as tf
@@ -56,12 +56,22 @@ from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import gen_functional_ops
 
 from nondet.fingerprint import MASK64, combine, name_code
+from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.tensorflow.hashing import GraphHasher, hashable, host
 from nondet.records import NODE_SEP, OP_DTYPE, Kind, Phase
 
-if TYPE_CHECKING:
-    from nondet.frameworks.tensorflow.backend import TFBackend
+
+class TFHost(RecorderHost, Protocol):
+    """What the recorder asks of the TensorFlow backend (it never imports the backend)."""
+
+    evaluating: bool
+
+    def own_variables(self) -> AbstractContextManager[None]: ...
+
+    def after_function(self) -> None: ...
+
+    def graph_origin(self, op_name: str, output: Any) -> tuple[int, int]: ...
 
 #: Elementwise ops (and pass-throughs) whose outputs are derived, not hashed.
 DERIVED_OPS = frozenset({
@@ -174,7 +184,7 @@ class RecorderVariables:
 class TFOpRecorder:
     """Eager records in execution order, graph records from the slots (module Note)."""
 
-    def __init__(self, backend: TFBackend) -> None:
+    def __init__(self, backend: TFHost) -> None:
         self.backend = backend
         self.session = backend.session
         self._vars: RecorderVariables | None = None
@@ -278,7 +288,7 @@ class TFOpRecorder:
         if op_type in DERIVED_OPS and kind == Kind.OP:
             fps = [self._derive(name_code(op_type), ins, t) for t in outs_t]
         else:
-            fps = [self._hash_eager(t) for t in outs_t]
+            fps = [self.hash_eager(t) for t in outs_t]
         for t, fp in zip(outs_t, fps, strict=True):
             self._remember(t, fp)
         self.records.append((kind, phase, 0, name, module, source, fps, ins, _numel(outs_t[0])))
@@ -287,7 +297,7 @@ class TFOpRecorder:
         hit = self.cache.get(id(t))
         if hit is not None and hit[0]() is t:
             return hit[1]
-        fp = self._remember(t, self._hash_eager(t))
+        fp = self._remember(t, self.hash_eager(t))
         self.records.append((Kind.ENTRY, phase, 0, self.session.intern("external:tensor"),
                              module, source, [fp], [], _numel(t)))
         return fp
@@ -299,7 +309,7 @@ class TFOpRecorder:
             pass
         return fp
 
-    def _hash_eager(self, t: Any) -> Fp:
+    def hash_eager(self, t: Any) -> Fp:
         fp = Fp()
         fp.meta = _describe(t)
         if "CPU" in (getattr(t, "device", "") or "CPU"):
@@ -316,9 +326,19 @@ class TFOpRecorder:
         fp.finalize()
         return fp
 
+    def remember_eager(self, t: Any) -> Fp:
+        """Fingerprint of an eager tensor, remembered so later ops see it as known."""
+        return self._remember(t, self.hash_eager(t))
+
+    def add_record(self, kind: Kind, name: str, fps: list[Fp], value: Any) -> None:
+        """A record made by the backend itself (a probe) at the current place in the script."""
+        self.records.append((kind, int(self.backend.phase), 0, self.session.intern(name),
+                             self.backend.current_module(), self.session.sources.here(3), fps,
+                             [], _numel(value)))
+
     def entry(self, kind: str, what: str, tensors: list[Any]) -> list[Fp]:
         """Data entering from outside in eager code (e.g. a tf.data iterator's next)."""
-        fps = [self._remember(t, self._hash_eager(t)) for t in tensors if hashable(t)]
+        fps = [self._remember(t, self.hash_eager(t)) for t in tensors if hashable(t)]
         if self.active and fps:
             source = self.session.sources.here(3)
             if kind == "tf_data" and self.reordering_stage >= 0:

@@ -3,7 +3,7 @@ recorder) and ``hashing`` (tensor fingerprints on the tensor's device)."""
 
 from __future__ import annotations
 
-from nondet.capture import Session
+from nondet.frameworks.base import Session
 from nondet.frameworks.torch.backend import TorchBackend
 
 

@@ -51,18 +51,31 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nondet.fingerprint import combine, name_code, scalar_value
+from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.records import OP_DTYPE, Flag, Kind, Phase
 
-if TYPE_CHECKING:
-    from nondet.frameworks.torch.backend import TorchBackend
+
+class TorchHost(RecorderHost, Protocol):
+    """What the recorder asks of the torch backend (it never imports the backend)."""
+
+    hasher: TorchHasher
+
+    def tensor_name(self, t: torch.Tensor) -> str | None: ...
+
+    def node_origin(self, node: Any) -> tuple[int, int]: ...
+
+    def dump_and_exit(self, tensors: list[torch.Tensor]) -> None: ...
+
+    def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None: ...
 
 #: In-place ops whose result does not depend on the old value of the tensor they write.
 OVERWRITE_OPS = frozenset(
@@ -168,7 +181,7 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
 class OpRecorder:
     """Fingerprint cache, pending device values and the current step's records."""
 
-    def __init__(self, backend: TorchBackend) -> None:
+    def __init__(self, backend: TorchHost) -> None:
         self.backend = backend
         self.session = backend.session
         self.hasher = backend.hasher

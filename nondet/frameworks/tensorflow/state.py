@@ -1,0 +1,121 @@
+"""What a TensorFlow run's state is made of: every variable the script makes, grouped as
+parameters, buffers, optimizer state and random-generator state; and what its environment
+looks like. Plain functions and records: no hooks."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from nondet.fingerprint import combine, host_content, host_words, name_code
+from nondet.frameworks.base import StepState, TensorRow
+from nondet.records import Group
+
+
+@dataclass
+class TrackedVariable:
+    ref: weakref.ref[Any]
+    name: str
+    source: str
+    group: Group  # PARAM (trainable), BUFFER, OPTIM or DATA (random generator states)
+
+
+def variable_group(variable: Any, creating_files: str) -> Group:
+    """The group of a variable, from who made it (the files on the stack at creation)."""
+    if "stateful_random_ops" in creating_files:
+        return Group.DATA  # a random generator's state: reported with the RNG state
+    if "/optimizers/" in creating_files:
+        return Group.OPTIM
+    if getattr(variable, "trainable", False):
+        return Group.PARAM
+    return Group.BUFFER
+
+
+def values_fp(values: list[np.ndarray]) -> int:
+    """One fingerprint for a group of host arrays: their words concatenated, plus dtypes
+    and shapes (0 when the group is empty)."""
+    if not values:
+        return 0
+    content = host_content([host_words(v) for v in values])
+    return combine((content, *(name_code(str(v.dtype)) for v in values),
+                    *(d for v in values for d in (v.ndim, *v.shape))))
+
+
+def read_variables(tracked: list[tuple[TrackedVariable, Any]]
+                   ) -> dict[Group, list[tuple[str, np.ndarray]]]:
+    """Host copies of the live tracked variables, by group (unreadable ones are skipped:
+    uninitialized or remote variables have nothing to compare)."""
+    groups: dict[Group, list[tuple[str, np.ndarray]]] = {g: [] for g in Group}
+    for entry, variable in tracked:
+        try:
+            value = np.asarray(variable.numpy())
+        except Exception:
+            continue
+        groups[entry.group].append((entry.name, value))
+    return groups
+
+
+def state_of(groups: dict[Group, list[tuple[str, np.ndarray]]], detailed: bool) -> StepState:
+    """The step-level state from the variables' host copies. TensorFlow's own RNG state is
+    its generators' state variables (``Group.DATA``); gradients are not variables: the TF
+    backend fills them in where it sees them (eager ``apply``)."""
+    params = [v for _, v in groups[Group.PARAM]]
+    floats = [v for v in params if v.dtype.kind == "f"]
+    state = StepState(
+        params=values_fp(params),
+        buffers=values_fp([v for _, v in groups[Group.BUFFER]]),
+        optim=values_fp([v for _, v in groups[Group.OPTIM]]),
+        params_sum=float(sum(np.sum(v, dtype=np.float64) for v in floats))
+        if floats else math.nan,
+        rng=[values_fp([v]) for _, v in groups[Group.DATA]],
+    )
+    if detailed:
+        for group in (Group.PARAM, Group.BUFFER, Group.OPTIM, Group.DATA):
+            for name, value in groups[group]:
+                total = float(np.sum(value, dtype=np.float64)) if value.dtype.kind == "f" \
+                    else math.nan
+                maxabs = float(np.max(np.abs(value))) if value.dtype.kind == "f" and value.size \
+                    else math.nan
+                state.tensors.append(TensorRow(group, f"variable {name}", values_fp([value]),
+                                               total, maxabs, value.size))
+    return state
+
+
+def tf_facts() -> dict[str, Any]:
+    from tensorflow.python.framework import config
+
+    return {
+        "tf.op_determinism": bool(config.is_op_determinism_enabled()),
+        "tf.intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "tf.inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
+        "tf.onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1") not in ("0", "false"),
+    }
+
+
+def tf_environment() -> dict[str, str]:
+    build = tf.sysconfig.get_build_info()
+    env = {
+        "tensorflow_version": tf.__version__,
+        "tf.cuda_version": str(build.get("cuda_version", "(none)")),
+        "tf.cudnn_version": str(build.get("cudnn_version", "(none)")),
+        "tf.intra_op_threads": str(tf.config.threading.get_intra_op_parallelism_threads()),
+        "tf.inter_op_threads": str(tf.config.threading.get_inter_op_parallelism_threads()),
+    }
+    from tensorflow.python.framework import config
+
+    env["tf.op_determinism"] = str(config.is_op_determinism_enabled())
+    gpus = tf.config.list_physical_devices("GPU")
+    env["tf.devices"] = ", ".join(d.name for d in tf.config.list_physical_devices()) or "cpu"
+    env["tf.gpu_count"] = str(len(gpus))
+    try:  # from the package metadata: keras may be half-imported (it imports tensorflow)
+        env["keras_version"] = importlib.metadata.version("keras")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - ships with TF 2.16+
+        pass
+    return env

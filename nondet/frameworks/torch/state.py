@@ -1,0 +1,125 @@
+"""What a torch run's state is made of, and what its environment looks like: named
+parameters, buffers and optimizer state in a stable order, host copies of tensors, the
+versions and determinism switches in force. Plain functions over torch objects: no hooks."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+Named = list[tuple[str, Any]]
+
+
+def named_state(roots: list[torch.nn.Module],
+                optimizers: list[weakref.ref[torch.optim.Optimizer]],
+                param_names: dict[int, str]) -> tuple[Named, Named, Named]:
+    """Named parameters, buffers and optimizer state, in a stable order. Parameters an
+    optimizer updates but no root module owns are named after their optimizer slot."""
+    params: dict[int, tuple[str, torch.Tensor]] = {}
+    buffers: dict[int, tuple[str, torch.Tensor]] = {}
+    for root in roots:
+        for p in root.parameters():
+            params.setdefault(id(p), (param_names.get(id(p), "?"), p))
+        for b in root.buffers():
+            buffers.setdefault(id(b), (param_names.get(id(b), "?"), b))
+    optim: Named = []
+    for oi, ref in enumerate(optimizers):
+        opt = ref()
+        if opt is None:
+            continue
+        for gi, group in enumerate(opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                name = param_names.get(id(p)) or f"optimizer{oi}.group{gi}.param{pi}"
+                params.setdefault(id(p), (name, p))
+                state = opt.state.get(p, {})
+                for key in sorted(state, key=str):
+                    optim.append((f"{name}:{key}", state[key]))
+    return list(params.values()), list(buffers.values()), optim
+
+
+def module_paths(root: torch.nn.Module, prefix: str) -> Iterator[tuple[str, Any]]:
+    """(path, object) of a root's submodules, parameters and buffers, ``prefix`` first."""
+    def joined(name: str) -> str:
+        return ".".join(x for x in (prefix, name) if x)
+
+    for name, sub in root.named_modules():
+        yield joined(name), sub
+    for name, p in root.named_parameters():
+        yield joined(name), p
+    for name, b in root.named_buffers():
+        yield joined(name), b
+
+
+def leaf_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors in a batch: a tensor, or dicts, lists and tuples of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from leaf_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from leaf_tensors(item)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A host copy with the same values (fp8/bf16/fp16 widened exactly to float32)."""
+    t = t.detach().resolve_conj().resolve_neg().cpu()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.dtype in (torch.bfloat16, torch.float16) or (
+        t.is_floating_point() and t.element_size() == 1
+    ):
+        t = t.float()  # exact: every bf16/fp16/fp8 value is a float32 value
+    elif t.dtype == torch.complex32:
+        t = t.to(torch.complex64)
+    return t.numpy().copy()
+
+
+def torch_facts() -> dict[str, Any]:
+    return {
+        "torch.deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "torch.num_threads": torch.get_num_threads(),
+        "cudnn.benchmark": bool(torch.backends.cudnn.benchmark),
+        "cudnn.deterministic": bool(torch.backends.cudnn.deterministic),
+    }
+
+
+def torch_environment(initialized: bool) -> dict[str, str]:
+    """Versions, devices, threads and determinism switches as seen by this run."""
+    env = {
+        "torch_version": torch.__version__,
+        "cuda_version": str(torch.version.cuda or "(none)"),
+        "torch.num_threads": str(torch.get_num_threads()),
+        "torch.num_interop_threads": str(torch.get_num_interop_threads()),
+        "torch.deterministic_algorithms": str(torch.are_deterministic_algorithms_enabled()),
+        "torch.deterministic_warn_only": str(
+            torch.is_deterministic_algorithms_warn_only_enabled()),
+        "torch.float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn.benchmark": str(torch.backends.cudnn.benchmark),
+        "cudnn.deterministic": str(torch.backends.cudnn.deterministic),
+        "cudnn.allow_tf32": str(torch.backends.cudnn.allow_tf32),
+        "cuda.matmul.allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
+    }
+    try:
+        env["cudnn_version"] = str(torch.backends.cudnn.version() or "(none)")
+    except Exception:  # pragma: no cover - depends on the build
+        env["cudnn_version"] = "(none)"
+    # Device names need CUDA initialized; do not be the one to initialize it at import.
+    if initialized and torch.cuda.is_available():  # pragma: no cover - no GPU here
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        env["device_name"] = ", ".join(names)
+        env["cuda_device_count"] = str(len(names))
+        env["cuda_capability"] = ", ".join(
+            ".".join(map(str, torch.cuda.get_device_capability(i))) for i in range(len(names)))
+        try:
+            env["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            env["nccl_version"] = "(none)"
+    else:
+        env.setdefault("device_name", "cpu")
+    return env

@@ -17,3 +17,8 @@ class NondetError(Exception):
 
 class ScriptFailed(NondetError):
     """The user's script exited with an error in one or both runs."""
+
+
+class Terminated(KeyboardInterrupt):
+    """nondet got SIGTERM (CI cancel, ``timeout``, ``docker stop``): end like Ctrl-C, but the
+    children did not get the signal, so it is forwarded to them (exit 143)."""

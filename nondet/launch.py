@@ -129,6 +129,8 @@ class CapturedRun:
         self._result_cache: RunResult | None = None
         self._end_reported = False
         self._pipe_closed = False
+        self._ctrl_w = -1  # parent end of the control pipe, once started
+        self._ctrl_lock = threading.Lock()
         self.writer: CaptureWriter | None = None
         self._log: BinaryIO | None = None
         # One handler per frame kind (channel.KINDS); a kind not listed is ignored.
@@ -210,10 +212,22 @@ class CapturedRun:
         self.send_control(channel.STOP)
 
     def send_control(self, message: bytes) -> None:
-        try:
-            os.write(self._ctrl_w, message)
-        except (OSError, AttributeError):
-            pass  # the child is gone (or never started)
+        with self._ctrl_lock:  # never write to a closed (perhaps reused) descriptor
+            if self._ctrl_w < 0:
+                return  # never started, or already collected
+            try:
+                os.write(self._ctrl_w, message)
+            except OSError:
+                pass  # the child is gone
+
+    def _close_control(self) -> None:
+        with self._ctrl_lock:
+            if self._ctrl_w >= 0:
+                try:
+                    os.close(self._ctrl_w)
+                except OSError:
+                    pass
+                self._ctrl_w = -1
 
     def request_kept(self, step: int, index: int, timeout: float = 120.0
                      ) -> list[np.ndarray] | None:
@@ -276,10 +290,7 @@ class CapturedRun:
             return
         for thread in self._threads:
             thread.join(timeout=30)
-        try:
-            os.close(self._ctrl_w)
-        except OSError:
-            pass
+        self._close_control()
         try:
             self._log.close()
         except OSError:

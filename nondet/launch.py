@@ -252,7 +252,7 @@ class CapturedRun:
             code = self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"run {self.plan.label} still running after {timeout} s") from None
-        except KeyboardInterrupt as exc:
+        except (KeyboardInterrupt, Terminated) as exc:
             self.interrupt(forward=isinstance(exc, Terminated))
             raise
         self._finish_threads()
@@ -281,7 +281,7 @@ class CapturedRun:
                 return self._proc.wait(timeout=patience)
             except subprocess.TimeoutExpired:
                 continue
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, Terminated):
                 continue
         return self._proc.wait(timeout=30)
 

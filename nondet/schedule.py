@@ -126,7 +126,7 @@ def _run_alone(run: Run, status: StatusSink | None) -> RunResult:
     run.start()
     try:
         return run.wait()  # a run alone never waits for nondet: this is the script's time
-    except KeyboardInterrupt as exc:
+    except (KeyboardInterrupt, Terminated) as exc:
         run.interrupt(forward=isinstance(exc, Terminated))
         raise
 
@@ -186,9 +186,8 @@ class Lockstep:
                 turns.release()  # whatever happened, no run is left waiting for a word
             results = (self._collect(a), self._collect(b))
         except BaseException as exc:
-            forward = isinstance(exc, Terminated) or not isinstance(exc, KeyboardInterrupt)
-            for run in started:
-                run.interrupt(forward=forward)
+            # Ctrl-C reached the children too; anything else (SIGTERM, a bug) did not.
+            _interrupt_all(started, forward=not isinstance(exc, KeyboardInterrupt))
             raise
         return check_result(results[0]), check_result(results[1])
 
@@ -199,6 +198,16 @@ class Lockstep:
             return run.wait(timeout=self.exit_grace)
         except TimeoutError:
             return run.interrupt(forward=True)
+
+
+def _interrupt_all(runs: list[Run], forward: bool) -> None:
+    """End every run at once (each gets its grace in parallel: `docker stop` waits 10 s)."""
+    threads = [threading.Thread(target=run.interrupt, kwargs={"forward": forward}, daemon=True)
+               for run in runs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)  # interrupt() itself ends within ~20 s
 
 
 class Turns:

@@ -283,7 +283,10 @@ class CapturedRun:
                 continue
             except (KeyboardInterrupt, Terminated):
                 continue
-        return self._proc.wait(timeout=30)
+        try:
+            return self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            return -signal.SIGKILL  # not reaped (uninterruptible sleep): give up waiting
 
     def _finish_threads(self) -> None:
         if self._log is None or self._log.closed:

@@ -164,3 +164,15 @@ def test_control_words_are_not_sent_after_the_pipe_is_closed(tmp_path: Path) -> 
     run.send_control(channel.STOP)  # no error, and no write to a reused descriptor
     assert os.read(ctrl_r, 10) == b""  # EOF: nothing was written
     os.close(ctrl_r)
+
+
+def test_disk_full_before_the_run_starts_is_one_line(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(self: CaptureWriter, path: Path, attrs: dict[str, object]) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CaptureWriter, "__init__", full)
+    run = CapturedRun(Target(None, "train"), Plan("a", []), 0, tmp_path)
+    with pytest.raises(NondetError, match=r"^no space left on /\S* while writing "):
+        run.start()
+    assert not run.running()

@@ -155,6 +155,7 @@ class CapturedRun:
             lockstep=self.plan.lockstep, keep_bytes=self.plan.keep_bytes,
         )
         try:
+            _ensure_space(self.path, 0)
             self.writer = self._open_writer()
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in _finish_threads
         except OSError as exc:
@@ -399,6 +400,7 @@ class CapturedRun:
         if handler is None:
             return
         try:
+            _ensure_space(self.path, len(payload))
             handler(payload)
         except OSError as exc:  # the capture file cannot be written (disk full, I/O error)
             self._write_failed(exc, self.path)
@@ -467,6 +469,22 @@ class CapturedRun:
     def _on_end_frame(self, payload: bytes) -> None:
         self.end = channel.End.decode(json.loads(payload))
         self._ended()
+
+
+#: Space left free on the capture's filesystem: HDF5 cannot be stopped cleanly once a write
+#: has failed (it may leave the file unreadable, or crash in h5py), so nondet stops writing
+#: while there is still room to close the file (everything before the last step is flushed).
+RESERVE_BYTES = 1 << 20
+
+
+def _ensure_space(path: Path, nbytes: int) -> None:
+    """Raise ENOSPC before a write that would leave less than RESERVE_BYTES free."""
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return  # cannot tell: let the write itself say
+    if st.f_bavail * st.f_frsize < RESERVE_BYTES + 2 * nbytes:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
 
 def write_failure(path: Path, exc: OSError) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,3 +153,39 @@ def test_disk_full_exits_2_with_one_line_and_readable_captures(
     assert "Traceback" not in result.stderr
     capture = open_capture(tmp_path / ".nondet" / "run-a.h5")
     assert capture.status == "write_failed" and capture.n_steps == 2  # steps 0 and 1
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"],
+                           capture_output=True, check=False, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unprivileged user+mount namespaces")
+def test_a_real_full_filesystem_stops_in_time_to_close_the_captures(tmp_path: Path) -> None:
+    """--out on a small tmpfs (in a private mount namespace): nondet stops writing while the
+    files can still be closed, so no h5py crash and both captures open."""
+    out = tmp_path / "small"
+    out.mkdir()
+    check = ("from nondet.store import open_capture\n"
+             f"for label in 'ab':\n"
+             f"    c = open_capture('{out}/run-' + label + '.h5')\n"
+             "    print('capture', label, c.status, c.n_steps)\n")
+    (tmp_path / "check.py").write_text(check)
+    script = (f"mount -t tmpfs -o size=1200k tmpfs {out} || exit 99\n"
+              f"{sys.executable} -m nondet run -q --ops all --out {out} {STEPS} --steps 20000\n"
+              f"echo rc=$?\n"
+              f"{sys.executable} {tmp_path / 'check.py'}\n")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=BOUND,
+                            env={**os.environ, "NO_COLOR": "1"})
+    assert "rc=2" in result.stdout, result.stdout + result.stderr
+    line = _one_error_line(result.stderr)
+    assert f"no space left on {out} while writing {out}/run-" in line
+    assert "Traceback" not in result.stderr and "Segmentation" not in result.stderr
+    captures = [line.split() for line in result.stdout.splitlines()
+                if line.startswith("capture ")]
+    assert [c[2] for c in captures] == ["write_failed", "write_failed"], result.stdout
+    assert all(int(c[3]) > 100 for c in captures)  # everything up to the last flushed step

@@ -206,8 +206,13 @@ def _interrupt_all(runs: list[Run], forward: bool) -> None:
                for run in runs]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + 60  # interrupt() itself ends within ~20 s
     for thread in threads:
-        thread.join(60)  # interrupt() itself ends within ~20 s
+        while thread.is_alive() and time.monotonic() < deadline:
+            try:
+                thread.join(0.5)
+            except (KeyboardInterrupt, Terminated):
+                pass  # a second Ctrl-C: the clean-up goes on (each step of it is bounded)
 
 
 class Turns:

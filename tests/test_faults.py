@@ -98,7 +98,18 @@ def test_sigterm_stops_the_runs_and_exits_143(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "nondet", "run", "-q", STEPS, "--steps",
                              "400", "--sleep", "0.05"], cwd=tmp_path,
                             env={**os.environ, "NO_COLOR": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _terminate_and_check(proc, tmp_path)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a failed test leaves nothing behind
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+
+
+def _terminate_and_check(proc: subprocess.Popen[str], tmp_path: Path) -> None:
     log = tmp_path / ".nondet" / "run-a.log"
     deadline = time.monotonic() + BOUND
     while time.monotonic() < deadline:
@@ -155,6 +166,21 @@ def test_disk_full_exits_2_with_one_line_and_readable_captures(
     assert capture.status == "write_failed" and capture.n_steps == 2  # steps 0 and 1
 
 
+def _run_bounded(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run in its own process group; on timeout kill the whole group (nondet and its runs)
+    and fail, so a regression neither hangs the suite nor leaves processes behind."""
+    proc = subprocess.Popen(command, cwd=cwd, env={**os.environ, "NO_COLOR": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=BOUND)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"still running after {BOUND} s")
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
 def _can_mount_tmpfs() -> bool:
     if shutil.which("unshare") is None:
         return False
@@ -178,9 +204,7 @@ def test_a_real_full_filesystem_stops_in_time_to_close_the_captures(tmp_path: Pa
               f"{sys.executable} -m nondet run -q --ops all --out {out} {STEPS} --steps 20000\n"
               f"echo rc=$?\n"
               f"{sys.executable} {tmp_path / 'check.py'}\n")
-    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=BOUND,
-                            env={**os.environ, "NO_COLOR": "1"})
+    result = _run_bounded(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path)
     assert "rc=2" in result.stdout, result.stdout + result.stderr
     line = _one_error_line(result.stderr)
     assert f"no space left on {out} while writing {out}/run-" in line

@@ -32,14 +32,15 @@ class App:
 
 @contextmanager
 def handle_errors() -> Iterator[None]:
-    """One line and exit 2 for user errors, a log and exit 3 for bugs, 130 for Ctrl-C."""
+    """One line and exit 2 for user errors, a log and exit 3 for bugs, 130 for Ctrl-C,
+    143 for SIGTERM."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     _terminate_on_sigterm()
     try:
         yield
     except Terminated:
-        err.print("nondet: terminated (SIGTERM); the runs were stopped and their captures "
-                  "closed, marked interrupted")
+        err.print("nondet: terminated (SIGTERM); runs stopped, captures written so far "
+                  "closed and marked interrupted")
         sys.exit(ExitCode.TERMINATED)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

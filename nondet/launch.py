@@ -8,8 +8,6 @@ share the machine (lockstep, one after the other) is ``nondet.schedule``.
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import select
 import shlex
@@ -29,8 +27,8 @@ import numpy as np
 from nondet import channel, environment
 from nondet.capture import CONFIG_ENV, ChildConfig
 from nondet.errors import NondetError, Terminated
-from nondet.records import OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 from nondet.store import CaptureWriter
+from nondet.stream import RunStream, ensure_space, write_failure
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
@@ -98,52 +96,30 @@ class RunResult:
 
 
 
-class CapturedRun:
-    """One child process and the threads that store its stream and its output."""
+class CapturedRun(RunStream):
+    """One child process, and the threads that store its stream (``RunStream``) and its
+    output."""
 
     def __init__(self, target: Target, plan: Plan, seed: int, out_dir: Path,
                  on_step: Callable[[CapturedRun, np.void], None] | None = None,
                  echo: bool = False,
                  on_end: Callable[[CapturedRun], None] | None = None) -> None:
+        super().__init__(out_dir / f"run-{plan.label}.h5")
         self.target = target
         self.plan = plan
         self.seed = seed
-        self.path = out_dir / f"run-{plan.label}.h5"
         self.log_path = out_dir / f"run-{plan.label}.log"
         self.on_step = on_step
         self.on_end = on_end
         self.echo = echo
-        self.steps: list[np.void] = []
-        self.ops: dict[int, list[np.ndarray]] = {}  # op records per step, as they arrive
-        self.strings: list[str] = []
-        self.kept: dict[tuple[int, int], list[np.ndarray]] = {}  # answers to dump requests
-        self._incoming: dict[tuple[int, int], list[np.ndarray]] = {}
-        self._dumps_done = threading.Condition()
-        self.end: channel.End | None = None
-        self.hook_error = ""
-        self.write_error = ""
         self._stop_sent = False
         self._interrupted = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
         self._result_cache: RunResult | None = None
-        self._end_reported = False
-        self._pipe_closed = False
         self._ctrl_w = -1  # parent end of the control pipe, once started
         self._ctrl_lock = threading.Lock()
-        self.writer: CaptureWriter | None = None
         self._log: BinaryIO | None = None
-        # One handler per frame kind (channel.KINDS); a kind not listed is ignored.
-        self._handlers: dict[bytes, Callable[[bytes], None]] = {
-            channel.STEP: self._on_step_frame,
-            channel.OPS: self._on_ops_frame,
-            channel.TENSORS: self._on_tensors_frame,
-            channel.STRINGS: self._on_strings_frame,
-            channel.META: self._on_meta_frame,
-            channel.FACTS: self._on_facts_frame,
-            channel.DUMP: self._on_dump_frame,
-            channel.END: self._on_end_frame,
-        }
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -155,7 +131,7 @@ class CapturedRun:
             lockstep=self.plan.lockstep, keep_bytes=self.plan.keep_bytes,
         )
         try:
-            _ensure_space(self.path, 0)
+            ensure_space(self.path, 0)
             self.writer = self._open_writer()
             self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in _finish_threads
         except OSError as exc:
@@ -199,11 +175,6 @@ class CapturedRun:
             "world_size": 1,
             "op_steps": "all" if self.plan.op_steps is None else self.plan.op_steps,
         })
-
-    @property
-    def ended(self) -> bool:
-        """The run will send nothing more (END arrived, or its pipe closed)."""
-        return self._end_reported
 
     def request_stop(self) -> None:
         """Ask the child to stop at its next step boundary (idempotent)."""
@@ -325,14 +296,6 @@ class CapturedRun:
         )
         return self._result_cache
 
-    def _close_writer(self, status: str, code: int | None) -> None:
-        if self.writer is None:
-            return
-        try:
-            self.writer.close(status, code)
-        except OSError:
-            pass  # disk full: the file keeps what was flushed at the last step
-
     # -- threads ---------------------------------------------------------------------------------
     def _pump_output(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
@@ -379,125 +342,3 @@ class CapturedRun:
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since > 1.0:
                     return
-
-    def _ended(self) -> None:
-        """Tell the owner once that this run will send no more steps."""
-        if self._end_reported:
-            return
-        self._end_reported = True
-        with self._dumps_done:
-            self._dumps_done.notify_all()
-        if self.on_end is not None:
-            self.on_end(self)
-
-    # -- frames ------------------------------------------------------------------------------------
-    def _handle(self, kind: bytes, payload: bytes) -> None:
-        """Store one frame. After a write failure the stream is only drained (so the child
-        never blocks on a full pipe) until it ends."""
-        if self.write_error and kind != channel.END:
-            return
-        handler = self._handlers.get(kind)
-        if handler is None:
-            return
-        try:
-            _ensure_space(self.path, len(payload))
-            handler(payload)
-        except OSError as exc:  # the capture file cannot be written (disk full, I/O error)
-            self._write_failed(exc, self.path)
-        except Exception:
-            if not self.write_error:
-                raise
-            # the log writer failed and closed the capture while this frame was stored
-
-    def _write_failed(self, exc: OSError, path: Path) -> None:
-        if self.write_error:
-            return
-        self.write_error = write_failure(path, exc)
-        self.request_stop()
-        self._close_writer(channel.WRITE_FAILED, None)
-
-    def _on_step_frame(self, payload: bytes) -> None:
-        assert self.writer is not None
-        row = np.frombuffer(payload, dtype=STEP_DTYPE)
-        self.writer.add_step(row)
-        self.steps.append(row[0])
-        if self.on_step is not None:
-            self.on_step(self, row[0])
-
-    def _on_ops_frame(self, payload: bytes) -> None:
-        assert self.writer is not None
-        rows = np.frombuffer(payload, dtype=OP_DTYPE)
-        self.writer.add_ops(rows)
-        if len(rows):
-            self.ops.setdefault(int(rows["step"][0]), []).append(rows)
-
-    def _on_tensors_frame(self, payload: bytes) -> None:
-        assert self.writer is not None
-        self.writer.add_tensors(np.frombuffer(payload, dtype=TENSOR_DTYPE))
-
-    def _on_strings_frame(self, payload: bytes) -> None:
-        assert self.writer is not None
-        strings = json.loads(payload)
-        self.writer.add_strings(strings)
-        self.strings.extend(strings)
-
-    def _on_meta_frame(self, payload: bytes) -> None:
-        assert self.writer is not None
-        meta = json.loads(payload)
-        if channel.META_ENV in meta:
-            self.writer.add_env(meta[channel.META_ENV])
-        if channel.META_HOOK_ERROR in meta:
-            self.hook_error = meta[channel.META_HOOK_ERROR]
-        if channel.META_DUMP_DONE in meta:
-            step, index, _ = meta[channel.META_DUMP_DONE]
-            with self._dumps_done:
-                self.kept[(step, index)] = self._incoming.pop((step, index), [])
-                self._dumps_done.notify_all()
-
-    def _on_facts_frame(self, payload: bytes) -> None:
-        assert self.writer is not None
-        self.writer.add_facts(json.loads(payload))
-
-    def _on_dump_frame(self, payload: bytes) -> None:
-        assert self.writer is not None
-        dump = channel.Dump.decode(payload)
-        self.writer.add_dump(dump.name, dump.array, dump.attrs)
-        position = dump.kept_position
-        if position is not None:
-            self._incoming.setdefault(position, []).append(dump.array)
-
-    def _on_end_frame(self, payload: bytes) -> None:
-        self.end = channel.End.decode(json.loads(payload))
-        self._ended()
-
-
-#: Space left free on the capture's filesystem: HDF5 cannot be stopped cleanly once a write
-#: has failed (it may leave the file unreadable, or crash in h5py), so nondet stops writing
-#: while there is still room to close the file (everything before the last step is flushed).
-RESERVE_BYTES = 1 << 20
-
-
-def _ensure_space(path: Path, nbytes: int) -> None:
-    """Raise ENOSPC before a write that would leave less than RESERVE_BYTES free."""
-    try:
-        st = os.statvfs(path.parent)
-    except OSError:
-        return  # cannot tell: let the write itself say
-    if st.f_bavail * st.f_frsize < RESERVE_BYTES + 2 * nbytes:
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
-
-
-def write_failure(path: Path, exc: OSError) -> str:
-    """One line for a capture or log that cannot be written."""
-    text = str(exc)
-    if exc.errno == errno.ENOSPC or "No space left" in text or "errno = 28" in text:
-        return f"no space left on {_mount_point(path)} while writing {path}"
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return f"cannot write {path}: {first}"
-
-
-def _mount_point(path: Path) -> str:
-    current = os.path.realpath(path.parent)
-    while not os.path.ismount(current) and os.path.dirname(current) != current:
-        current = os.path.dirname(current)
-    return current

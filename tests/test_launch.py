@@ -13,9 +13,10 @@ import pytest
 
 from nondet import channel, schedule
 from nondet.errors import NondetError
-from nondet.launch import CapturedRun, Plan, Target, write_failure
+from nondet.launch import CapturedRun, Plan, Target
 from nondet.records import OP_DTYPE, STEP_DTYPE
 from nondet.store import CaptureWriter, open_capture
+from nondet.stream import write_failure
 
 
 def _run(tmp_path: Path) -> tuple[CapturedRun, int]:
@@ -117,7 +118,7 @@ def test_disk_full_stops_the_run_and_keeps_the_capture_readable(
 
 
 def write_failure_mount(path: Path) -> str:
-    from nondet.launch import _mount_point
+    from nondet.stream import _mount_point
 
     return _mount_point(path / "x")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import runpy
+import signal
 import sys
 import traceback
 
@@ -28,6 +29,10 @@ def _exit_code(exc: SystemExit) -> int:
 
 def main() -> int:
     config = ChildConfig.from_env()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started from a background job (shells ignore SIGINT there): nondet forwards
+        # SIGINT to end a run cleanly (on SIGTERM), so it must raise KeyboardInterrupt here.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     session = Session(config)
     capture._CURRENT = session
     os.register_at_fork(after_in_child=_forget_session)

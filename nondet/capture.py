@@ -26,6 +26,8 @@ from nondet.frameworks.base import Backend, StopRun
 from nondet.records import INIT_STEP, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 
 CONFIG_ENV = "NONDET_CHILD_CONFIG"
+#: Longest a finished lockstep run waits for the parent's word before exiting anyway.
+FINISH_WAIT_SECONDS = 600.0
 
 _CURRENT: Session | None = None
 
@@ -49,7 +51,7 @@ class ChildConfig:
     op_steps: list[int] | None = None  # steps with op-level capture; None = every step
     stop_after: int | None = None  # end the run after this step
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
-    lockstep: bool = False  # wait for the parent's go after every step (see launch.Lockstep)
+    lockstep: bool = False  # wait for the parent's go after every step (see schedule.Lockstep)
     keep_bytes: int = 0  # lockstep: keep op outputs of op-captured steps up to this many bytes
 
     def to_env(self) -> str:
@@ -155,28 +157,26 @@ class Session:
         sent = 0
         for backend in self.backends:
             for i, array in enumerate(backend.kept(step, index)):
-                self.send_dump(f"kept-{step}-{index}-out{i}", array,
+                self.send_dump(channel.kept_name(step, index, i), array,
                                {"step": step, "index": index})
                 sent += 1
-        self.writer.send_json(channel.META, {"dump_done": [step, index, sent]})
+        self.writer.send_json(channel.META, {channel.META_DUMP_DONE: [step, index, sent]})
         self.writer.flush()
 
     def send_dump(self, name: str, array: np.ndarray, attrs: dict[str, Any]) -> None:
-        header = dict(attrs, name=name, dtype=array.dtype.str, shape=list(array.shape))
-        payload = json.dumps(header).encode() + b"\n" + np.ascontiguousarray(array).tobytes()
-        self.writer.send(channel.DUMP, payload)
+        self.writer.send(channel.DUMP, channel.Dump(name, array, attrs).encode())
 
     def finish(self, status: str, exit_code: int, error: str = "") -> None:
         self._send_strings()
-        self.writer.send_json(
-            channel.END,
-            {"status": status, "exit_code": exit_code, "error": error[-20000:], **self.final},
-        )
+        self.writer.send_json(channel.END,
+                              channel.End(status, exit_code, error, self.final).encode())
         self.writer.flush()
-        if self.config.lockstep and self.config.keep_bytes and status in ("complete", "failed"):
+        if self.config.lockstep and self.config.keep_bytes and status == channel.COMPLETE:
             # The script ended on its own: stay until the parent has asked for the outputs
-            # it needs (launch.Lockstep holds both runs here) and lets us go.
-            channel.wait_for_turn(self.config.control_fd, self._send_kept)
+            # it needs (schedule.Lockstep holds both runs here) and lets us go. The parent
+            # always lets us go (or closes the pipe); the bound is only a backstop.
+            channel.wait_for_turn(self.config.control_fd, self._send_kept,
+                                  timeout=FINISH_WAIT_SECONDS)
 
     def trained_elsewhere(self, backend: Backend) -> bool:
         """True if another framework's backend saw training while ``backend`` did not: in a

@@ -14,9 +14,14 @@ import json
 import os
 import select
 import struct
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+import numpy as np
+
+# -- frame kinds, child -> parent ----------------------------------------------------------------
 META = b"M"  # JSON: root attributes and environment entries (may repeat; later keys win)
 STRINGS = b"S"  # JSON list of new strings, ids continue from the previous message
 STEP = b"P"  # one STEP_DTYPE row
@@ -25,6 +30,32 @@ OPS = b"O"  # OP_DTYPE rows of one step
 FACTS = b"F"  # JSON: facts the recipe matcher uses (loader settings, unseeded RNGs, ...)
 DUMP = b"D"  # JSON header line, then raw array bytes
 END = b"E"  # JSON: {"status": complete|stopped|failed|interrupted, ...}
+
+KINDS = (META, STRINGS, STEP, TENSORS, OPS, FACTS, DUMP, END)
+
+# -- META keys (one message may carry several) ---------------------------------------------------
+META_ENV = "env"  # dict: environment entries (versions, devices, variables)
+META_HOOK_ERROR = "hook_error"  # str: traceback of an exception inside nondet's hooks
+META_DUMP_DONE = "dump_done"  # [step, index, count]: every kept output of a dump request sent
+
+# -- END payload -------------------------------------------------------------------------------
+END_STATUS = "status"
+END_EXIT_CODE = "exit_code"
+END_ERROR = "error"  # the script's traceback, if it raised
+FINAL_PREFIX = "final_"  # final_params_fp, ...: digests of the end state
+
+# How a run ended (the END status, and the capture's ``status`` attribute):
+COMPLETE = "complete"  # the script ended on its own, exit code 0
+STOPPED = "stopped"  # nondet stopped it on purpose at a step boundary
+FAILED = "failed"  # the script raised or exited non-zero
+INTERRUPTED = "interrupted"  # Ctrl-C or SIGTERM
+CRASHED = "crashed"  # the child died without saying how (a signal, os._exit)
+WRITE_FAILED = "write_failed"  # the parent could not write the capture (disk full)
+RUNNING = "running"  # the capture is still being written (or its writer died)
+STATUSES = (COMPLETE, STOPPED, FAILED, INTERRUPTED, CRASHED, WRITE_FAILED, RUNNING)
+
+#: Names of DUMP frames that answer a dump request: ``kept-STEP-INDEX-outN``.
+KEPT_PREFIX = "kept-"
 
 # Parent -> child on the control pipe (one word per line):
 STOP = b"stop\n"  # stop at the next step boundary
@@ -91,17 +122,24 @@ def stop_requested(fd: int) -> bool:
         return False
 
 
-def wait_for_turn(fd: int, on_dump: Callable[[int, int], None]) -> bytes:
+def wait_for_turn(fd: int, on_dump: Callable[[int, int], None],
+                  timeout: float | None = None) -> bytes:
     """Child side, lockstep: block until the parent says GO, FREE or STOP (STOP wins);
     answer DUMP requests (``on_dump(step, index)``) while waiting.
 
-    A closed pipe (the parent is gone) counts as FREE: the run finishes on its own.
+    A closed pipe (the parent is gone) counts as FREE: the run finishes on its own; so
+    does ``timeout`` seconds without a word (for waits the parent may not end).
     """
     pending = b""
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
+            if deadline is not None:
+                ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    return FREE
             data = os.read(fd, 256)
-        except OSError:
+        except (OSError, ValueError):
             return FREE
         if not data:
             return FREE
@@ -121,7 +159,57 @@ def dump_request(step: int, index: int) -> bytes:
     return DUMP_REQUEST + f" {step} {index}\n".encode()
 
 
-# META keys (JSON objects sent with META; later keys win)
-ENV = "env"  # environment entries: versions, devices, switches
-HOOK_ERROR = "hook_error"  # traceback of an exception inside nondet's hooks (a nondet bug)
-DUMP_DONE = "dump_done"  # [step, index, count]: the kept outputs asked for have been sent
+@dataclass(frozen=True)
+class End:
+    """The END message: how the run ended, the script's error, final digests."""
+
+    status: str
+    exit_code: int
+    error: str = ""
+    final: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> dict[str, Any]:
+        return {END_STATUS: self.status, END_EXIT_CODE: self.exit_code,
+                END_ERROR: self.error[-20000:], **self.final}
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> End:
+        return cls(status=str(obj.get(END_STATUS, COMPLETE)),
+                   exit_code=int(obj.get(END_EXIT_CODE, 0)), error=str(obj.get(END_ERROR, "")),
+                   final={k: v for k, v in obj.items() if k.startswith(FINAL_PREFIX)})
+
+
+@dataclass(frozen=True)
+class Dump:
+    """A DUMP frame: one array and its attributes (a JSON header line, then raw bytes)."""
+
+    name: str
+    array: np.ndarray
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        header = dict(self.attrs, name=self.name, dtype=self.array.dtype.str,
+                      shape=list(self.array.shape))
+        return (json.dumps(header).encode() + b"\n"
+                + np.ascontiguousarray(self.array).tobytes())
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Dump:
+        header_end = payload.index(b"\n")
+        header = json.loads(payload[:header_end])
+        name = header.pop("name")
+        dtype = np.dtype(header.pop("dtype"))
+        shape = header.pop("shape")
+        array = np.frombuffer(payload[header_end + 1 :], dtype=dtype).reshape(shape)
+        return cls(name, array, header)
+
+    @property
+    def kept_position(self) -> tuple[int, int] | None:
+        """(step, index) if this answers a dump request."""
+        if not self.name.startswith(KEPT_PREFIX):
+            return None
+        return int(self.attrs["step"]), int(self.attrs["index"])
+
+
+def kept_name(step: int, index: int, output: int) -> str:
+    return f"{KEPT_PREFIX}{step}-{index}-out{output}"

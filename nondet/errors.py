@@ -17,3 +17,9 @@ class NondetError(Exception):
 
 class ScriptFailed(NondetError):
     """The user's script exited with an error in one or both runs."""
+
+
+class Terminated(BaseException):
+    """nondet got SIGTERM (CI cancel, ``timeout``, ``docker stop``): end like Ctrl-C (exit
+    143), but the children did not get the signal, so it is forwarded to them. Not a
+    KeyboardInterrupt: click would turn that into its own Abort."""

@@ -2,12 +2,12 @@
 
 ``CapturedRun`` starts ``python -m nondet.boot`` with the seed and plan in its environment,
 stores everything the child streams into the run's HDF5 file, keeps the step rows in memory
-(for live comparison and progress) and tells the child to stop when asked.
+(for live comparison and progress) and tells the child to stop when asked. How two runs
+share the machine (lockstep, one after the other) is ``nondet.schedule``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import shlex
@@ -26,9 +26,9 @@ import numpy as np
 
 from nondet import channel, environment
 from nondet.capture import CONFIG_ENV, ChildConfig
-from nondet.errors import NondetError
-from nondet.records import OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
+from nondet.errors import NondetError, Terminated
 from nondet.store import CaptureWriter
+from nondet.stream import RunStream, ensure_space, write_failure
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
@@ -66,7 +66,7 @@ class Plan:
     op_steps: list[int] | None  # steps with op-level capture (None: every step)
     stop_after: int | None = None  # last step to run
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
-    lockstep: bool = False  # take turns with another run (see Lockstep)
+    lockstep: bool = False  # take turns with another run (schedule.Lockstep)
     keep_bytes: int = 0  # keep op outputs of op-captured steps, for dump requests
 
 
@@ -75,12 +75,13 @@ class RunResult:
     label: str
     path: Path
     log_path: Path
-    status: str  # complete | stopped | failed | interrupted | crashed
+    status: str  # one of channel.STATUSES
     exit_code: int
     steps: int
     error: str = ""
     hook_error: str = ""
     final: dict[str, Any] = field(default_factory=dict)
+    write_error: str = ""  # the parent could not write the capture: one line saying why
 
     @property
     def complete(self) -> bool:
@@ -94,66 +95,56 @@ class RunResult:
         return "\n".join(text[-lines:])
 
 
-class CapturedRun:
-    """One child process and the thread that stores its stream."""
+
+class CapturedRun(RunStream):
+    """One child process, and the threads that store its stream (``RunStream``) and its
+    output."""
 
     def __init__(self, target: Target, plan: Plan, seed: int, out_dir: Path,
                  on_step: Callable[[CapturedRun, np.void], None] | None = None,
                  echo: bool = False,
                  on_end: Callable[[CapturedRun], None] | None = None) -> None:
+        super().__init__(out_dir / f"run-{plan.label}.h5")
         self.target = target
         self.plan = plan
         self.seed = seed
-        self.path = out_dir / f"run-{plan.label}.h5"
         self.log_path = out_dir / f"run-{plan.label}.log"
         self.on_step = on_step
         self.on_end = on_end
         self.echo = echo
-        self.steps: list[np.void] = []
-        self.ops: dict[int, list[np.ndarray]] = {}  # op records per step, as they arrive
-        self.strings: list[str] = []
-        self.kept: dict[tuple[int, int], list[np.ndarray]] = {}  # answers to dump requests
-        self._incoming: dict[tuple[int, int], list[np.ndarray]] = {}
-        self._dumps_done = threading.Condition()
-        self.end: dict[str, Any] | None = None
-        self.hook_error = ""
         self._stop_sent = False
+        self._interrupted = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
         self._result_cache: RunResult | None = None
-        self._end_reported = False
+        self._ctrl_w = -1  # parent end of the control pipe, once started
+        self._ctrl_lock = threading.Lock()
+        self._log: BinaryIO | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        data_r, data_w = os.pipe()
-        ctrl_r, ctrl_w = os.pipe()
         config = ChildConfig(
-            label=self.plan.label, seed=self.seed, channel_fd=data_w, control_fd=ctrl_r,
+            label=self.plan.label, seed=self.seed, channel_fd=-1, control_fd=-1,
             script=os.path.abspath(self.target.script) if self.target.script else None,
             module=self.target.module, args=list(self.target.args),
             op_steps=self.plan.op_steps, stop_after=self.plan.stop_after, dump=self.plan.dump,
             lockstep=self.plan.lockstep, keep_bytes=self.plan.keep_bytes,
         )
+        try:
+            ensure_space(self.path, 0)
+            self.writer = self._open_writer()
+            self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in _finish_threads
+        except OSError as exc:
+            self._close_writer(channel.WRITE_FAILED, None)
+            raise NondetError(write_failure(self.path, exc)) from None
+        data_r, data_w = os.pipe()
+        ctrl_r, ctrl_w = os.pipe()
+        config.channel_fd, config.control_fd = data_w, ctrl_r
         env = dict(os.environ)
         env[CONFIG_ENV] = config.to_env()
         env.setdefault("PYTHONHASHSEED", str(self.seed % 2**32))
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
-        self.writer = CaptureWriter(self.path, {
-            "label": self.plan.label,
-            "command": self.target.command,
-            "script": self.target.script or "",
-            "module": self.target.module or "",
-            "script_sha256": environment.script_digest(self.target.script)
-            if self.target.script else "",
-            "seed": self.seed,
-            "started": datetime.now(UTC).isoformat(timespec="seconds"),
-            "cwd": os.getcwd(),
-            "rank": 0,
-            "world_size": 1,
-            "op_steps": "all" if self.plan.op_steps is None else self.plan.op_steps,
-        })
-        self._log: BinaryIO = open(self.log_path, "wb")  # noqa: SIM115 - closed in wait()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "nondet.boot"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -169,6 +160,22 @@ class CapturedRun:
         for thread in self._threads:
             thread.start()
 
+    def _open_writer(self) -> CaptureWriter:
+        return CaptureWriter(self.path, {
+            "label": self.plan.label,
+            "command": self.target.command,
+            "script": self.target.script or "",
+            "module": self.target.module or "",
+            "script_sha256": environment.script_digest(self.target.script)
+            if self.target.script else "",
+            "seed": self.seed,
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "cwd": os.getcwd(),
+            "rank": 0,
+            "world_size": 1,
+            "op_steps": "all" if self.plan.op_steps is None else self.plan.op_steps,
+        })
+
     def request_stop(self) -> None:
         """Ask the child to stop at its next step boundary (idempotent)."""
         if self._stop_sent:
@@ -177,10 +184,22 @@ class CapturedRun:
         self.send_control(channel.STOP)
 
     def send_control(self, message: bytes) -> None:
-        try:
-            os.write(self._ctrl_w, message)
-        except OSError:
-            pass  # the child is gone
+        with self._ctrl_lock:  # never write to a closed (perhaps reused) descriptor
+            if self._ctrl_w < 0:
+                return  # never started, or already collected
+            try:
+                os.write(self._ctrl_w, message)
+            except OSError:
+                pass  # the child is gone
+
+    def _close_control(self) -> None:
+        with self._ctrl_lock:
+            if self._ctrl_w >= 0:
+                try:
+                    os.close(self._ctrl_w)
+                except OSError:
+                    pass
+                self._ctrl_w = -1
 
     def request_kept(self, step: int, index: int, timeout: float = 120.0
                      ) -> list[np.ndarray] | None:
@@ -191,77 +210,89 @@ class CapturedRun:
         self.send_control(channel.dump_request(step, index))
         with self._dumps_done:
             self._dumps_done.wait_for(
-                lambda: (step, index) in self.kept or self._end_reported, timeout)
+                lambda: (step, index) in self.kept or self._pipe_closed, timeout)
         return self.kept.get((step, index))
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def wait(self) -> RunResult:
+    def wait(self, timeout: float | None = None) -> RunResult:
+        """The result once the child has exited; ``TimeoutError`` after ``timeout`` seconds
+        (the child is left running)."""
         assert self._proc is not None
         try:
-            code = self._proc.wait()
-        except KeyboardInterrupt:
-            self.interrupt()
+            code = self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"run {self.plan.label} still running after {timeout} s") from None
+        except (KeyboardInterrupt, Terminated) as exc:
+            self.interrupt(forward=isinstance(exc, Terminated))
             raise
         self._finish_threads()
         return self._result(code)
 
-    def interrupt(self) -> RunResult | None:
-        """Ctrl-C: the child got SIGINT too; give it time to end cleanly, then kill it.
+    def interrupt(self, forward: bool = False) -> RunResult:
+        """End the child: give it time to end cleanly, then SIGTERM, then SIGKILL.
 
-        The capture is closed either way, marked with how the run ended.
-        """
+        On Ctrl-C the child got SIGINT from the terminal already; ``forward`` sends it one
+        (nondet itself was told to end: SIGTERM). The capture is closed either way, marked
+        with how the run ended."""
         if self._result_cache is not None:
             return self._result_cache
-        code = self._interrupt()
+        self._interrupted = True
+        code = self._interrupt(forward)
         self._finish_threads()
         return self._result(code)
 
-    def _interrupt(self) -> int:
+    def _interrupt(self, forward: bool) -> int:
         assert self._proc is not None
-        for sig, patience in ((None, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        first = signal.SIGINT if forward else None
+        for sig, patience in ((first, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             if sig is not None and self._proc.poll() is None:
                 self._proc.send_signal(sig)
             try:
                 return self._proc.wait(timeout=patience)
             except subprocess.TimeoutExpired:
                 continue
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, Terminated):
                 continue
-        return self._proc.wait()
+        try:
+            return self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            return -signal.SIGKILL  # not reaped (uninterruptible sleep): give up waiting
 
     def _finish_threads(self) -> None:
-        if self._log.closed:
+        if self._log is None or self._log.closed:
             return
         for thread in self._threads:
             thread.join(timeout=30)
+        self._close_control()
         try:
-            os.close(self._ctrl_w)
+            self._log.close()
         except OSError:
-            pass
-        self._log.close()
+            pass  # disk full: what could be written was
 
     def _result(self, code: int) -> RunResult:
         if self._result_cache is not None:
             return self._result_cache
-        end = self.end or {}
-        if end:
-            status = str(end.get("status", "complete"))
-        elif code < 0:
-            status = "crashed"
+        end = self.end
+        if self.write_error:
+            status = channel.WRITE_FAILED
+        elif end is not None:
+            status = end.status
         elif code == 0:
-            status = "complete"
+            status = channel.COMPLETE
+        elif self._interrupted:
+            status = channel.INTERRUPTED  # we ended it before it could say how
         else:
-            status = "crashed"
-        if status == "interrupted" or code in (130, -signal.SIGINT):
-            status = "interrupted"
-        self.writer.close(status, code)
+            status = channel.CRASHED
+        if code in (130, -signal.SIGINT) and status not in (channel.COMPLETE, channel.STOPPED):
+            status = channel.INTERRUPTED
+        self._close_writer(status, code)
         self._result_cache = RunResult(
             label=self.plan.label, path=self.path, log_path=self.log_path, status=status,
             exit_code=code, steps=sum(1 for r in self.steps if int(r["step"]) >= 0),
-            error=str(end.get("error", "")), hook_error=self.hook_error,
-            final={k: v for k, v in end.items() if k.startswith("final_")},
+            error=end.error if end else "", hook_error=self.hook_error,
+            final=dict(end.final) if end else {}, write_error=self.write_error,
         )
         return self._result_cache
 
@@ -270,8 +301,12 @@ class CapturedRun:
         assert self._proc is not None and self._proc.stdout is not None
         prefix = f"[{self.plan.label}] ".encode()
         for line in iter(self._proc.stdout.readline, b""):
-            self._log.write(line)
-            self._log.flush()
+            if self._log is not None and not self.write_error:
+                try:
+                    self._log.write(line)
+                    self._log.flush()
+                except OSError as exc:
+                    self._write_failed(exc, self.log_path)
             if self.echo:
                 sys.stderr.buffer.write(prefix + line)
                 sys.stderr.flush()
@@ -281,6 +316,9 @@ class CapturedRun:
             self._read_frames(fd)
         finally:
             os.close(fd)
+            with self._dumps_done:
+                self._pipe_closed = True
+                self._dumps_done.notify_all()
             self._ended()
 
     def _read_frames(self, fd: int) -> None:
@@ -304,184 +342,3 @@ class CapturedRun:
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since > 1.0:
                     return
-
-    def _ended(self) -> None:
-        """Tell the owner once that this run will send no more steps."""
-        if self._end_reported:
-            return
-        self._end_reported = True
-        with self._dumps_done:
-            self._dumps_done.notify_all()
-        if self.on_end is not None:
-            self.on_end(self)
-
-    def _handle(self, kind: bytes, payload: bytes) -> None:
-        writer = self.writer
-        if kind == channel.STEP:
-            row = np.frombuffer(payload, dtype=STEP_DTYPE)
-            writer.add_step(row)
-            self.steps.append(row[0])
-            if self.on_step is not None:
-                self.on_step(self, row[0])
-        elif kind == channel.OPS:
-            rows = np.frombuffer(payload, dtype=OP_DTYPE)
-            writer.add_ops(rows)
-            if len(rows):
-                self.ops.setdefault(int(rows["step"][0]), []).append(rows)
-        elif kind == channel.TENSORS:
-            writer.add_tensors(np.frombuffer(payload, dtype=TENSOR_DTYPE))
-        elif kind == channel.STRINGS:
-            strings = json.loads(payload)
-            writer.add_strings(strings)
-            self.strings.extend(strings)
-        elif kind == channel.META:
-            meta = json.loads(payload)
-            if "env" in meta:
-                writer.add_env(meta["env"])
-            if "hook_error" in meta:
-                self.hook_error = meta["hook_error"]
-            if "dump_done" in meta:
-                step, index, _ = meta["dump_done"]
-                with self._dumps_done:
-                    self.kept[(step, index)] = self._incoming.pop((step, index), [])
-                    self._dumps_done.notify_all()
-        elif kind == channel.FACTS:
-            writer.add_facts(json.loads(payload))
-        elif kind == channel.DUMP:
-            header_end = payload.index(b"\n")
-            header = json.loads(payload[:header_end])
-            array = np.frombuffer(payload[header_end + 1 :], dtype=np.dtype(header["dtype"]))
-            name = header.pop("name")
-            array = array.reshape(header.pop("shape"))
-            writer.add_dump(name, array, {k: v for k, v in header.items() if k != "dtype"})
-            if name.startswith("kept-"):
-                self._incoming.setdefault((header["step"], header["index"]), []).append(array)
-        elif kind == channel.END:
-            self.end = json.loads(payload)
-            self._ended()
-
-
-
-class Lockstep:
-    """Two runs that take turns: A runs a step while B waits, then B runs it while A waits.
-
-    Only one run computes at a time, so neither slows the other down (two processes with
-    their own thread pools on the same cores can each run several times slower), yet they
-    start together (imports and set-up overlap) and both stop as soon as the answer is
-    known. A run in lockstep waits after each step until told to go on
-    (``capture.Session.end_step``); when one run ends, the other is set free.
-
-    ``judge(step, row_a, row_b)`` sees each step once both rows are in (a missing row is
-    None) and returns False to stop both runs.
-    """
-
-    def __init__(self, a: CapturedRun, b: CapturedRun,
-                 judge: Callable[[int, np.void | None, np.void | None], bool],
-                 hold: bool = False) -> None:
-        self.runs = (a, b)
-        self.judge = judge
-        self.hold = hold  # when the judge says stop, keep both waiting until release()
-        self.held = threading.Event()  # set when holding, or when both runs have ended
-        self._lock = threading.Lock()
-        self._rows: dict[CapturedRun, dict[int, np.void]] = {a: {}, b: {}}
-        self._waiting: dict[CapturedRun, int | None] = {a: None, b: None}
-        self._ended: set[CapturedRun] = set()
-        self._judged: set[int] = set()
-        self._stopping = False
-        self._holding = False
-        for run in self.runs:
-            run.on_step = self._on_row
-            run.on_end = self._on_end
-
-    def start(self) -> None:
-        for run in self.runs:
-            run.start()
-
-    def wait_held(self) -> bool:
-        """Block until the runs are held (True) or have both ended (False)."""
-        while not self.held.wait(0.5):
-            if not any(run.running() for run in self.runs) and len(self._ended) == 2:
-                break
-        with self._lock:
-            return self._holding
-
-    def release(self) -> None:
-        """End a hold: both runs stop (or, if they already ended, exit)."""
-        with self._lock:
-            self._holding = False
-            for run in self.runs:
-                run.send_control(channel.STOP)
-
-    def wait(self) -> tuple[RunResult, RunResult]:
-        try:
-            results = [run.wait() for run in self.runs]
-        except KeyboardInterrupt:
-            for run in self.runs:
-                run.interrupt()
-            raise
-        return results[0], results[1]
-
-    def _on_row(self, run: CapturedRun, row: np.void) -> None:
-        with self._lock:
-            step = int(row["step"])
-            self._rows[run][step] = row
-            if run not in self._ended:
-                self._waiting[run] = step
-            self._advance()
-
-    def _on_end(self, run: CapturedRun) -> None:
-        with self._lock:
-            self._ended.add(run)
-            self._waiting[run] = None
-            self._advance()
-            if len(self._ended) == 2:
-                # Runs that ended on their own wait for us (Session.finish) if they keep
-                # outputs: hold them there too, unless they were already told to stop.
-                self._holding = self.hold and not self._stopping
-                self.held.set()
-
-    def _advance(self) -> None:
-        a, b = self.runs
-        self._judge_complete_steps()
-        if self._stopping:
-            return  # both were told to stop
-        if self._ended:
-            for run in self.runs:  # the other run has nobody to take turns with
-                if self._waiting[run] is not None:
-                    self._waiting[run] = None
-                    run.send_control(channel.FREE)
-            return
-        ka, kb = self._waiting[a], self._waiting[b]
-        if ka is None or kb is None:
-            return  # one of them is still computing its step
-        if ka == kb:
-            self._release(a)  # both finished step k: A goes first with k + 1
-        elif ka > kb:
-            self._release(b)  # A is a step ahead: B catches up
-
-    def _release(self, run: CapturedRun) -> None:
-        self._waiting[run] = None
-        run.send_control(channel.GO)
-
-    def _judge_complete_steps(self) -> None:
-        a, b = self.runs
-        rows_a, rows_b = self._rows[a], self._rows[b]
-        both_done = a in self._ended and b in self._ended
-        for step in sorted(set(rows_a) | set(rows_b)):
-            if step in self._judged:
-                continue
-            have_both = step in rows_a and step in rows_b
-            one_ended = (step in rows_a and b in self._ended) or (step in rows_b
-                                                                 and a in self._ended)
-            if not (have_both or one_ended or both_done):
-                continue
-            self._judged.add(step)
-            if not self.judge(step, rows_a.get(step), rows_b.get(step)) and not self._stopping:
-                self._stopping = True
-                if self.hold and not self._ended:
-                    self._holding = True  # both are waiting at this step: keep them there
-                    self.held.set()
-                    return
-                for run in self.runs:
-                    if run not in self._ended:
-                        run.request_stop()

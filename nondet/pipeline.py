@@ -1,7 +1,7 @@
 """From a script to a report: launch, capture, compare, localize, explain.
 
 1. Run A and B with step-level capture (op-level for init and step 0, where most
-   divergences start), taking turns step by step (``launch.Lockstep``; one after the other
+   divergences start), taking turns step by step (``schedule.Lockstep``; one after the other
    on GPU machines), comparing each step as soon as both have it, and stopping both a few
    steps after the first difference.
 2. If that step had no op-level capture, re-run both with op-level capture for it and the
@@ -16,17 +16,16 @@ from __future__ import annotations
 import linecache
 import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import baseline, compare, environment, recipe
+from nondet import baseline, compare, environment, recipe, schedule
 from nondet.errors import NondetError, ScriptFailed
 from nondet.exitcodes import ExitCode
-from nondet.launch import CapturedRun, Lockstep, Plan, RunResult, Target
+from nondet.launch import CapturedRun, Plan, RunResult, Target
 from nondet.records import (
     ENTRY_KINDS,
     INIT_STEP,
@@ -40,14 +39,13 @@ from nondet.records import (
     split_node,
 )
 from nondet.report import ContextLine, Divergence, GrowthRow, RepeatRow, Report, RunSummary
+from nondet.schedule import InternalChildError  # noqa: F401 - re-exported
 from nondet.store import Capture, open_capture
 
 #: How many steps run B continues past the first difference (for the growth view).
 GROWTH_STEPS = 4
 #: Steps with op-level capture in the first two runs (unless --ops all).
 DEFAULT_OP_STEPS = [INIT_STEP, 0]
-#: Lockstep runs keep host copies of op outputs up to this size, to measure a difference.
-KEEP_BYTES = 256 << 20
 
 _FIELD_LABELS = {name: name.removesuffix("_fp") for name, _ in STEP_COMPONENTS}
 
@@ -67,7 +65,7 @@ class Options:
     ops_all: bool = False
     max_steps: int | None = None
     echo: bool = False  # show the script's own output
-    schedule: str = "lockstep"  # or "sequential" (see launch.Lockstep, default_schedule)
+    schedule: str = "lockstep"  # or "sequential" (see nondet.schedule, default_schedule)
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -92,67 +90,35 @@ class _LiveCompare:
         return self.first_difference is None or step < self.first_difference + GROWTH_STEPS
 
 
-def _never_stop(step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
-    return True
-
-
 def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
-              progress: ProgressSink,
-              judge: Callable[[int, np.void | None, np.void | None], bool] = _never_stop,
+              progress: ProgressSink, judge: schedule.Judge = schedule.never_stop,
               ) -> tuple[RunResult, RunResult]:
-    """Two runs of the same script, as Options.schedule says.
+    """Two runs of the same script, as Options.schedule says (nondet.schedule).
 
-    In lockstep (launch.Lockstep) both runs are held, still alive, when the judge stops
-    them; the first finding is then located from the records already received, and both
-    runs are asked for the outputs they kept of it, so the difference can be measured
-    without running the script again. Sequentially, the second run is judged against the
-    first as it goes.
+    In lockstep both runs are held, still alive, when the judge stops them; the first
+    finding is then located from the records already received, and both runs are asked
+    for the outputs they kept of it, so the difference can be measured without running
+    the script again. Sequentially, the second run is judged against the first as it goes.
     """
-    if options.schedule == "lockstep":
-        runs = [CapturedRun(target, replace(plan, lockstep=True,
-                                            keep_bytes=0 if plan.dump else KEEP_BYTES),
-                            options.seed, options.out_dir, echo=options.echo)
-                for plan in plans]
-        pair = Lockstep(runs[0], runs[1], judge, hold=True)
-        pair.start()
-        try:
-            if pair.wait_held():
-                try:
-                    position = _finding_position(runs[0], runs[1])
-                    if position is not None:
-                        for run in runs:
-                            run.request_kept(*position)
-                finally:
-                    pair.release()  # the runs wait until told to go, whatever happened
-        except KeyboardInterrupt:
-            for run in runs:
-                run.interrupt()
-            raise
-        results = pair.wait()
-    else:
-        def report(run: CapturedRun, row: np.void) -> None:
-            if int(row["step"]) >= 0:
-                progress.status(f"run {run.plan.label}: step {int(row['step'])}")
-
-        result_first = _run_single(target, plans[0], options, progress)
-        reference = {int(r["step"]): r for r in open_capture(result_first.path).steps}
-
-        def against_first(run: CapturedRun, row: np.void) -> None:
-            step = int(row["step"])
-            report(run, row)
-            if not judge(step, reference.get(step), row):
-                run.request_stop()
-
-        second = CapturedRun(target, plans[1], options.seed, options.out_dir,
-                             echo=options.echo, on_step=against_first)
-        second.start()
-        results = (result_first, second.wait())
-    for result in results:
-        _check(result)
-    return results
+    return _schedule(target, options, progress).run_pair(plans, judge, on_hold=_fetch_kept)
 
 
-def _finding_position(a: CapturedRun, b: CapturedRun) -> tuple[int, int] | None:
+def _schedule(target: Target, options: Options, progress: ProgressSink) -> schedule.Schedule:
+    def make_run(plan: Plan) -> CapturedRun:
+        return CapturedRun(target, plan, options.seed, options.out_dir, echo=options.echo)
+
+    return schedule.create(options.schedule, make_run, progress.status)
+
+
+def _fetch_kept(a: schedule.Run, b: schedule.Run) -> None:
+    """While both runs are held: ask each for the outputs it kept of the first finding."""
+    position = _finding_position(a, b)
+    if position is not None:
+        for run in (a, b):
+            run.request_kept(*position)
+
+
+def _finding_position(a: schedule.Run, b: schedule.Run) -> tuple[int, int] | None:
     """(step, record index) of the first op or entry finding in the records received so far,
     by the same rule ``compare_captures`` applies to the files later."""
     limit = compare.first_step_divergence(np.array(a.steps), np.array(b.steps))
@@ -173,37 +139,6 @@ def default_schedule() -> str:
     so there the runs go one after the other."""
     gpu = any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd"))
     return "sequential" if gpu else "lockstep"
-
-
-def _check(result: RunResult) -> None:
-    if result.hook_error:
-        raise InternalChildError(result.hook_error)
-    if result.status == "interrupted":
-        raise KeyboardInterrupt
-    if result.status in ("failed", "crashed"):
-        last = _last_line(result.error) or _last_line(result.log_tail())
-        how = f"exit code {result.exit_code}" if result.exit_code >= 0 else \
-            f"killed by signal {-result.exit_code}"
-        raise ScriptFailed(
-            f"the script failed in run {result.label} ({how})"
-            + (f": {last}" if last else "")
-            + f"; its output is in {result.log_path}",
-            details=result.log_tail(),
-        )
-
-
-class InternalChildError(Exception):
-    """nondet's own hooks failed inside the captured run (a nondet bug: exit 3)."""
-
-    def __init__(self, child_traceback: str) -> None:
-        super().__init__("nondet's hooks failed inside the captured run: "
-                         + (child_traceback.strip().splitlines() or ["?"])[-1])
-        self.child_traceback = child_traceback
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
 
 
 def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report:
@@ -305,16 +240,7 @@ def against_baseline(target: Target, options: Options, progress: ProgressSink,
 
 def _run_single(target: Target, plan: Plan, options: Options,
                 progress: ProgressSink) -> RunResult:
-    def report(run: CapturedRun, row: np.void) -> None:
-        if int(row["step"]) >= 0:
-            progress.status(f"run {run.plan.label}: step {int(row['step'])}")
-
-    run = CapturedRun(target, plan, options.seed, options.out_dir, echo=options.echo,
-                      on_step=report)
-    run.start()
-    result = run.wait()
-    _check(result)
-    return result
+    return _schedule(target, options, progress).run_single(plan)
 
 
 def prepare(target: Target, options: Options) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import sys
 import traceback
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import click
 from rich.console import Console
 
 from nondet import __version__
-from nondet.errors import NondetError
+from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import ExitCode
 
 
@@ -31,10 +32,16 @@ class App:
 
 @contextmanager
 def handle_errors() -> Iterator[None]:
-    """One line and exit 2 for user errors, a log and exit 3 for bugs, 130 for Ctrl-C."""
+    """One line and exit 2 for user errors, a log and exit 3 for bugs, 130 for Ctrl-C,
+    143 for SIGTERM."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
+    _terminate_on_sigterm()
     try:
         yield
+    except Terminated:
+        err.print("nondet: terminated (SIGTERM); runs stopped, captures written so far "
+                  "closed and marked interrupted")
+        sys.exit(ExitCode.TERMINATED)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
@@ -63,6 +70,20 @@ def handle_errors() -> Iterator[None]:
                   f"{_escape(str(exc).splitlines()[0] if str(exc) else '')}")
         err.print(f"  a log with versions and the traceback is at {log}; please report it")
         sys.exit(ExitCode.INTERNAL)
+
+
+def _terminate_on_sigterm() -> None:
+    """SIGTERM (CI cancel, `timeout`, `docker stop`) ends nondet as Ctrl-C does: the runs are
+    interrupted and their captures closed (errors.Terminated), then exit 143."""
+
+    def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: let the clean-up finish
+        raise Terminated()
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        pass  # not the main thread (nondet used as a library): leave signals alone
 
 
 def write_bug_log(text: str, child: str = "") -> Path:

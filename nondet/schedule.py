@@ -1,0 +1,386 @@
+"""How two captured runs share the machine: in lockstep, or one after the other.
+
+A schedule starts the runs of a pair (two ``Plan``s of the same script), shows a judge
+each step once both runs have it (the judge returns False to stop them), and returns both
+results, checked (``check_result``): a script that failed, a hook that failed, a capture
+that could not be written become the one error the user sees.
+
+Never waiting for nothing: a run in lockstep waits for nondet's word after each step,
+and a finished one that kept op outputs waits for it in ``Session.finish``. Every state of
+the two runs leads to that word: a run that ends (on its own, failing, killed) frees the
+other; whenever the runs are told to stop, every run is told, ended or not; a hold always
+ends with a release; a run that makes no progress while the other waits for it frees
+both (they may be waiting on each other: a lock, a port, a directory); and a run that
+does not exit once it has ended or been told to stop is ended by signal after a grace
+period. nondet then only ever waits for a script that is computing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from nondet import channel
+from nondet.errors import NondetError, ScriptFailed, Terminated
+from nondet.launch import Plan, RunResult
+
+#: Lockstep runs keep host copies of op outputs up to this size, to measure a difference.
+KEEP_BYTES = 256 << 20
+
+Judge = Callable[[int, np.void | None, np.void | None], bool]
+StatusSink = Callable[[str], None]
+
+
+class Run(Protocol):
+    """What a schedule needs of a run: ``launch.CapturedRun``, or a fake in tests."""
+
+    plan: Plan
+    on_step: Callable[[Any, np.void], None] | None
+    on_end: Callable[[Any], None] | None
+    steps: list[np.void]
+    ops: dict[int, list[np.ndarray]]
+    strings: list[str]
+
+    @property
+    def ended(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def send_control(self, message: bytes) -> None: ...
+
+    def request_stop(self) -> None: ...
+
+    def request_kept(self, step: int, index: int, timeout: float = ...
+                     ) -> list[np.ndarray] | None: ...
+
+    def wait(self, timeout: float | None = None) -> RunResult: ...
+
+    def interrupt(self, forward: bool = False) -> RunResult: ...
+
+
+RunFactory = Callable[[Plan], Run]
+#: Called while both lockstep runs are held after the judge stopped them (both alive,
+#: waiting): the place to ask them for the outputs they kept (``Run.request_kept``).
+OnHold = Callable[[Run, Run], None]
+
+
+def never_stop(step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
+    return True
+
+
+class Schedule(Protocol):
+    name: str
+
+    def run_pair(self, plans: tuple[Plan, Plan], judge: Judge = never_stop,
+                 on_hold: OnHold | None = None) -> tuple[RunResult, RunResult]: ...
+
+    def run_single(self, plan: Plan) -> RunResult: ...
+
+
+def create(name: str, make_run: RunFactory, status: StatusSink | None = None) -> Schedule:
+    """The schedule called ``name`` ("lockstep" or "sequential")."""
+    if name == "lockstep":
+        return Lockstep(make_run, status)
+    if name == "sequential":
+        return Sequential(make_run, status)
+    raise NondetError(f"unknown schedule {name!r}: use lockstep or sequential")
+
+
+class Sequential:
+    """One run after the other; the second is judged against the first as it goes."""
+
+    name = "sequential"
+
+    def __init__(self, make_run: RunFactory, status: StatusSink | None = None) -> None:
+        self.make_run = make_run
+        self.status = status
+
+    def run_single(self, plan: Plan) -> RunResult:
+        return check_result(_run_alone(self.make_run(plan), self.status))
+
+    def run_pair(self, plans: tuple[Plan, Plan], judge: Judge = never_stop,
+                 on_hold: OnHold | None = None) -> tuple[RunResult, RunResult]:
+        first = self.make_run(plans[0])
+        result_first = check_result(_run_alone(first, self.status))
+        reference = {int(r["step"]): r for r in first.steps}
+        second = self.make_run(plans[1])
+
+        def against_first(run: Run, row: np.void) -> None:
+            step = int(row["step"])
+            _report_step(self.status, run, row)
+            if not judge(step, reference.get(step), row):
+                run.request_stop()
+
+        second.on_step = against_first
+        return result_first, check_result(_run_alone(second, None))
+
+
+def _run_alone(run: Run, status: StatusSink | None) -> RunResult:
+    if run.on_step is None and status is not None:
+        run.on_step = lambda r, row: _report_step(status, r, row)
+    run.start()
+    try:
+        return run.wait()  # a run alone never waits for nondet: this is the script's time
+    except (KeyboardInterrupt, Terminated) as exc:
+        run.interrupt(forward=isinstance(exc, Terminated))
+        raise
+
+
+def _report_step(status: StatusSink | None, run: Run, row: np.void) -> None:
+    if status is not None and int(row["step"]) >= 0:
+        status(f"run {run.plan.label}: step {int(row['step'])}")
+
+
+class Lockstep:
+    """Both runs at once, taking turns one step each (see docs/architecture.md).
+
+    Only one run computes at a time, so neither slows the other down, yet they start
+    together (imports and set-up overlap) and both stop as soon as the answer is known.
+    With ``on_hold``, runs the judge stops are held alive at that step until ``on_hold``
+    has returned (it may ask them for the outputs they kept), then stopped.
+    """
+
+    name = "lockstep"
+
+    def __init__(self, make_run: RunFactory, status: StatusSink | None = None, *,
+                 keep_bytes: int = KEEP_BYTES, stall_after: float = 60.0,
+                 stall_factor: float = 5.0, exit_grace: float = 120.0,
+                 poll: float = 0.2) -> None:
+        self.make_run = make_run
+        self.status = status
+        self.keep_bytes = keep_bytes
+        # A run that sends nothing for max(stall_after, stall_factor x the slowest step so
+        # far) while the other waits for it frees both (see the module docstring).
+        self.stall_after = stall_after
+        self.stall_factor = stall_factor
+        self.exit_grace = exit_grace  # for a run to exit once ended or told to stop
+        self.poll = poll
+
+    def run_single(self, plan: Plan) -> RunResult:
+        return check_result(_run_alone(self.make_run(plan), self.status))
+
+    def run_pair(self, plans: tuple[Plan, Plan], judge: Judge = never_stop,
+                 on_hold: OnHold | None = None) -> tuple[RunResult, RunResult]:
+        keep = self.keep_bytes if on_hold is not None else 0
+        a, b = (self.make_run(replace(plan, lockstep=True,
+                                      keep_bytes=0 if plan.dump else keep))
+                for plan in plans)
+        turns = Turns(a, b, judge, hold=on_hold is not None)
+        started: list[Run] = []
+        try:
+            for run in (a, b):
+                run.start()
+                started.append(run)
+            while not turns.done.wait(self.poll):
+                if turns.stalled(time.monotonic(), self.stall_after, self.stall_factor):
+                    turns.free_all()
+            try:
+                if turns.holding and on_hold is not None:
+                    on_hold(a, b)
+            finally:
+                turns.release()  # whatever happened, no run is left waiting for a word
+            results = (self._collect(a), self._collect(b))
+        except BaseException as exc:
+            # Ctrl-C reached the children too; anything else (SIGTERM, a bug) did not.
+            _interrupt_all(started, forward=not isinstance(exc, KeyboardInterrupt))
+            raise
+        return check_result(results[0]), check_result(results[1])
+
+    def _collect(self, run: Run) -> RunResult:
+        """The run has ended or been told to stop: it exits within the grace period, or
+        is ended by signal (its capture is closed either way)."""
+        try:
+            return run.wait(timeout=self.exit_grace)
+        except TimeoutError:
+            return run.interrupt(forward=True)
+
+
+def _interrupt_all(runs: list[Run], forward: bool) -> None:
+    """End every run at once (each gets its grace in parallel: `docker stop` waits 10 s)."""
+    threads = [threading.Thread(target=run.interrupt, kwargs={"forward": forward}, daemon=True)
+               for run in runs]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60  # interrupt() itself ends within ~20 s
+    for thread in threads:
+        while thread.is_alive() and time.monotonic() < deadline:
+            try:
+                thread.join(0.5)
+            except (KeyboardInterrupt, Terminated):
+                pass  # a second Ctrl-C: the clean-up goes on (each step of it is bounded)
+
+
+class Turns:
+    """The turn-taking of two lockstep runs, driven by their callbacks (pump threads).
+
+    A run waits after each step until told GO (run one more step), FREE (stop waiting:
+    the other run has ended) or STOP. ``judge(step, row_a, row_b)`` sees each step once
+    both rows are in, or one row and the other run has ended (its row is None).
+    ``done`` is set when the runs are held or have both ended.
+    """
+
+    def __init__(self, a: Run, b: Run, judge: Judge, hold: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.runs = (a, b)
+        self.judge = judge
+        self.hold = hold
+        self.done = threading.Event()
+        self.holding = False
+        self._lock = threading.RLock()
+        self._rows: dict[Run, dict[int, np.void]] = {a: {}, b: {}}
+        self._waiting: dict[Run, int | None] = {a: None, b: None}
+        self._ended: set[Run] = set()
+        self._judged: set[int] = set()
+        self._stopping = False
+        self._free = False  # turn-taking given up: both run freely
+        self._clock = clock
+        now = clock()
+        self._last_row = {a: now, b: now}
+        self._last_activity = now
+        self._slowest = 0.0  # longest time between two rows of one run so far
+        for run in self.runs:
+            run.on_step = self.on_row
+            run.on_end = self.on_end
+
+    # -- callbacks (pump threads) ------------------------------------------------------------
+    def on_row(self, run: Run, row: np.void) -> None:
+        with self._lock:
+            now = self._clock()
+            self._slowest = max(self._slowest, now - self._last_row[run])
+            self._last_row[run] = self._last_activity = now
+            step = int(row["step"])
+            self._rows[run][step] = row
+            if run not in self._ended and not self._free:
+                self._waiting[run] = step
+            self._advance()
+
+    def on_end(self, run: Run) -> None:
+        with self._lock:
+            self._last_activity = self._clock()
+            self._ended.add(run)
+            self._waiting[run] = None
+            self._advance()
+            if len(self._ended) == 2:
+                # Finished runs that kept outputs wait in Session.finish: hold them there
+                # for on_hold, unless they were already told to stop.
+                self.holding = self.hold and not self._stopping and not self._free
+                self.done.set()
+
+    # -- the main thread ------------------------------------------------------------------------
+    def stalled(self, now: float, stall_after: float, factor: float) -> bool:
+        """Does a run wait for one that has sent nothing for too long?"""
+        with self._lock:
+            if self._free or self._stopping or self.holding:
+                return False
+            someone_waits = any(w is not None for w in self._waiting.values()) or (
+                self.hold and len(self._ended) == 1)  # in Session.finish
+            limit = max(stall_after, factor * self._slowest)
+            return someone_waits and now - self._last_activity > limit
+
+    def free_all(self) -> None:
+        """Give up turn-taking: every run goes on on its own, nothing is held."""
+        with self._lock:
+            self._free = True
+            self.hold = False
+            for run in self.runs:
+                self._waiting[run] = None
+                run.send_control(channel.FREE)
+
+    def release(self) -> None:
+        """End a hold (or make sure nothing waits): every run is told to stop."""
+        with self._lock:
+            self.holding = False
+            self._stopping = True
+            for run in self.runs:
+                run.request_stop()
+
+    # -- turns ------------------------------------------------------------------------------------
+    def _advance(self) -> None:
+        a, b = self.runs
+        self._judge_complete_steps()
+        if self._stopping or self._free:
+            return
+        if self._ended:
+            for run in self.runs:  # the other run has nobody to take turns with
+                if self._waiting[run] is not None:
+                    self._waiting[run] = None
+                    run.send_control(channel.FREE)
+            return
+        ka, kb = self._waiting[a], self._waiting[b]
+        if ka is None or kb is None:
+            return  # one of them is still computing its step
+        if ka == kb:
+            self._go(a)  # both finished step k: A goes first with k + 1
+        elif ka > kb:
+            self._go(b)  # A is a step ahead: B catches up
+
+    def _go(self, run: Run) -> None:
+        self._waiting[run] = None
+        run.send_control(channel.GO)
+
+    def _judge_complete_steps(self) -> None:
+        a, b = self.runs
+        rows_a, rows_b = self._rows[a], self._rows[b]
+        for step in sorted(set(rows_a) | set(rows_b)):
+            if step in self._judged:
+                continue
+            have_both = step in rows_a and step in rows_b
+            other_ended = (step in rows_a and b in self._ended) or (
+                step in rows_b and a in self._ended)
+            if not (have_both or other_ended):
+                continue
+            self._judged.add(step)
+            if self._stopping or self.judge(step, rows_a.get(step), rows_b.get(step)):
+                continue
+            if self.hold and not self._ended and not self._free:
+                self.holding = True  # both are waiting at this step: keep them there
+                self._stopping = True
+                self.done.set()
+                return
+            self._stop_all()
+
+    def _stop_all(self) -> None:
+        # Every run, the ended ones too: a finished run may be waiting in Session.finish.
+        self._stopping = True
+        for run in self.runs:
+            run.request_stop()
+
+
+def check_result(result: RunResult) -> RunResult:
+    """The result if the run ended well (complete or stopped), else the error to show."""
+    if result.write_error:
+        raise NondetError(result.write_error + "; the runs were stopped")
+    if result.hook_error:
+        raise InternalChildError(result.hook_error)
+    if result.status == channel.INTERRUPTED:
+        raise KeyboardInterrupt
+    if result.status in (channel.FAILED, channel.CRASHED):
+        last = _last_line(result.error) or _last_line(result.log_tail())
+        how = f"exit code {result.exit_code}" if result.exit_code >= 0 else \
+            f"killed by signal {-result.exit_code}"
+        raise ScriptFailed(
+            f"the script failed in run {result.label} ({how})"
+            + (f": {last}" if last else "")
+            + f"; its output is in {result.log_path}",
+            details=result.log_tail(),
+        )
+    return result
+
+
+class InternalChildError(Exception):
+    """nondet's own hooks failed inside the captured run (a nondet bug: exit 3)."""
+
+    def __init__(self, child_traceback: str) -> None:
+        super().__init__("nondet's hooks failed inside the captured run: "
+                         + (child_traceback.strip().splitlines() or ["?"])[-1])
+        self.child_traceback = child_traceback
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""

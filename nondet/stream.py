@@ -1,0 +1,195 @@
+"""The parent side of a run's stream: frames in, the capture file and a mirror of it out.
+
+``RunStream`` stores each frame the child sends (``channel.KINDS``, one handler per kind)
+in the run's HDF5 file and keeps in memory what the schedule and the pipeline read while
+the run goes on: step rows, op records, strings, kept outputs, how the run ended. A write
+that fails (disk full) stops the run and the stream is only drained from then on.
+``launch.CapturedRun`` adds the child process.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nondet import channel
+from nondet.records import OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
+from nondet.store import CaptureWriter
+
+
+class RunStream:
+    """One run's stream as the parent stores and mirrors it (see module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.writer: CaptureWriter | None = None
+        self.on_step: Callable[[Any, np.void], None] | None = None
+        self.on_end: Callable[[Any], None] | None = None
+        self.steps: list[np.void] = []
+        self.ops: dict[int, list[np.ndarray]] = {}  # op records per step, as they arrive
+        self.strings: list[str] = []
+        self.kept: dict[tuple[int, int], list[np.ndarray]] = {}  # answers to dump requests
+        self._incoming: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._dumps_done = threading.Condition()
+        self.end: channel.End | None = None
+        self.hook_error = ""
+        self.write_error = ""
+        self._end_reported = False
+        self._pipe_closed = False
+        # One handler per frame kind (channel.KINDS); a kind not listed is ignored.
+        self._handlers: dict[bytes, Callable[[bytes], None]] = {
+            channel.STEP: self._on_step_frame,
+            channel.OPS: self._on_ops_frame,
+            channel.TENSORS: self._on_tensors_frame,
+            channel.STRINGS: self._on_strings_frame,
+            channel.META: self._on_meta_frame,
+            channel.FACTS: self._on_facts_frame,
+            channel.DUMP: self._on_dump_frame,
+            channel.END: self._on_end_frame,
+        }
+
+    def request_stop(self) -> None:
+        """Ask the run to stop (the process side provides it)."""
+        raise NotImplementedError
+
+    @property
+    def ended(self) -> bool:
+        """The run will send nothing more (END arrived, or its pipe closed)."""
+        return self._end_reported
+
+    def _close_writer(self, status: str, code: int | None) -> None:
+        if self.writer is None:
+            return
+        try:
+            self.writer.close(status, code)
+        except OSError:
+            pass  # disk full: the file keeps what was flushed at the last step
+
+    def _ended(self) -> None:
+        """Tell the owner once that this run will send no more steps."""
+        if self._end_reported:
+            return
+        self._end_reported = True
+        with self._dumps_done:
+            self._dumps_done.notify_all()
+        if self.on_end is not None:
+            self.on_end(self)
+
+    # -- frames ------------------------------------------------------------------------------------
+    def _handle(self, kind: bytes, payload: bytes) -> None:
+        """Store one frame. After a write failure the stream is only drained (so the child
+        never blocks on a full pipe) until it ends."""
+        if self.write_error and kind != channel.END:
+            return
+        handler = self._handlers.get(kind)
+        if handler is None:
+            return
+        try:
+            ensure_space(self.path, len(payload))
+            handler(payload)
+        except OSError as exc:  # the capture file cannot be written (disk full, I/O error)
+            self._write_failed(exc, self.path)
+        except Exception:
+            if not self.write_error:
+                raise
+            # the log writer failed and closed the capture while this frame was stored
+
+    def _write_failed(self, exc: OSError, path: Path) -> None:
+        if self.write_error:
+            return
+        self.write_error = write_failure(path, exc)
+        self.request_stop()
+        self._close_writer(channel.WRITE_FAILED, None)
+
+    def _on_step_frame(self, payload: bytes) -> None:
+        assert self.writer is not None
+        row = np.frombuffer(payload, dtype=STEP_DTYPE)
+        self.writer.add_step(row)
+        self.steps.append(row[0])
+        if self.on_step is not None:
+            self.on_step(self, row[0])
+
+    def _on_ops_frame(self, payload: bytes) -> None:
+        assert self.writer is not None
+        rows = np.frombuffer(payload, dtype=OP_DTYPE)
+        self.writer.add_ops(rows)
+        if len(rows):
+            self.ops.setdefault(int(rows["step"][0]), []).append(rows)
+
+    def _on_tensors_frame(self, payload: bytes) -> None:
+        assert self.writer is not None
+        self.writer.add_tensors(np.frombuffer(payload, dtype=TENSOR_DTYPE))
+
+    def _on_strings_frame(self, payload: bytes) -> None:
+        assert self.writer is not None
+        strings = json.loads(payload)
+        self.writer.add_strings(strings)
+        self.strings.extend(strings)
+
+    def _on_meta_frame(self, payload: bytes) -> None:
+        assert self.writer is not None
+        meta = json.loads(payload)
+        if channel.META_ENV in meta:
+            self.writer.add_env(meta[channel.META_ENV])
+        if channel.META_HOOK_ERROR in meta:
+            self.hook_error = meta[channel.META_HOOK_ERROR]
+        if channel.META_DUMP_DONE in meta:
+            step, index, _ = meta[channel.META_DUMP_DONE]
+            with self._dumps_done:
+                self.kept[(step, index)] = self._incoming.pop((step, index), [])
+                self._dumps_done.notify_all()
+
+    def _on_facts_frame(self, payload: bytes) -> None:
+        assert self.writer is not None
+        self.writer.add_facts(json.loads(payload))
+
+    def _on_dump_frame(self, payload: bytes) -> None:
+        assert self.writer is not None
+        dump = channel.Dump.decode(payload)
+        self.writer.add_dump(dump.name, dump.array, dump.attrs)
+        position = dump.kept_position
+        if position is not None:
+            self._incoming.setdefault(position, []).append(dump.array)
+
+    def _on_end_frame(self, payload: bytes) -> None:
+        self.end = channel.End.decode(json.loads(payload))
+        self._ended()
+
+
+#: Space left free on the capture's filesystem: HDF5 cannot be stopped cleanly once a write
+#: has failed (it may leave the file unreadable, or crash in h5py), so nondet stops writing
+#: while there is still room to close the file (everything before the last step is flushed).
+RESERVE_BYTES = 1 << 20
+
+
+def ensure_space(path: Path, nbytes: int) -> None:
+    """Raise ENOSPC before a write that would leave less than RESERVE_BYTES free."""
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return  # cannot tell: let the write itself say
+    if st.f_bavail * st.f_frsize < RESERVE_BYTES + 2 * nbytes:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+
+def write_failure(path: Path, exc: OSError) -> str:
+    """One line for a capture or log that cannot be written."""
+    text = str(exc)
+    if exc.errno == errno.ENOSPC or "No space left" in text or "errno = 28" in text:
+        return f"no space left on {_mount_point(path)} while writing {path}"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"cannot write {path}: {first}"
+
+
+def _mount_point(path: Path) -> str:
+    current = os.path.realpath(path.parent)
+    while not os.path.ismount(current) and os.path.dirname(current) != current:
+        current = os.path.dirname(current)
+    return current

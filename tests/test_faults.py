@@ -1,0 +1,215 @@
+"""Faults through the real CLI: whatever state the two runs end in, nondet ends, within a
+bound, with the documented exit code and one line; captures stay readable."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from nondet.store import open_capture
+from tests.conftest import REPO, run_cli
+
+STEPS = str(REPO / "tests" / "data" / "scripts" / "steps.py")
+BOUND = 240  # seconds; each case takes ~30 s on a loaded 2-core machine
+SCHEDULES = [[], ["--schedule", "sequential"]]
+SCHEDULE_IDS = ["lockstep", "sequential"]
+
+# Both runs share the working directory. The first run to reach step 1 makes a directory
+# (or a marker), so the second run to get there fails (or stops early): in lockstep run a
+# goes first at every step, sequentially it runs first. So it is always run b.
+_TRAIN = """
+import os, sys, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(5):
+    {at_step_1}
+    loss = model(torch.ones(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+FAILS_IN_SECOND = _TRAIN.format(at_step_1="""if step == 1:
+        os.makedirs("outputs")  # no exist_ok: the second run fails""")
+ENDS_EARLY_IN_SECOND = _TRAIN.format(at_step_1="""if step == 2:
+        try:
+            os.close(os.open("done-early", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            break  # "early stopping" in the run that comes second""")
+
+
+def _one_error_line(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("nondet: error")]
+    assert len(errors) == 1, stderr
+    assert "Traceback" not in stderr.split("  |")[0], stderr
+    return errors[0]
+
+
+def _script(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)
+def test_a_script_that_fails_in_one_run_only_exits_2_naming_the_run(
+        tmp_path: Path, schedule: list[str]) -> None:
+    script = _script(tmp_path, FAILS_IN_SECOND)
+    result = run_cli("run", "-q", *schedule, script, cwd=tmp_path, timeout=BOUND)
+    assert result.returncode == 2, result.stderr
+    line = _one_error_line(result.stderr)
+    assert "the script failed in run b (exit code 1): FileExistsError" in line
+    for label in "ab":
+        capture = open_capture(tmp_path / ".nondet" / f"run-{label}.h5")
+        assert capture.status != "running"  # closed
+    assert open_capture(tmp_path / ".nondet" / "run-b.h5").status == "failed"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)
+def test_a_run_that_ends_early_is_not_an_error_and_both_captures_close(
+        tmp_path: Path, schedule: list[str]) -> None:
+    script = _script(tmp_path, ENDS_EARLY_IN_SECOND)
+    result = run_cli("run", "-q", "--json", "r.json", *schedule, script, cwd=tmp_path,
+                     timeout=BOUND)
+    assert result.returncode in (0, 1), result.stderr  # a finding (or none), not an error
+    assert "nondet: error" not in result.stderr and "Traceback" not in result.stderr
+    runs = {r["label"]: r for r in json.loads((tmp_path / "r.json").read_text())["runs"]}
+    assert runs["b"]["steps"] == 2 and runs["b"]["status"] == "complete"
+    assert runs["a"]["steps"] > 2 and runs["a"]["complete"]
+    for label in "ab":
+        assert open_capture(tmp_path / ".nondet" / f"run-{label}.h5").status in (
+            "complete", "stopped")
+
+
+def _children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True, check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_sigterm_stops_the_runs_and_exits_143(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "nondet", "run", "-q", STEPS, "--steps",
+                             "400", "--sleep", "0.05"], cwd=tmp_path,
+                            env={**os.environ, "NO_COLOR": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _terminate_and_check(proc, tmp_path)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a failed test leaves nothing behind
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+
+
+def _terminate_and_check(proc: subprocess.Popen[str], tmp_path: Path) -> None:
+    log = tmp_path / ".nondet" / "run-a.log"
+    deadline = time.monotonic() + BOUND
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        if log.exists() and "step 1 done" in log.read_text():
+            break
+    children = _children_of(proc.pid)
+    assert proc.poll() is None and children, "the run ended before it could be terminated"
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "terminated" in lines[0], stderr
+    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+    for label in "ab":
+        capture = open_capture(tmp_path / ".nondet" / f"run-{label}.h5")
+        assert capture.status == "interrupted" and capture.n_steps >= 1
+
+
+_FULL_DISK = """
+import errno, os
+if os.environ.get("NONDET_TEST_ENOSPC_AT") and "NONDET_CHILD_CONFIG" not in os.environ:
+    # nondet itself (not its runs): the capture writer fails as on a full disk
+    from nondet import store
+
+    _add_step = store.CaptureWriter.add_step
+    _at = int(os.environ["NONDET_TEST_ENOSPC_AT"])
+
+    def add_step(self, row):
+        if int(row["step"][0]) >= _at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        _add_step(self, row)
+
+    store.CaptureWriter.add_step = add_step
+"""
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)
+def test_disk_full_exits_2_with_one_line_and_readable_captures(
+        tmp_path: Path, schedule: list[str]) -> None:
+    """A full disk, simulated in nondet's own process (sitecustomize), not in the runs."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FULL_DISK)
+    env = {"NONDET_TEST_ENOSPC_AT": "2",
+           "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+    result = run_cli("run", "-q", *schedule, STEPS, "--steps", "6", cwd=tmp_path, env=env,
+                     timeout=BOUND)
+    assert result.returncode == 2, result.stderr
+    line = _one_error_line(result.stderr)
+    assert "no space left on " in line and "while writing" in line and "run-a.h5" in line
+    assert "Traceback" not in result.stderr
+    capture = open_capture(tmp_path / ".nondet" / "run-a.h5")
+    assert capture.status == "write_failed" and capture.n_steps == 2  # steps 0 and 1
+
+
+def _run_bounded(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run in its own process group; on timeout kill the whole group (nondet and its runs)
+    and fail, so a regression neither hangs the suite nor leaves processes behind."""
+    proc = subprocess.Popen(command, cwd=cwd, env={**os.environ, "NO_COLOR": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=BOUND)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"still running after {BOUND} s")
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs tmpfs /mnt"],
+                           capture_output=True, check=False, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unprivileged user+mount namespaces")
+def test_a_real_full_filesystem_stops_in_time_to_close_the_captures(tmp_path: Path) -> None:
+    """--out on a small tmpfs (in a private mount namespace): nondet stops writing while the
+    files can still be closed, so no h5py crash and both captures open."""
+    out = tmp_path / "small"
+    out.mkdir()
+    check = ("from nondet.store import open_capture\n"
+             f"for label in 'ab':\n"
+             f"    c = open_capture('{out}/run-' + label + '.h5')\n"
+             "    print('capture', label, c.status, c.n_steps)\n")
+    (tmp_path / "check.py").write_text(check)
+    script = (f"mount -t tmpfs -o size=1200k tmpfs {out} || exit 99\n"
+              f"{sys.executable} -m nondet run -q --ops all --out {out} {STEPS} --steps 20000\n"
+              f"echo rc=$?\n"
+              f"{sys.executable} {tmp_path / 'check.py'}\n")
+    result = _run_bounded(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path)
+    assert "rc=2" in result.stdout, result.stdout + result.stderr
+    line = _one_error_line(result.stderr)
+    assert f"no space left on {out} while writing {out}/run-" in line
+    assert "Traceback" not in result.stderr and "Segmentation" not in result.stderr
+    captures = [line.split() for line in result.stdout.splitlines()
+                if line.startswith("capture ")]
+    assert [c[2] for c in captures] == ["write_failed", "write_failed"], result.stdout
+    assert all(int(c[3]) > 100 for c in captures)  # everything up to the last flushed step

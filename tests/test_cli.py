@@ -60,7 +60,7 @@ def test_script_failure_is_reported_in_one_line_with_its_error(tmp_path: Path) -
     line = _one_error_line(result.stderr)
     assert "the script failed in run a" in line and "ValueError: boom at step 1" in line
     # The capture of the failed run is still readable and says how the run ended.
-    capture = open_capture(tmp_path / ".nondet" / "run-a.h5")
+    capture = open_capture(tmp_path / ".nondet" / "latest" / "run-a.h5")
     assert capture.status == "failed" and capture.n_steps == 1
 
 
@@ -68,7 +68,7 @@ def test_killed_run_leaves_a_readable_capture(tmp_path: Path) -> None:
     result = run_cli("run", "-q", STEPS, "--steps", "5", "--kill-at", "2", cwd=tmp_path)
     assert result.returncode == 2
     assert "killed by signal 9" in _one_error_line(result.stderr)
-    capture = open_capture(tmp_path / ".nondet" / "run-a.h5")
+    capture = open_capture(tmp_path / ".nondet" / "latest" / "run-a.h5")
     assert capture.status == "crashed" and capture.n_steps == 2 and not capture.complete
 
 
@@ -112,19 +112,18 @@ def test_ctrl_c_exits_130_and_keeps_readable_captures(tmp_path: Path, command: s
                              "200", "--sleep", "0.05"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    capture_path = tmp_path / ".nondet" / "run-a.h5"
-    log = tmp_path / ".nondet" / "run-a.log"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # wait until run A has finished a few steps
         time.sleep(0.2)
-        if log.exists() and "step 3 done" in log.read_text():
+        logs = list((tmp_path / ".nondet").glob("*/run-a.log"))
+        if logs and "step 3 done" in logs[0].read_text():
             break
     assert proc.poll() is None, "the run ended before it could be interrupted"
     os.killpg(proc.pid, signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr
-    capture = open_capture(capture_path)
+    capture = open_capture(tmp_path / ".nondet" / "latest" / "run-a.h5")
     assert capture.status == "interrupted" and capture.n_steps >= 1
 
 

@@ -103,7 +103,7 @@ def _refuse_unknown_option(module: str | None, script_and_args: tuple[str, ...])
             return
     elif "--" in raw and tuple(raw[raw.index("--") + 1:]) == script_and_args:
         return
-    name = first.split("=", 1)[0]
+    name = outdir.display(first.split("=", 1)[0])
     raise click.UsageError(f"no such option: {name} (nondet's options go before the script; "
                            "a script whose name starts with '-' goes after `--`)")
 

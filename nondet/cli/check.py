@@ -142,12 +142,15 @@ def _write_failure(exc: BaseException, name: str, seconds: float, junit_path: Pa
     2, 3 and 130 alike); writing them never hides the error itself."""
     from nondet.report import Report, json_file, junit
 
+    if isinstance(exc, SystemExit | click.exceptions.Exit) and not getattr(
+            exc, "code", getattr(exc, "exit_code", 1)):
+        return  # a clean exit is not a failure
     code = _failure_code(exc)
     if code == ExitCode.INTERNAL:
         message = (f"internal error in nondet: {type(exc).__name__}: "
                    f"{(str(exc).splitlines() or [''])[0]} (a bug log is named on stderr)")
-    elif code == ExitCode.INTERRUPTED:
-        message = "interrupted"
+    elif code == ExitCode.INTERRUPTED or (isinstance(exc, SystemExit) and exc.code == 143):
+        message = "interrupted" if code == ExitCode.INTERRUPTED else "terminated (SIGTERM)"
     elif isinstance(exc, click.ClickException):
         message = exc.format_message()
     else:

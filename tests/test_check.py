@@ -285,3 +285,10 @@ def test_baseline_of_a_different_script_is_refused(tmp_path: Path) -> None:
     allowed = run_cli("check", "--allow-script-change", "--baseline", "b.h5", str(other),
                       "--steps", "2", cwd=tmp_path)
     assert allowed.returncode == 0, allowed.stderr
+
+
+def test_a_command_line_that_does_not_parse_still_writes_junit(tmp_path: Path) -> None:
+    result = run_cli("check", "--junit", "j.xml", "--seed", "-1", STEPS, cwd=tmp_path)
+    assert result.returncode == 2 and "--seed" in result.stderr
+    error = _junit(tmp_path / "j.xml").find(".//testcase/error")
+    assert error is not None and "--seed" in error.get("message")

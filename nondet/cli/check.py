@@ -24,8 +24,36 @@ from nondet.exitcodes import EPILOG, ExitCode
 from nondet.outdir import display
 
 
+class CheckCommand(TargetCommand):
+    """Even a command line that does not parse (a bad --seed, an unknown option) leaves the
+    JUnit and JSON files it names, so CI shows the error rather than a missing report."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        raw = list(args)  # the parser consumes ``args``
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            junit_path, json_path = _raw_value(raw, "--junit"), _raw_value(raw, "--json")
+            _write_failure(exc, "nondet check", 0.0,
+                           Path(junit_path) if junit_path else None,
+                           Path(json_path) if json_path else None)
+            raise
+
+
+def _raw_value(args: list[str], option: str) -> str | None:
+    """The value of ``option`` among the arguments before the script (or None)."""
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg == option and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 @click.command(
-    cls=TargetCommand,
+    cls=CheckCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
     epilog=EPILOG,
 )

@@ -8,8 +8,10 @@ no tensor values, nothing secret beyond the script's path and the machine's desc
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from nondet.environment import INFORMATIONAL, differences
 from nondet.errors import NondetError
@@ -27,10 +29,60 @@ def load(path: Path) -> Capture:
 
 
 def save(capture_path: Path, destination: Path) -> int:
-    """Store a finished run's capture as the baseline; returns its size in bytes."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(capture_path, destination)
-    return destination.stat().st_size
+    """Store a finished run's capture as the baseline; returns its size in bytes.
+
+    Written next to the destination and renamed over it, so a failed write never leaves a
+    half baseline (or destroys the old one); trouble writing is the user's (exit 2).
+    """
+    if destination.exists() and _same_file(capture_path, destination):
+        return destination.stat().st_size
+    temporary = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(capture_path, temporary)
+        os.replace(temporary, destination)
+        return destination.stat().st_size
+    except OSError as exc:
+        if temporary.exists():
+            temporary.unlink(missing_ok=True)
+        raise NondetError(f"cannot write the baseline {_text(destination)}: "
+                          f"{exc.strerror or exc}") from exc
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def script_mismatch(baseline: Capture, script: str | None, module: str | None,
+                    digest: str) -> str:
+    """Why the baseline is of another script than the one to check ("" if it is the same).
+
+    The content (sha256) decides for scripts; a moved checkout (another absolute path) with
+    the same content is the same script.
+    """
+    attrs: dict[str, Any] = baseline.attrs
+    base_module = str(attrs.get("module") or "")
+    base_script = str(attrs.get("script") or "")
+    base_digest = str(attrs.get("script_sha256") or "")
+    if module or base_module:
+        if module != base_module:
+            was = f"-m {base_module}" if base_module else base_script or "?"
+            return f"it was made from {was}, this check runs {f'-m {module}' if module else script}"
+        return ""
+    if base_digest and digest and base_digest != digest:
+        if Path(base_script).name != Path(script or "").name:
+            return f"it was made from {base_script} (sha256 {base_digest[:12]}), this check " \
+                   f"runs {script} (sha256 {digest[:12]})"
+        return f"{script} has changed since it was made (sha256 {base_digest[:12]} then, " \
+               f"{digest[:12]} now)"
+    return ""
+
+
+def _text(path: Path) -> str:
+    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def drift(baseline: Capture, current: Capture) -> list[dict[str, str]]:

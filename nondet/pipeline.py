@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import baseline, compare, environment, recipe, schedule
+from nondet import baseline, compare, environment, outdir, recipe, schedule
 from nondet.errors import NondetError, ScriptFailed
 from nondet.exitcodes import ExitCode
 from nondet.launch import CapturedRun, Plan, RunResult, Target
@@ -207,10 +207,16 @@ def write_baseline(target: Target, options: Options, progress: ProgressSink,
 
 
 def against_baseline(target: Target, options: Options, progress: ProgressSink,
-                     path: Path, allow_drift: bool) -> Report:
+                     path: Path, allow_drift: bool, allow_script_change: bool = False) -> Report:
     """Run once and compare with a stored baseline (step level)."""
     base = baseline.load(path)
     prepare(target, options)
+    mismatch = baseline.script_mismatch(
+        base, target.script, target.module,
+        environment.script_digest(target.script) if target.script else "")
+    if mismatch and not allow_script_change:
+        raise NondetError(f"the baseline {path} is of a different script: {mismatch}; update it "
+                          "with --update-baseline, or compare anyway with --allow-script-change")
     progress.stage(f"run: {target.describe()}, compared with the baseline {path}")
     result = _run_single(target, Plan("a", [], _first_plan(options)[1]), options, progress)
     current = open_capture(result.path)
@@ -244,12 +250,11 @@ def _run_single(target: Target, plan: Plan, options: Options,
 
 
 def prepare(target: Target, options: Options) -> None:
-    """Check the target and clear the output folder of an earlier invocation's runs."""
+    """Check the target and give this invocation a directory of its own under --out (the
+    CLI makes it first; see nondet.outdir). Nothing already in --out is deleted."""
     target.check()
-    options.out_dir.mkdir(parents=True, exist_ok=True)
-    for old in options.out_dir.glob("run-*"):
-        if old.suffix in (".h5", ".log"):
-            old.unlink()
+    if not outdir.is_own(options.out_dir):
+        options.out_dir = outdir.start(options.out_dir).path
 
 
 def _first_plan(options: Options) -> tuple[list[int] | None, int | None]:

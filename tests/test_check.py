@@ -180,3 +180,115 @@ def test_pre_commit_hook_runs_a_valid_command() -> None:
     sub = cli.get_command(None, entry[1])  # type: ignore[arg-type]
     assert sub is not None
     sub.make_context(entry[1], [*entry[2:], *map(str, documented)])
+
+
+# -- exit codes and report files for every outcome ------------------------------------------
+def test_internal_error_still_writes_junit_and_json(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from nondet import cli, pipeline
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(pipeline, "diagnose", broken)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["nondet", "check", "--junit", "j.xml", "--json", "r.json",
+                                      STEPS])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 3
+    error = _junit(tmp_path / "j.xml").find(".//testcase/error")
+    assert error is not None and "internal error" in error.get("message")
+    assert "simulated bug" in error.get("message")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["verdict"] == "error" and report["exit_code"] == 3
+
+
+def test_unknown_option_is_a_junit_error_too(tmp_path: Path) -> None:
+    result = run_cli("check", "--junit", "j.xml", "--bogus-option", STEPS, cwd=tmp_path)
+    assert result.returncode == 2 and "no such option: --bogus-option" in result.stderr
+    error = _junit(tmp_path / "j.xml").find(".//testcase/error")
+    assert error is not None and "no such option" in error.get("message")
+
+
+def test_update_baseline_under_a_file_is_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    result = run_cli("check", "--update-baseline", "--baseline", "file/ci/baseline.h5", STEPS,
+                     cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "file is a file, not a directory" in result.stderr
+
+
+def test_update_baseline_into_a_read_only_directory_is_exit_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root writes into read-only directories: the refusal is exercised through os.access.
+    import os
+    import sys
+
+    from nondet import cli
+
+    (tmp_path / "ro").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "ro"
+                        and real_access(path, mode))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["nondet", "check", "--update-baseline", "--baseline",
+                                      "ro/baseline.h5", STEPS])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 2
+    assert not (tmp_path / "ro" / "baseline.h5").exists()
+
+
+def test_baseline_write_failure_is_a_user_error(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from nondet import baseline
+    from nondet.errors import NondetError
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    (tmp_path / "baseline.h5").write_bytes(b"the old baseline")
+    (tmp_path / "run.h5").write_bytes(b"new")
+    monkeypatch.setattr(shutil, "copyfile", full)
+    with pytest.raises(NondetError, match="No space left on device"):
+        baseline.save(tmp_path / "run.h5", tmp_path / "baseline.h5")
+    assert (tmp_path / "baseline.h5").read_bytes() == b"the old baseline"
+
+
+def test_baseline_kept_inside_out_survives_and_is_used(tmp_path: Path) -> None:
+    made = run_cli("check", "--update-baseline", "--baseline", ".nondet/run-baseline.h5", STEPS,
+                   "--steps", "2", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    result = run_cli("check", "--baseline", ".nondet/run-baseline.h5", STEPS, "--steps", "2",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "identical to the baseline" in result.stdout
+    assert open_capture(tmp_path / ".nondet" / "run-baseline.h5").n_steps == 2
+
+
+def test_baseline_of_a_different_script_is_refused(tmp_path: Path) -> None:
+    run_cli("check", "--update-baseline", "--baseline", "b.h5", STEPS, "--steps", "2",
+            cwd=tmp_path)
+    other = tmp_path / "train.py"
+    other.write_text(Path(STEPS).read_text() + "\n# edited\n")
+    refused = run_cli("check", "--junit", "j.xml", "--baseline", "b.h5", str(other), "--steps",
+                      "2", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    assert "is of a different script" in refused.stderr and "steps.py" in refused.stderr
+    assert _junit(tmp_path / "j.xml").find(".//testcase/error") is not None
+    allowed = run_cli("check", "--allow-script-change", "--baseline", "b.h5", str(other),
+                      "--steps", "2", cwd=tmp_path)
+    assert allowed.returncode == 0, allowed.stderr
+
+
+def test_a_command_line_that_does_not_parse_still_writes_junit(tmp_path: Path) -> None:
+    result = run_cli("check", "--junit", "j.xml", "--seed", "-1", STEPS, cwd=tmp_path)
+    assert result.returncode == 2 and "--seed" in result.stderr
+    error = _junit(tmp_path / "j.xml").find(".//testcase/error")
+    assert error is not None and "--seed" in error.get("message")

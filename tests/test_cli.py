@@ -60,7 +60,7 @@ def test_script_failure_is_reported_in_one_line_with_its_error(tmp_path: Path) -
     line = _one_error_line(result.stderr)
     assert "the script failed in run a" in line and "ValueError: boom at step 1" in line
     # The capture of the failed run is still readable and says how the run ended.
-    capture = open_capture(tmp_path / ".nondet" / "run-a.h5")
+    capture = open_capture(tmp_path / ".nondet" / "latest" / "run-a.h5")
     assert capture.status == "failed" and capture.n_steps == 1
 
 
@@ -68,7 +68,7 @@ def test_killed_run_leaves_a_readable_capture(tmp_path: Path) -> None:
     result = run_cli("run", "-q", STEPS, "--steps", "5", "--kill-at", "2", cwd=tmp_path)
     assert result.returncode == 2
     assert "killed by signal 9" in _one_error_line(result.stderr)
-    capture = open_capture(tmp_path / ".nondet" / "run-a.h5")
+    capture = open_capture(tmp_path / ".nondet" / "latest" / "run-a.h5")
     assert capture.status == "crashed" and capture.n_steps == 2 and not capture.complete
 
 
@@ -112,19 +112,18 @@ def test_ctrl_c_exits_130_and_keeps_readable_captures(tmp_path: Path, command: s
                              "200", "--sleep", "0.05"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    capture_path = tmp_path / ".nondet" / "run-a.h5"
-    log = tmp_path / ".nondet" / "run-a.log"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # wait until run A has finished a few steps
         time.sleep(0.2)
-        if log.exists() and "step 3 done" in log.read_text():
+        logs = list((tmp_path / ".nondet").glob("*/run-a.log"))
+        if logs and "step 3 done" in logs[0].read_text():
             break
     assert proc.poll() is None, "the run ended before it could be interrupted"
     os.killpg(proc.pid, signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr
-    capture = open_capture(capture_path)
+    capture = open_capture(tmp_path / ".nondet" / "latest" / "run-a.h5")
     assert capture.status == "interrupted" and capture.n_steps >= 1
 
 
@@ -195,3 +194,133 @@ def test_internal_error_exits_3_and_writes_a_log(tmp_path: Path,
     assert exit_info.value.code == 3
     logs = list((tmp_path / "cache" / "nondet").glob("nondet-*.log"))
     assert len(logs) == 1 and "simulated bug" in logs[0].read_text()
+
+
+# -- the user's files, and one invocation's captures per invocation -------------------------
+def _user_files(root: Path) -> dict[Path, tuple[bytes, int]]:
+    files = [root / "run-notes.log", root / "run-experiment.h5", root / "run-a.h5",
+             root / "run-b.log", root / "run-baseline.h5", root / "sub" / "run-a.h5"]
+    for path in files:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f"the user's own {path.name}".encode())
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
+
+
+@pytest.mark.parametrize("out", [".", ".nondet"])
+def test_user_files_in_out_are_never_modified_or_deleted(tmp_path: Path, out: str) -> None:
+    before = _user_files(tmp_path / out)
+    result = run_cli("run", "-q", "--out", out, "--json", "r.json", STEPS, "--steps", "2",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in before} == before
+    import json
+
+    report = json.loads((tmp_path / "r.json").read_text())
+    paths = [tmp_path / r["path"] for r in report["runs"]]
+    assert len({p.parent for p in paths}) == 1 and paths[0].parent.parent == tmp_path / out
+    assert [open_capture(p).n_steps for p in paths] == [2, 2]
+    assert (tmp_path / out / "latest").resolve() == paths[0].parent.resolve()
+
+
+def test_two_concurrent_runs_in_one_directory_report_their_own_captures(
+        tmp_path: Path) -> None:
+    env = {**os.environ, "NO_COLOR": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "nondet", "run", "-q", "--json",
+                               f"r{steps}.json", STEPS, "--steps", str(steps), "--sleep",
+                               "0.05"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for steps in (6, 3)]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    import json
+
+    for proc, (_, stderr), steps in zip(procs, outputs, (6, 3), strict=True):
+        assert proc.returncode == 0, stderr
+        runs = json.loads((tmp_path / f"r{steps}.json").read_text())["runs"]
+        captures = [open_capture(tmp_path / r["path"]) for r in runs]
+        assert [r["steps"] for r in runs] == [steps, steps]
+        assert [c.n_steps for c in captures] == [steps, steps]
+        assert all(c.complete for c in captures)
+    paths = {json.loads((tmp_path / f"r{s}.json").read_text())["runs"][0]["path"]
+             for s in (6, 3)}
+    assert len(paths) == 2
+
+
+# -- exit codes that tell the truth ---------------------------------------------------------
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**64)])
+def test_seed_out_of_range_is_a_usage_error(tmp_path: Path, seed: str) -> None:
+    result = run_cli("run", "-q", "--seed", seed, STEPS, "--steps", "1", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "--seed" in result.stderr and "4294967295" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_out_under_a_file_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    result = run_cli("run", "-q", "--out", "file/captures", STEPS, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "file is a file, not a directory" in _one_error_line(result.stderr)
+
+
+def test_json_under_a_file_is_refused_before_running(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    result = run_cli("run", "-q", "--json", "file/missing/r.json", STEPS, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "--json file/missing/r.json" in _one_error_line(result.stderr)
+    assert not (tmp_path / ".nondet").exists()  # refused before anything ran
+
+
+def test_unwritable_json_after_the_run_prints_the_report_then_exits_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # As root a read-only directory does not stop a write, so the write itself fails here.
+    from nondet import cli
+    from nondet.report import json_file
+
+    def read_only(*args: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(json_file, "write", read_only)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["nondet", "run", "-q", "--json", "r.json", STEPS,
+                                      "--steps", "1"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2, err
+    assert out.startswith("nondet: deterministic")
+    assert "cannot write --json r.json: Permission denied" in _one_error_line(err)
+
+
+def test_non_utf8_script_path_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    name = os.fsdecode(b"train-\xff.py")
+    (tmp_path / name).write_text((REPO / "tests/data/scripts/steps.py").read_text())
+    result = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", name], cwd=tmp_path,
+                            capture_output=True, env={**os.environ, "NO_COLOR": "1"})
+    stderr = result.stderr.decode("utf-8", "replace")
+    assert result.returncode == 2, stderr
+    assert "not UTF-8 (train-\\xff.py)" in _one_error_line(stderr)
+
+
+def test_bug_log_of_a_non_utf8_command_line(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from nondet.cli._common import write_bug_log
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["nondet", "run", os.fsdecode(b"\xfe.py")])
+    log = write_bug_log("Traceback: " + os.fsdecode(b"\xfe"))
+    assert "run \\xfe.py" in log.read_text(encoding="utf-8")
+
+
+def test_unknown_option_before_the_script_says_no_such_option(tmp_path: Path) -> None:
+    result = run_cli("run", "--bogus-option", STEPS, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "no such option: --bogus-option" in result.stderr
+    assert "script not found" not in result.stderr
+
+
+def test_a_script_named_like_an_option_runs_after_double_dash(tmp_path: Path) -> None:
+    (tmp_path / "-x.py").write_text((REPO / "tests/data/scripts/steps.py").read_text())
+    refused = run_cli("run", "-q", "-x.py", cwd=tmp_path)
+    assert refused.returncode == 2 and "no such option: -x.py" in refused.stderr
+    result = run_cli("run", "-q", "--", "-x.py", "--steps", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr

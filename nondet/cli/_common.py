@@ -103,11 +103,17 @@ def write_bug_log(text: str, child: str = "") -> Path:
     body += f"\n- command: {' '.join(sys.argv)}\n\n```\n{text}\n```\n"
     if child:
         body += f"\nInside the captured run:\n\n```\n{child}\n```\n"
-    path.write_text(body, encoding="utf-8")
+    # Paths and arguments may hold bytes that are not UTF-8 (surrogate escapes): the log
+    # shows them as \xNN rather than failing inside the error handler.
+    path.write_text(_printable(body), encoding="utf-8")
     return path
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _escape(text: str) -> str:
     from rich.markup import escape
 
-    return escape(text)
+    return escape(_printable(text))

@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 
+from nondet import outdir
+from nondet.errors import NondetError
 from nondet.launch import Target
 
 F = Callable[..., Any]
+
+#: What every seed consumer in the children takes (PYTHONHASHSEED and NumPy's legacy RNG
+#: stop at 2**32 - 1; a negative seed would be folded onto another one silently).
+SEED_RANGE = click.IntRange(0, 2**32 - 1)
+
+
+class TargetCommand(click.Command):
+    """A command whose options come before SCRIPT: keeps the raw arguments, so that an
+    unknown option in the script's place can be told from a script given after ``--``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["nondet.raw_args"] = list(args)
+        return super().parse_args(ctx, args)
 
 
 def target_options(command: F) -> F:
@@ -18,7 +35,7 @@ def target_options(command: F) -> F:
     for option in reversed([
         click.option("-m", "module", metavar="MODULE",
                      help="Run a module as with `python -m MODULE` (instead of a script path)."),
-        click.option("--seed", default=0, show_default=True, type=int,
+        click.option("--seed", default=0, show_default=True, type=SEED_RANGE,
                      help="Seed for random, NumPy, the framework and PYTHONHASHSEED in every "
                           "run."),
         click.option("--out", "out_dir", default=".nondet", show_default=True,
@@ -51,12 +68,99 @@ def target_options(command: F) -> F:
 
 
 def make_target(module: str | None, script_and_args: tuple[str, ...]) -> Target:
+    """The script (or module) and its arguments; unknown options and paths nondet cannot
+    store are usage errors (exit 2), found before anything runs."""
+    _refuse_unknown_option(module, script_and_args)
     if module:
-        return Target(script=None, module=module, args=tuple(script_and_args))
-    if not script_and_args:
+        target = Target(script=None, module=module, args=tuple(script_and_args))
+    elif not script_and_args:
         raise click.UsageError("missing SCRIPT (or -m MODULE): what should nondet run?")
-    script, *args = script_and_args
-    return Target(script=script, module=None, args=tuple(args))
+    else:
+        script, *args = script_and_args
+        target = Target(script=script, module=None, args=tuple(args))
+    for what, value in (("the script", target.script or ""), ("the module", module or ""),
+                        ("the current directory", _cwd())):
+        require_utf8(what, value)
+    for arg in target.args:
+        require_utf8("an argument of the script", arg)
+    target.check()
+    return target
+
+
+def _refuse_unknown_option(module: str | None, script_and_args: tuple[str, ...]) -> None:
+    """With ``ignore_unknown_options`` an unknown option lands in SCRIPT's place; it is a
+    usage error unless it was written after ``--`` (a script named ``-x.py``)."""
+    if not script_and_args or not script_and_args[0].startswith("-"):
+        return
+    ctx = click.get_current_context(silent=True)
+    raw: list[str] = ctx.meta.get("nondet.raw_args", []) if ctx is not None else []
+    first = script_and_args[0]
+    if module:
+        # `-m MODULE --its-option`: fine; `--bogus -m MODULE`: the option was nondet's.
+        where_m = next((i for i, a in enumerate(raw) if a == "-m" or
+                        (a.startswith("-m") and a[2:] == module)), len(raw))
+        if first not in raw[:where_m]:
+            return
+    elif "--" in raw and tuple(raw[raw.index("--") + 1:]) == script_and_args:
+        return
+    name = outdir.display(first.split("=", 1)[0])
+    raise click.UsageError(f"no such option: {name} (nondet's options go before the script; "
+                           "a script whose name starts with '-' goes after `--`)")
+
+
+def _cwd() -> str:
+    try:
+        return os.getcwd()
+    except OSError as exc:
+        raise NondetError(f"the current directory is gone: {exc.strerror}") from exc
+
+
+def require_utf8(what: str, value: str | os.PathLike[str]) -> None:
+    """Captures store paths and arguments as UTF-8 text: refuse what cannot be stored."""
+    text = os.fspath(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise NondetError(f"{what} has a byte that is not UTF-8 ({outdir.display(text)}); "
+                          "nondet stores paths and arguments as UTF-8 text: rename it") from None
+
+
+def check_output_file(path: Path | None, option: str) -> None:
+    """Refuse a report file nondet will not be able to write, before the runs start."""
+    if path is None:
+        return
+    require_utf8(option, path)
+    if path.is_dir():
+        raise NondetError(f"{option} {outdir.display(path)} is a directory, not a file")
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NondetError(f"{option} {outdir.display(path)}: {outdir.display(existing)} is a "
+                          "file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK) or (path.exists()
+                                                       and not os.access(path, os.W_OK)):
+        raise NondetError(f"{option} {outdir.display(path)}: not writable")
+
+
+def write_output(option: str, path: Path, write: Callable[[], None]) -> None:
+    """Write a report file; trouble is the user's to fix (exit 2), not a nondet bug."""
+    try:
+        write()
+    except OSError as exc:
+        raise NondetError(f"cannot write {option} {outdir.display(path)}: "
+                          f"{exc.strerror or exc}") from exc
+
+
+@contextmanager
+def invocation(out_dir: Path) -> Iterator[Path]:
+    """This invocation's own directory under --out; ``latest`` points at it at the end."""
+    require_utf8("--out", out_dir)
+    made = outdir.start(out_dir)
+    try:
+        yield made.path
+    finally:
+        outdir.finish(made)
 
 
 def make_options(*, seed: int, out_dir: Path, ops: str, max_steps: int | None, schedule: str,

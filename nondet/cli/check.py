@@ -4,16 +4,56 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
 from nondet.cli._common import App
-from nondet.cli._options import make_options, make_target, target_options
+from nondet.cli._options import (
+    TargetCommand,
+    check_output_file,
+    invocation,
+    make_options,
+    make_target,
+    require_utf8,
+    target_options,
+    write_output,
+)
 from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG, ExitCode
+from nondet.outdir import display
+
+
+class CheckCommand(TargetCommand):
+    """Even a command line that does not parse (a bad --seed, an unknown option) leaves the
+    JUnit and JSON files it names, so CI shows the error rather than a missing report."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        raw = list(args)  # the parser consumes ``args``
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            junit_path, json_path = _raw_value(raw, "--junit"), _raw_value(raw, "--json")
+            _write_failure(exc, "nondet check", 0.0,
+                           Path(junit_path) if junit_path else None,
+                           Path(json_path) if json_path else None)
+            raise
+
+
+def _raw_value(args: list[str], option: str) -> str | None:
+    """The value of ``option`` among the arguments before the script (or None)."""
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg == option and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 @click.command(
+    cls=CheckCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
     epilog=EPILOG,
 )
@@ -28,13 +68,16 @@ from nondet.exitcodes import EPILOG, ExitCode
 @click.option("--allow-env-drift", is_flag=True,
               help="Compare with a baseline made in a different environment anyway; the "
                    "finding is then labelled as possibly caused by that drift.")
+@click.option("--allow-script-change", is_flag=True,
+              help="Compare with a baseline made from a different script (or another version "
+                   "of it) anyway.")
 @click.option("-v", "--verbose", is_flag=True,
               help="Progress, the script's own output and the full report.")
 @click.pass_obj
 def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Path | None,
           ops: str, max_steps: int | None, runs: int, schedule: str, junit_path: Path | None,
           baseline_path: Path | None, update_baseline: bool, allow_env_drift: bool,
-          verbose: bool, script_and_args: tuple[str, ...]) -> int:
+          allow_script_change: bool, verbose: bool, script_and_args: tuple[str, ...]) -> int:
     """Check that SCRIPT is deterministic: exit 0 if its runs are bitwise identical, 1 if not.
 
     Quiet by default: one summary line (and GitHub Actions annotations on the script's line
@@ -43,44 +86,46 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
     """
     from nondet import pipeline
     from nondet.progress import Progress
-    from nondet.report import Report, github, json_file, junit, text
+    from nondet.report import github, json_file, junit, text
 
-    if update_baseline and baseline_path is None:
-        raise click.UsageError("--update-baseline needs --baseline FILE: where to write it")
-    target = make_target(module, script_and_args)
-    options = make_options(seed=seed, out_dir=out_dir, ops=ops, max_steps=max_steps,
-                           schedule=schedule, verbose=verbose)
-    name = target.describe()
+    name = " ".join(display(a) for a in ((f"-m {module}",) if module else ())
+                    + script_and_args) or "(no script)"
     started = time.monotonic()
     try:
-        with Progress(app.err, quiet=not verbose) as progress:
-            if update_baseline:
-                assert baseline_path is not None
-                steps, size = pipeline.write_baseline(target, options, progress, baseline_path)
-                app.out.print(f"nondet check: baseline written to {baseline_path} ({steps} "
-                              f"steps, {size / 1024:.1f} KiB)", highlight=False)
-                return int(ExitCode.DETERMINISTIC)
-            if baseline_path is not None:
-                report = pipeline.against_baseline(target, options, progress, baseline_path,
-                                                   allow_env_drift)
-            elif runs > 2:
-                report = pipeline.repeat(target, options, progress, runs)
-            else:
-                report = pipeline.diagnose(target, options, progress)
-    except NondetError as exc:
-        elapsed = time.monotonic() - started
-        failed = Report(verdict="error", exit_code=exc.exit_code, runs=[], command=name,
-                        notes=[str(exc)])
-        if junit_path is not None:
-            junit.write(failed, junit_path, name, elapsed, error=str(exc))
-        if json_path is not None:
-            json_file.write(failed, json_path)
+        if update_baseline and baseline_path is None:
+            raise click.UsageError("--update-baseline needs --baseline FILE: where to write it")
+        target = make_target(module, script_and_args)
+        name = display(target.describe())
+        check_output_file(json_path, "--json")
+        check_output_file(junit_path, "--junit")
+        if update_baseline:
+            check_output_file(baseline_path, "--baseline")
+        elif baseline_path is not None:
+            require_utf8("--baseline", baseline_path)
+        with invocation(out_dir) as own_dir:
+            options = make_options(seed=seed, out_dir=own_dir, ops=ops, max_steps=max_steps,
+                                   schedule=schedule, verbose=verbose)
+            with Progress(app.err, quiet=not verbose) as progress:
+                if update_baseline:
+                    assert baseline_path is not None
+                    steps, size = pipeline.write_baseline(target, options, progress,
+                                                          baseline_path)
+                    app.out.print(f"nondet check: baseline written to {display(baseline_path)} "
+                                  f"({steps} steps, {size / 1024:.1f} KiB)", highlight=False,
+                                  markup=False)
+                    return int(ExitCode.DETERMINISTIC)
+                if baseline_path is not None:
+                    report = pipeline.against_baseline(target, options, progress,
+                                                       baseline_path, allow_env_drift,
+                                                       allow_script_change)
+                elif runs > 2:
+                    report = pipeline.repeat(target, options, progress, runs)
+                else:
+                    report = pipeline.diagnose(target, options, progress)
+    except BaseException as exc:
+        _write_failure(exc, name, time.monotonic() - started, junit_path, json_path)
         raise
     elapsed = time.monotonic() - started
-    if json_path is not None:
-        json_file.write(report, json_path)
-    if junit_path is not None:
-        junit.write(report, junit_path, name, elapsed)
     if github.enabled():
         drift = ([f"compared across environment drift: {d['key']}" for d in
                   report.environment_drift])
@@ -92,4 +137,62 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
     if verbose:
         app.out.print()
         text.render(report, app.out)
+    # The verdict is printed first: a report file that cannot be written is an error after it.
+    if json_path is not None:
+        write_output("--json", json_path, lambda: json_file.write(report, json_path))
+    if junit_path is not None:
+        write_output("--junit", junit_path,
+                     lambda: junit.write(report, junit_path, name, elapsed))
     return int(report.exit_code)
+
+
+def _failure_code(exc: BaseException) -> ExitCode:
+    if isinstance(exc, NondetError):
+        return exc.exit_code
+    if isinstance(exc, click.exceptions.Exit):
+        return _known(exc.exit_code)
+    if isinstance(exc, click.ClickException):
+        return ExitCode.USAGE
+    if isinstance(exc, KeyboardInterrupt | click.exceptions.Abort):
+        return ExitCode.INTERRUPTED
+    if isinstance(exc, SystemExit):
+        return _known(exc.code if isinstance(exc.code, int) else ExitCode.USAGE)
+    return ExitCode.INTERNAL
+
+
+def _known(code: int) -> ExitCode:
+    return ExitCode(code) if code in {int(c) for c in ExitCode} else ExitCode.USAGE
+
+
+def _write_failure(exc: BaseException, name: str, seconds: float, junit_path: Path | None,
+                   json_path: Path | None) -> None:
+    """A check that could not reach a verdict still leaves its JUnit and JSON for CI (exit
+    2, 3 and 130 alike); writing them never hides the error itself."""
+    from nondet.report import Report, json_file, junit
+
+    if isinstance(exc, SystemExit | click.exceptions.Exit) and not getattr(
+            exc, "code", getattr(exc, "exit_code", 1)):
+        return  # a clean exit is not a failure
+    code = _failure_code(exc)
+    if code == ExitCode.INTERNAL:
+        message = (f"internal error in nondet: {type(exc).__name__}: "
+                   f"{(str(exc).splitlines() or [''])[0]} (a bug log is named on stderr)")
+    elif code == ExitCode.INTERRUPTED or (isinstance(exc, SystemExit) and exc.code == 143):
+        message = "interrupted" if code == ExitCode.INTERRUPTED else "terminated (SIGTERM)"
+    elif isinstance(exc, click.ClickException):
+        message = exc.format_message()
+    else:
+        message = str(exc)
+    message = display(message)
+    failed = Report(verdict="error", exit_code=code, runs=[], command=name, notes=[message])
+    writers: list[tuple[Path | None, Any]] = [
+        (junit_path, lambda p: junit.write(failed, p, name, seconds, error=message)),
+        (json_path, lambda p: json_file.write(failed, p)),
+    ]
+    for path, write in writers:
+        if path is None:
+            continue
+        try:
+            write(path)
+        except Exception:  # the original error is what the user sees
+            pass

@@ -7,11 +7,20 @@ from pathlib import Path
 import click
 
 from nondet.cli._common import App
-from nondet.cli._options import make_options, make_target, target_options
+from nondet.cli._options import (
+    TargetCommand,
+    check_output_file,
+    invocation,
+    make_options,
+    make_target,
+    target_options,
+    write_output,
+)
 from nondet.exitcodes import EPILOG
 
 
 @click.command(
+    cls=TargetCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
     epilog=EPILOG,
 )
@@ -33,14 +42,16 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
     from nondet.report import json_file, text
 
     target = make_target(module, script_and_args)
-    options = make_options(seed=seed, out_dir=out_dir, ops=ops, max_steps=max_steps,
-                           schedule=schedule, verbose=verbose)
-    with Progress(app.err, quiet=quiet) as progress:
-        if runs > 2:
-            report = pipeline.repeat(target, options, progress, runs)
-        else:
-            report = pipeline.diagnose(target, options, progress)
-    if json_path is not None:
-        json_file.write(report, json_path)
-    text.render(report, app.out)
+    check_output_file(json_path, "--json")
+    with invocation(out_dir) as own_dir:
+        options = make_options(seed=seed, out_dir=own_dir, ops=ops, max_steps=max_steps,
+                               schedule=schedule, verbose=verbose)
+        with Progress(app.err, quiet=quiet) as progress:
+            if runs > 2:
+                report = pipeline.repeat(target, options, progress, runs)
+            else:
+                report = pipeline.diagnose(target, options, progress)
+    text.render(report, app.out)  # the report first: a --json that cannot be written is
+    if json_path is not None:     # then an error below it, not instead of it
+        write_output("--json", json_path, lambda: json_file.write(report, json_path))
     return int(report.exit_code)

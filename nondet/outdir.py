@@ -1,0 +1,189 @@
+"""Where one invocation's captures go, and which old files nondet may remove.
+
+Every ``nondet run``/``check`` gets a directory of its own under ``--out``::
+
+    .nondet/
+      20261123-112552-4242/        one invocation: <start time>-<pid>
+        .nondet-invocation         the marker nondet wrote (who, when, which command)
+        run-a.h5  run-a.log  ...
+      latest -> 20261123-112552-4242   the invocation that finished last
+
+so two invocations in one project never share (or overwrite) a capture, and ``--out .``
+never touches the project's own files. nondet deletes only what it can prove it made: a
+directory whose name has the invocation pattern *and* that holds nondet's marker, and in
+it only files named like nondet's captures and logs. Anything else (a user's
+``run-notes.log``, a baseline kept next to the captures, an invocation directory someone
+added files to) stays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from nondet.errors import NondetError
+
+#: The file that proves a directory is one invocation's, written first thing.
+MARKER = ".nondet-invocation"
+MAGIC = "nondet invocation directory"
+#: The pointer to the invocation that finished last.
+LATEST = "latest"
+#: Invocation directories kept when older ones are pruned (the current one included).
+KEEP = 5
+
+_NAME = re.compile(r"^\d{8}-\d{6}-\d+(\.\d+)?$")
+_OWN_FILE = re.compile(r"^run-[A-Za-z0-9_.-]+\.(h5|log)$")
+
+
+@dataclass(frozen=True)
+class Invocation:
+    root: Path  # --out
+    path: Path  # root / name: this invocation's captures
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def check_root(root: Path) -> None:
+    """Refuse an --out nondet cannot write into, before any run starts (exit 2)."""
+    existing = root
+    while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise NondetError(f"--out {display(root)}: {display(existing)} is a file, not a directory")
+    if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
+        raise NondetError(f"--out {display(root)}: {display(existing)} is not writable")
+
+
+def start(root: Path) -> Invocation:
+    """Make this invocation's directory (with its marker) under ``root``; prune old ones."""
+    check_root(root)
+    stamp = f"{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for attempt in range(100):
+            path = root / (stamp if attempt == 0 else f"{stamp}.{attempt}")
+            try:
+                path.mkdir()  # never an existing directory: that one is someone else's
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise NondetError(f"--out {display(root)}: cannot make a directory of its own there")
+        marker = {"magic": MAGIC, "pid": os.getpid(), "host": socket.gethostname(),
+                  "started": datetime.now().isoformat(timespec="seconds"),
+                  "command": [display(Path(a)) for a in sys.argv]}
+        (path / MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise NondetError(f"cannot write the captures into --out {display(root)}: "
+                          f"{exc.strerror or exc}") from exc
+    invocation = Invocation(root=root, path=path)
+    prune(root, keep=KEEP, current=invocation.name)
+    return invocation
+
+
+def is_invocation(path: Path) -> bool:
+    """True only for a directory nondet made: the name pattern and nondet's marker in it."""
+    if path.is_symlink() or not path.is_dir() or not _NAME.match(path.name):
+        return False
+    try:
+        data = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("magic") == MAGIC
+
+
+def is_own(path: Path) -> bool:
+    """True for an invocation directory made by this very process."""
+    if not is_invocation(path):
+        return False
+    try:
+        data = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return data.get("pid") == os.getpid() and data.get("host") == socket.gethostname()
+
+
+def _in_use(path: Path) -> bool:
+    """A directory of an invocation still running on this machine is never pruned."""
+    try:
+        data = json.loads((path / MARKER).read_text(encoding="utf-8"))
+        pid = int(data.get("pid", -1))
+    except (OSError, ValueError, TypeError):
+        return True
+    if data.get("host") != socket.gethostname():
+        return False  # made on another machine: its age is what counts
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def prune(root: Path, *, keep: int, current: str = "") -> list[Path]:
+    """Remove old invocation directories beyond the newest ``keep``; returns those removed.
+
+    Only directories ``is_invocation`` accepts, not in use, and in them only nondet's own
+    files (captures, logs, the marker); a directory holding anything else is left as it is.
+    """
+    try:
+        mine = sorted((p for p in root.iterdir() if is_invocation(p)), key=lambda p: p.name)
+    except OSError:
+        return []
+    removed = []
+    for path in mine[: max(len(mine) - keep, 0)]:
+        if path.name == current or _in_use(path):
+            continue
+        try:
+            others = [p for p in path.iterdir()
+                      if p.name != MARKER and not (_OWN_FILE.match(p.name) and p.is_file()
+                                                   and not p.is_symlink())]
+            if others:
+                continue  # someone put their own files here: not ours to delete
+            for p in path.iterdir():
+                if p.name != MARKER:
+                    p.unlink()
+            (path / MARKER).unlink()
+            path.rmdir()
+            removed.append(path)
+        except OSError:
+            continue  # a race with another invocation, or permissions: leave it
+    return removed
+
+
+def finish(invocation: Invocation) -> None:
+    """Point ``root/latest`` at this invocation (a symlink, replaced atomically).
+
+    A ``latest`` that is not nondet's (a regular file or directory, or a link to something
+    that is not an invocation directory) is left alone.
+    """
+    link = invocation.root / LATEST
+    if link.exists() or link.is_symlink():
+        if not link.is_symlink():
+            return
+        target = Path(os.readlink(link))
+        if target.parent != Path(".") or not _NAME.match(target.name):
+            return
+    temporary = invocation.root / f".{LATEST}.{os.getpid()}.tmp"
+    try:
+        temporary.symlink_to(invocation.name, target_is_directory=True)
+    except OSError:
+        return  # no symlinks here (or that name is taken): the directories still say it all
+    try:
+        os.replace(temporary, link)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+
+
+def display(path: Path | str) -> str:
+    """A path as printable text (bytes that are not UTF-8 shown as \\xNN)."""
+    return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")

@@ -82,7 +82,6 @@ def test_newer_major_format_is_refused_with_advice(tmp_path: Path) -> None:
 
 
 def test_newer_minor_format_is_read(tmp_path: Path) -> None:
-    path = _sample(tmp_path)
-    with h5py.File(path, "r+") as f:
-        f.attrs["nondet_format_version"] = "1.7"
+    path = write_capture(tmp_path / "run.h5", step_rows({"step": -1}, {"step": 0}, {"step": 1}),
+                         attrs={"nondet_format_version": "1.7"})
     assert open_capture(path).n_steps == 2

@@ -58,7 +58,7 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
                 assert baseline_path is not None
                 steps, size = pipeline.write_baseline(target, options, progress, baseline_path)
                 app.out.print(f"nondet check: baseline written to {baseline_path} ({steps} "
-                              f"steps, {size / 1024:.1f} KiB)", highlight=False)
+                              f"steps, {size / 1024:.1f} KiB)", highlight=False, markup=False)
                 return int(ExitCode.DETERMINISTIC)
             if baseline_path is not None:
                 report = pipeline.against_baseline(target, options, progress, baseline_path,
@@ -85,10 +85,10 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
         drift = ([f"compared across environment drift: {d['key']}" for d in
                   report.environment_drift])
         for line in github.workflow_commands(report, drift):
-            app.out.print(line, highlight=False, markup=False)
+            app.out.print(text.printable(line), highlight=False, markup=False)
     verdict = "PASS" if report.first_divergence is None else "FAIL"
-    app.out.print(f"nondet check: {verdict} — {name}: {junit.summary_line(report)}",
-                  highlight=False, markup=False)
+    summary = text.printable(f"{name}: {junit.summary_line(report)}")
+    app.out.print(f"nondet check: {verdict} — {summary}", highlight=False, markup=False)
     if verbose:
         app.out.print()
         text.render(report, app.out)

@@ -31,7 +31,8 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) 
         message = (f"the captures are of different scripts or script versions ({what}): "
                    "differences may come from the code, not from nondeterminism")
         report.notes.append(message)
-        app.err.print(f"nondet: warning: {message}", highlight=False, markup=False)
+        app.err.print(f"nondet: warning: {text.printable(message)}", highlight=False,
+                      markup=False)
     pipeline.add_suggestions(report, a)
     if json_path is not None:
         json_file.write(report, json_path)

@@ -23,6 +23,8 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) 
     from nondet.store import open_capture
 
     a, b = open_capture(capture_a), open_capture(capture_b)
+    a.verify()  # damage anywhere is exit 2, never a verdict (checksums checked as read)
+    b.verify()
     report = pipeline.compare_captures(a, b)
     report.command = f"diff {capture_a} {capture_b}"
     if a.attrs.get("script_sha256") != b.attrs.get("script_sha256"):

@@ -33,6 +33,7 @@ def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int
         return Text(printable(str(value)))
 
     c = open_capture(capture)
+    c.verify()  # a damaged file is exit 2, not a table of whatever it now holds
     out = app.out
     info = Table(title=cell(capture), show_header=False, box=None)
     for key in ("label", "status", "exit_code", "steps", "command", "script", "module", "seed",

@@ -32,7 +32,7 @@ from nondet.store.writer import (
 _MAX_EXPANSION = 1100
 _SLACK_BYTES = 1 << 20
 _MAX_STRINGS = 1 << 24
-_OPS_CACHED_STEPS = 4
+_OPS_CACHE_BYTES = 64 << 20  # op records kept in memory for reuse
 _DUMP_KINDS = "biufc"  # numeric and bool dumps only
 
 
@@ -48,6 +48,8 @@ class Capture:
         self.strings, self.steps, self.tensors = strings, steps, tensors
         self._op_index = op_index
         self._ops_cache: dict[int, np.ndarray] = {}
+        self._parts: dict[int, list[tuple[int, int]]] | None = None  # step -> (start, count)
+        self._ops_ds: Any = None
         self._dumps: dict[str, tuple[np.ndarray, dict[str, Any]]] | None = None
         self._source_texts: dict[str, str] | None = None
 
@@ -97,18 +99,29 @@ class Capture:
         cached = self._ops_cache.get(step)
         if cached is not None:
             return cached
-        parts = [(int(r["start"]), int(r["count"])) for r in self._op_index
-                 if int(r["step"]) == step]
+        if self._parts is None:
+            self._parts = {}
+            for s, start, count in zip(self._op_index["step"].tolist(),
+                                       self._op_index["start"].tolist(),
+                                       self._op_index["count"].tolist(), strict=True):
+                self._parts.setdefault(s, []).append((start, count))
+        parts = self._parts.get(step, [])
         with _reading(self.path, "/ops"):
-            ds = self._file["ops"]
-            rows = [np.asarray(ds[start : start + count], dtype=OP_DTYPE)
-                    for start, count in parts]
+            if self._ops_ds is None:  # kept open: its chunk cache serves neighbouring steps
+                self._ops_ds = self._file["ops"]
+            rows = [self._ops_ds[start : start + count] for start, count in parts]
         out = np.concatenate(rows) if rows else np.zeros(0, dtype=OP_DTYPE)
         _check_ops(self.path, out, step, len(self.strings))
-        if len(self._ops_cache) >= _OPS_CACHED_STEPS:
+        # Keep recent steps up to a byte budget: comparisons read each step more than once.
+        while self._ops_cache and sum(v.nbytes for v in self._ops_cache.values()) \
+                + out.nbytes > _OPS_CACHE_BYTES:
             self._ops_cache.pop(next(iter(self._ops_cache)))
         self._ops_cache[step] = out
         return out
+
+    def op_count(self, step: int) -> int:
+        """How many op records a step has, without reading them."""
+        return int(self._op_index["count"][self._op_index["step"] == step].sum())
 
     def tensor_rows(self, step: int) -> np.ndarray:
         return self.tensors[self.tensors["step"] == step]

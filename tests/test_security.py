@@ -138,3 +138,12 @@ def test_annotations_name_only_paths_inside_the_checkout(source: str,
     else:
         assert line.startswith(f"::error {annotated}title=")
 
+
+
+def test_a_file_name_cannot_drive_the_terminal_through_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "evil\x1b[2J\x1b]0;owned\x07.h5"
+    path.write_text("not a capture")
+    result = run_cli("show", str(path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "not an HDF5 file" in result.stderr
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr

@@ -5,6 +5,7 @@ in ``nondet/store/__init__.py``); whatever a file holds or declares, the result 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -161,13 +162,13 @@ def open_capture(path: str | Path) -> Capture:
     """Open and check a capture, or raise NondetError with a one-line reason (exit 2)."""
     path = Path(path)
     if not path.exists():
-        raise NondetError(f"capture not found: {path}")
+        raise _error(f"capture not found: {path}")
     _refuse_special(path)
     h5py = _h5py()
     try:
         f = h5py.File(path, "r")
     except (OSError, ValueError) as exc:
-        raise NondetError(
+        raise _error(
             f"cannot read {path}: not an HDF5 file or truncated ({_first_line(exc)}); "
             "re-capture it with `nondet run`"
         ) from None
@@ -185,12 +186,12 @@ def _refuse_special(path: Path) -> None:
     try:
         mode = path.stat().st_mode
     except OSError as exc:
-        raise NondetError(f"cannot read {path}: {exc.strerror or exc}") from None
+        raise _error(f"cannot read {path}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(mode):
         what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
                 else "a socket" if stat.S_ISSOCK(mode) else "a device" if
                 stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
-        raise NondetError(f"cannot read {path}: it is {what}, not a capture file")
+        raise _error(f"cannot read {path}: it is {what}, not a capture file")
 
 
 class _reading:  # a context manager, named like one
@@ -214,7 +215,7 @@ class _reading:  # a context manager, named like one
                 reason = f"{self.what}: checksum mismatch, the data was changed on disk"
         else:
             return
-        raise NondetError(f"cannot read {self.path}: damaged capture ({reason}); "
+        raise _error(f"cannot read {self.path}: damaged capture ({reason}); "
                           "re-capture it with `nondet run`") from None
 
 
@@ -223,13 +224,13 @@ def _load(path: Path, f: Any) -> Capture:
         has_version = "nondet_format_version" in f.attrs
         version = str(decode_attr(_attr_value(f, "nondet_format_version"))) if has_version else ""
     if not version:
-        raise NondetError(f"{path} is an HDF5 file but not a nondet capture")
+        raise _error(f"{path} is an HDF5 file but not a nondet capture")
     try:
         major = int(version.split(".")[0])
     except ValueError:
-        raise NondetError(f"{path}: unreadable format version {version!r}") from None
+        raise _error(f"{path}: unreadable format version {version!r}") from None
     if major > FORMAT_MAJOR:
-        raise NondetError(
+        raise _error(
             f"{path} was written in capture format {version}, newer than this "
             f"nondet ({__version__}) reads; upgrade nondet"
         )
@@ -353,7 +354,7 @@ def _check_ops(path: Path, ops: np.ndarray, step: int, n_strings: int) -> None:
            | (ops["module"] < -1) | (ops["module"] >= n_strings)
            | (ops["source"] < -1) | (ops["source"] >= n_strings))
     if bad.any():
-        raise NondetError(f"cannot read {path}: damaged capture (/ops: record "
+        raise _error(f"cannot read {path}: damaged capture (/ops: record "
                           f"{int(np.argmax(bad))} of step {step} is malformed); re-capture "
                           "it with `nondet run`")
 
@@ -379,3 +380,12 @@ def _read_dump(ds: Any) -> tuple[np.ndarray, dict[str, Any]]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def _error(message: str) -> NondetError:
+    """The one line shown for a bad file: its name and any text from inside it are shown
+    with control characters replaced, so a crafted file cannot drive the terminal."""
+    return NondetError(_CONTROL.sub("\ufffd", message))
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import h5py
@@ -10,7 +13,7 @@ import pytest
 
 from nondet.errors import NondetError
 from nondet.records import INDEX_DTYPE, OP_DTYPE, TENSOR_DTYPE
-from nondet.store import FORMAT_VERSION, open_capture
+from nondet.store import FORMAT_VERSION, open_capture, probe
 from tests.conftest import OpStream, run_cli, step_rows, write_capture
 
 
@@ -179,3 +182,42 @@ def test_format_1_0_without_checksums_still_opens(tmp_path: Path) -> None:
     c.verify()
     assert c.n_steps == 1 and c.env["torch_version"] == "2.1.0"
     assert c.string(int(c.ops(0)["name"][0])) == "aten.mm.default"
+
+
+# -- libhdf5 itself can crash or loop on a damaged file: the first read is in a child ------------
+def test_a_file_that_hangs_libhdf5_is_exit_2_after_the_deadline(tmp_path: Path) -> None:
+    """A byte-flipped format 1.0 capture on which libhdf5 loops forever reading an attribute
+    (found by the fuzzer): the old reader hung with it."""
+    hangs = Path(__file__).parent / "data" / "legacy_flipped_hangs_libhdf5.h5"
+    result = run_cli("show", str(hangs), cwd=tmp_path, env={"NONDET_PROBE_SECONDS": "2"},
+                     timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "did not finish within" in result.stderr
+
+
+def test_probe_turns_a_crash_or_a_hang_into_one_error(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _sample(tmp_path)
+    with pytest.raises(NondetError, match=r"crashed reading it: SIGSEGV"):
+        probe.probe(path, lambda p: os.kill(os.getpid(), signal.SIGSEGV))
+    monkeypatch.setattr(probe, "PROBE_SECONDS", 0.5)
+    with pytest.raises(NondetError, match="did not finish"):
+        probe.probe(path, lambda p: time.sleep(60))
+    with pytest.raises(NondetError, match="one clear line"):
+        probe.probe(path, lambda p: (_ for _ in ()).throw(NondetError("one clear line")))
+    assert probe.probe(path, lambda p: None) is True
+
+
+def test_only_files_this_process_did_not_write_are_probed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    probed: list[Path] = []
+    real = probe.probe
+    monkeypatch.setattr(probe, "probe", lambda p, read: probed.append(p) or real(p, read))
+    path = _sample(tmp_path)
+    open_capture(path)
+    assert probed == []  # written by this process, unchanged since
+    with h5py.File(path, "r+") as f:
+        f.attrs["label"] = "changed"
+    with pytest.raises(NondetError, match="attribute checksum"):
+        open_capture(path)
+    assert probed == [path]

@@ -14,6 +14,7 @@ import numpy as np
 from nondet import __version__
 from nondet.errors import NondetError
 from nondet.records import OP_DTYPE
+from nondet.store import probe
 from nondet.store.writer import (
     DIGEST_ATTR,
     FORMAT_MAJOR,
@@ -51,6 +52,7 @@ class Capture:
         self._ops_cache: dict[int, np.ndarray] = {}
         self._parts: dict[int, list[tuple[int, int]]] | None = None  # step -> (start, count)
         self._ops_ds: Any = None
+        self.verified = False  # every record and dump has been read once, checksums held
         self._dumps: dict[str, tuple[np.ndarray, dict[str, Any]]] | None = None
         self._source_texts: dict[str, str] | None = None
 
@@ -131,6 +133,8 @@ class Capture:
         """Read every op record and dump once, in bounded pieces, so that damage anywhere in
         the file is found (the checksums are checked as data is read): run before a verdict
         says "identical" or a table says "this is what the file holds"."""
+        if self.verified:
+            return
         step = 1 << 16  # rows per read: 4 MiB of op records
         with _reading(self.path, "/ops"):
             ds = self._file["ops"]
@@ -143,6 +147,7 @@ class Capture:
                     continue
                 for piece in dump.iter_chunks():
                     dump[piece]
+        self.verified = True
 
     @property
     def dumps(self) -> dict[str, tuple[np.ndarray, dict[str, Any]]]:
@@ -159,11 +164,25 @@ class _Damaged(Exception):
 
 
 def open_capture(path: str | Path) -> Capture:
-    """Open and check a capture, or raise NondetError with a one-line reason (exit 2)."""
+    """Open and check a capture, or raise NondetError with a one-line reason (exit 2).
+
+    A file this process did not write is read completely in a child process first
+    (``nondet.store.probe``): libhdf5 can crash or loop on a damaged file."""
     path = Path(path)
     if not path.exists():
         raise _error(f"capture not found: {path}")
     _refuse_special(path)
+    probed = not probe.trusted(path) and probe.probe(path, _read_all)
+    capture = _open(path)
+    capture.verified = probed  # the child read all of it: no need to again
+    return capture
+
+
+def _read_all(path: Path) -> None:
+    _open(path).verify()
+
+
+def _open(path: Path) -> Capture:
     h5py = _h5py()
     try:
         f = h5py.File(path, "r")

@@ -14,6 +14,7 @@ import numpy as np
 
 from nondet import __version__
 from nondet.records import INDEX_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
+from nondet.store import probe
 
 FORMAT_VERSION = "1.1"
 FORMAT_MAJOR = 1
@@ -130,6 +131,7 @@ class CaptureWriter:
                 return
             self._set("", {"status": status, "exit_code": -1 if exit_code is None else exit_code})
             self._file.close()
+            probe.remember_written(self.path)  # trusted by this process's reader
 
 
 def _append(ds: Any, rows: np.ndarray) -> None:

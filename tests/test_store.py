@@ -221,3 +221,21 @@ def test_only_files_this_process_did_not_write_are_probed(
     with pytest.raises(NondetError, match="attribute checksum"):
         open_capture(path)
     assert probed == [path]
+
+
+def test_with_other_threads_alive_the_probe_is_a_fresh_interpreter(tmp_path: Path) -> None:
+    """Forking while another thread may hold h5py's lock could deadlock the child."""
+    import threading
+
+    path = _sample(tmp_path)
+    damaged = _flip_in(path, b"aten.relu.default", offset=2)
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        assert probe.probe(path, lambda p: os._exit(9)) is True  # not forked: read ignored
+        with pytest.raises(NondetError, match="string table checksum"):
+            probe.probe(damaged, lambda p: None)
+    finally:
+        stop.set()
+        thread.join()

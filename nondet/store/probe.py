@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,10 +52,12 @@ def probe(path: Path, read: Callable[[Path], None]) -> bool:
     An unexpected exception in the child (a bug in nondet, not the file) is not judged
     here: the caller's own read will raise it again, with its traceback.
     """
-    if not hasattr(os, "fork"):
-        return False
     size = path.stat().st_size
-    deadline = time.monotonic() + PROBE_SECONDS + size / 20e6
+    seconds = PROBE_SECONDS + size / 20e6
+    if not hasattr(os, "fork") or threading.active_count() > 1:
+        # Another thread might hold a lock the child needs (h5py's): a fresh interpreter.
+        return _probe_in_new_process(path, seconds)
+    deadline = time.monotonic() + seconds
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -79,16 +82,53 @@ def probe(path: Path, read: Callable[[Path], None]) -> bool:
         _kill(pid)
         raise
     if status is None:
+        return _judge(path, seconds, None, "")
+    return _judge(path, seconds, os.waitstatus_to_exitcode(status), said)
+
+
+def _judge(path: Path, seconds: float, code: int | None, said: str) -> bool:
+    """The probe's verdict from the child's exit code (negative: a signal; None: killed at
+    the deadline) and what it said."""
+    if code is None:
         raise NondetError(f"cannot read {path}: damaged capture (reading it did not finish "
-                          f"within {PROBE_SECONDS + size / 20e6:.0f} s); re-capture it with "
-                          "`nondet run`")
-    if os.WIFSIGNALED(status):
-        name = signal.Signals(os.WTERMSIG(status)).name
+                          f"within {seconds:.0f} s); re-capture it with `nondet run`")
+    if code < 0:
+        name = signal.Signals(-code).name
         raise NondetError(f"cannot read {path}: damaged capture (the HDF5 library crashed "
                           f"reading it: {name}); re-capture it with `nondet run`")
-    if os.WEXITSTATUS(status) == 2:
-        raise NondetError(said or f"cannot read {path}: damaged capture")
-    return os.WEXITSTATUS(status) == 0
+    if code == 2:
+        raise NondetError(said.strip() or f"cannot read {path}: damaged capture")
+    return code == 0
+
+
+def _probe_in_new_process(path: Path, seconds: float) -> bool:
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-m", "nondet.store.probe", str(path)],
+                              capture_output=True, timeout=seconds, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:  # run() has killed it
+        return _judge(path, seconds, None, "")
+    return _judge(path, seconds, done.returncode, done.stdout.decode(errors="replace"))
+
+
+def main(argv: list[str]) -> int:
+    """``python -m nondet.store.probe PATH``: exit 0 if the capture reads, 2 with the reason."""
+    from nondet.store.reader import _read_all
+
+    try:
+        _read_all(Path(argv[0]))
+    except NondetError as exc:
+        print(str(exc))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
 
 
 def _wait(pid: int, deadline: float) -> int | None:

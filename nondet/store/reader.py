@@ -34,6 +34,9 @@ from nondet.store.writer import (
 _MAX_EXPANSION = 1100
 _SLACK_BYTES = 1 << 20
 _MAX_STRINGS = 1 << 24
+#: And whatever the ratio, no single read is larger than this (a deflate bomb of a few MB
+#: could otherwise declare gigabytes): tables read whole, one step's op records, one dump.
+_MAX_READ_BYTES = 1 << 30
 _OPS_CACHE_BYTES = 64 << 20  # op records kept in memory for reuse
 _DUMP_KINDS = "biufc"  # numeric and bool dumps only
 
@@ -352,6 +355,8 @@ def _table(f: Any, name: str, dtype: np.dtype | None, file_size: int) -> Any:
             or (dtype is None and rows > _MAX_STRINGS):
         raise _Damaged(f"/{name} declares {rows:,} rows but the file holds {stored:,} bytes "
                        "of them")
+    if name != "ops" and rows * item > _MAX_READ_BYTES:  # /ops is read per step
+        raise _Damaged(f"/{name} declares {rows:,} rows, more than nondet reads at once")
     return ds
 
 
@@ -361,6 +366,11 @@ def _check_index(index: np.ndarray, steps: np.ndarray, n_ops: int) -> None:
         raise _Damaged("/op_index points outside /ops")
     if (steps["step"] < -1).any() or (index["step"] < -1).any():
         raise _Damaged("a step number is below -1")
+    if len(index):
+        _, which = np.unique(index["step"], return_inverse=True)
+        per_step = np.bincount(which, weights=count.astype(np.float64))
+        if per_step.max() * OP_DTYPE.itemsize > _MAX_READ_BYTES:
+            raise _Damaged("a step declares more op records than nondet reads at once")
 
 
 def _check_ops(path: Path, ops: np.ndarray, step: int, n_strings: int) -> None:
@@ -383,7 +393,8 @@ def _check_dump(ds: Any) -> None:
     if not isinstance(ds, _h5py().Dataset) or ds.dtype.kind not in _DUMP_KINDS:
         raise _Damaged("a dump is not a numeric array")
     declared = float(np.prod(ds.shape, dtype=np.float64)) * ds.dtype.itemsize
-    if declared > _MAX_EXPANSION * int(ds.id.get_storage_size()) + _SLACK_BYTES:
+    if declared > min(_MAX_EXPANSION * int(ds.id.get_storage_size()) + _SLACK_BYTES,
+                      _MAX_READ_BYTES):
         raise _Damaged("a dump declares more values than the file holds")
     for key in ds.attrs:
         value = decode_attr(_attr_value(ds, key))

@@ -140,6 +140,18 @@ def test_annotations_name_only_paths_inside_the_checkout(source: str,
 
 
 
+def test_an_absolute_path_in_the_workspace_is_annotated_relative(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GITHUB_WORKSPACE", "/home/runner/work/repo")
+    report = Report(verdict="nondeterministic", exit_code=1, runs=[],  # type: ignore[arg-type]
+                    first_divergence=Divergence(kind="op", step=0, phase="forward",
+                                                source="/home/runner/work/repo/src/t.py:9"))
+    (line,) = github.workflow_commands(report)
+    assert line.startswith("::error file=src/t.py,line=9,")
+    report.first_divergence.source = "/home/runner/work/repo/../other/t.py:9"  # type: ignore
+    assert github.workflow_commands(report)[0].startswith("::error title=")
+
+
 def test_a_file_name_cannot_drive_the_terminal_through_an_error(tmp_path: Path) -> None:
     path = tmp_path / "evil\x1b[2J\x1b]0;owned\x07.h5"
     path.write_text("not a capture")

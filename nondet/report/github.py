@@ -25,10 +25,21 @@ def workflow_commands(report: Report, warnings: Sequence[str] = ()) -> list[str]
     where = ""
     if div.source and ":" in div.source:
         path, _, line = div.source.rpartition(":")
+        path = _relative_to_workspace(path)
         if _inside_checkout(path) and line.isascii() and line.isdigit():
             where = f"file={_property(path)},line={_property(line)},"
     lines.append(f"::error {where}title=nondet: nondeterminism::{_data(summary_line(report))}")
     return lines
+
+
+def _relative_to_workspace(path: str) -> str:
+    """An absolute path under $GITHUB_WORKSPACE (the checkout) as the relative path GitHub
+    wants; anything else is returned as it is (and then refused if absolute)."""
+    workspace = os.environ.get("GITHUB_WORKSPACE", "")
+    if not (workspace and os.path.isabs(path) and os.path.isabs(workspace)):
+        return path
+    rel = os.path.relpath(os.path.normpath(path), os.path.normpath(workspace))
+    return path if rel.startswith("..") else rel
 
 
 def _inside_checkout(path: str) -> bool:

@@ -238,7 +238,7 @@ class _reading:  # a context manager, named like one
         else:
             return
         raise _error(f"cannot read {self.path}: damaged capture ({reason}); "
-                          "re-capture it with `nondet run`") from None
+                     "re-capture it with `nondet run`") from None
 
 
 def _load(path: Path, f: Any) -> Capture:

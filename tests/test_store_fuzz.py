@@ -176,7 +176,7 @@ CRAFTED: list[Callable[[h5py.File, random.Random], None]] = [
     lambda f, r: f.attrs.__setitem__(r.choice(["status", "label", "script", "command"]),
                                      r.choice([np.arange(10**5), 123, b"\xff\xfe"])),
     lambda f, r: f.attrs.__setitem__("op_steps", r.choice(["[[", "{}", "[1.5]", "7"])),
-    lambda f, r: f.attrs.__setitem__("nondet_format_version", r.choice(["x.y", "", "1", 7])),
+    lambda f, r: f.attrs.__setitem__("nondet_format_version", r.choice(["x.y", "", "-", 7])),
     lambda f, r: f["facts"].attrs.__setitem__(r.choice(["dataloader#0",
                                                         "numpy.unseeded_generator"]),
                                               r.choice(["3", "{", '"x"', "[1, 2]", "null"])),

@@ -62,6 +62,7 @@ def probe(path: Path, read: Callable[[Path], None]) -> bool:
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.close(r)
+        _quiet()  # a crash is reported by the parent, in one line
         code, message = 0, b""
         try:
             read(path)
@@ -129,6 +130,15 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(main(sys.argv[1:]))
+
+
+def _quiet() -> None:
+    import faulthandler
+
+    faulthandler.disable()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def _wait(pid: int, deadline: float) -> int | None:

@@ -224,7 +224,15 @@ class SourceLocator:
         key = (filename, line)
         sid = self._ids.get(key)
         if sid is None:
-            sid = self._ids[key] = self._session.intern(self.display(filename, line))
+            shown = self.display(filename, line)
+            sid = self._ids[key] = self._session.intern(shown)
+            # The line's text goes into the capture with it: a report shows what ran, and
+            # never reads a file a (possibly crafted) capture names (see Capture.source_text).
+            text = self.source_line(filename, line)
+            if text:
+                from nondet.store.writer import SOURCE_TEXT_MARK
+
+                self._session.intern(f"{SOURCE_TEXT_MARK}{shown}\n{text}")
         return sid
 
     def here(self, depth: int = 2) -> int:
@@ -248,6 +256,21 @@ class SourceLocator:
         if not self.user_file(code.co_filename):
             return None
         return self.display(code.co_filename, frame.f_lineno)
+
+    #: Longest source text kept per location (one line, for the report).
+    SOURCE_TEXT_CHARS = 200
+
+    @classmethod
+    def source_line(cls, filename: str, line: int) -> str:
+        """One stripped line of a user's file, at most SOURCE_TEXT_CHARS long ("" if none)."""
+        import linecache
+
+        try:
+            text = linecache.getline(filename, line).strip()
+        except (OSError, ValueError, MemoryError):
+            return ""
+        limit = cls.SOURCE_TEXT_CHARS
+        return text if len(text) <= limit else text[: limit - 1] + "…"
 
     def display(self, filename: str, line: int) -> str:
         try:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import linecache
 import math
 import os
 from dataclasses import dataclass
@@ -553,14 +552,8 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def source_text(capture: Capture, source: str | None) -> str:
-    if not source or ":" not in source:
-        return ""
-    path, _, line = source.rpartition(":")
-    full = Path(path) if os.path.isabs(path) else Path(str(capture.attrs.get("cwd", "."))) / path
-    try:
-        return linecache.getline(str(full), int(line)).strip()
-    except (ValueError, OSError):
-        return ""
+    # The text the run captured with the location: never a file a capture names.
+    return capture.source_text(source) if source else ""
 
 
 def growth(a: Capture, b: Capture, first: int) -> list[GrowthRow]:

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from nondet.capture import SourceLocator
 from nondet.records import OP_DTYPE, STEP_DTYPE, Kind, Phase
-from nondet.store import CaptureWriter
+from nondet.store import SOURCE_TEXT_MARK, CaptureWriter
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "fixtures"
@@ -72,7 +73,7 @@ def write_capture(path: Path, steps: np.ndarray, ops: OpStream | None = None,
     if facts:
         writer.add_facts(facts)
     if ops is not None:
-        writer.add_strings(ops.strings)
+        writer.add_strings(ops.strings + source_texts(ops.strings, path.parent))
         for step in sorted({r[0] for r in ops.rows}):
             writer.add_ops(ops.array(step))
     for i in range(len(steps)):
@@ -81,6 +82,19 @@ def write_capture(path: Path, steps: np.ndarray, ops: OpStream | None = None,
         writer.add_dump(name, array, {})
     writer.close(status, 0)
     return path
+
+
+def source_texts(strings: list[str], cwd: Path) -> list[str]:
+    """The source-text entries a real run adds for its "file:line" strings (files in cwd;
+    tests that craft other paths must not get their files' text this way)."""
+    out = []
+    for s in strings:
+        file, _, line = s.rpartition(":")
+        inside = not Path(file).is_absolute() and ".." not in Path(file).parts
+        if file and line.isdigit() and inside and (cwd / file).is_file():
+            text = SourceLocator.source_line(str(cwd / file), int(line))
+            out.append(f"{SOURCE_TEXT_MARK}{s}\n{text}")
+    return out
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,

@@ -53,7 +53,9 @@ def test_nondeterminism_fails_with_finding_and_fix_in_junit(tmp_path: Path) -> N
 
 
 def test_github_annotation_points_at_the_source_line(tmp_path: Path) -> None:
-    result = run_cli("check", UNSEEDED, cwd=tmp_path, env={"GITHUB_ACTIONS": "true"})
+    # The script lies outside the cwd: it is annotated as a path inside the checkout.
+    result = run_cli("check", UNSEEDED, cwd=tmp_path, env={"GITHUB_ACTIONS": "true",
+                                                            "GITHUB_WORKSPACE": str(REPO)})
     assert result.returncode == 1
     annotation = result.stdout.splitlines()[0]
     pattern = r"::error file=.*unseeded\.py,line=11,title=nondet: nondeterminism::"

@@ -130,10 +130,10 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
         drift = ([f"compared across environment drift: {d['key']}" for d in
                   report.environment_drift])
         for line in github.workflow_commands(report, drift):
-            app.out.print(line, highlight=False, markup=False)
+            app.out.print(text.printable(line), highlight=False, markup=False)
     verdict = "PASS" if report.first_divergence is None else "FAIL"
-    app.out.print(f"nondet check: {verdict} — {name}: {junit.summary_line(report)}",
-                  highlight=False, markup=False)
+    summary = text.printable(f"{name}: {junit.summary_line(report)}")
+    app.out.print(f"nondet check: {verdict} — {summary}", highlight=False, markup=False)
     if verbose:
         app.out.print()
         text.render(report, app.out)

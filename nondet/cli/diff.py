@@ -23,6 +23,8 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) 
     from nondet.store import open_capture
 
     a, b = open_capture(capture_a), open_capture(capture_b)
+    a.verify()  # damage anywhere is exit 2, never a verdict (checksums checked as read)
+    b.verify()
     report = pipeline.compare_captures(a, b)
     report.command = f"diff {capture_a} {capture_b}"
     if a.attrs.get("script_sha256") != b.attrs.get("script_sha256"):
@@ -31,7 +33,8 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) 
         message = (f"the captures are of different scripts or script versions ({what}): "
                    "differences may come from the code, not from nondeterminism")
         report.notes.append(message)
-        app.err.print(f"nondet: warning: {message}", highlight=False, markup=False)
+        app.err.print(f"nondet: warning: {text.printable(message)}", highlight=False,
+                      markup=False)
     pipeline.add_suggestions(report, a)
     if json_path is not None:
         json_file.write(report, json_path)

@@ -21,24 +21,31 @@ from nondet.exitcodes import EPILOG
 def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int:
     """Show a capture: run, environment, steps with fingerprints, op records."""
     from rich.table import Table
+    from rich.text import Text
 
     from nondet.fingerprint import short
     from nondet.records import Kind, Phase, split_node
+    from nondet.report.text import printable
     from nondet.store import open_capture
 
+    def cell(value: object) -> Text:
+        # Strings from the file are text: no markup interpreted, no control characters.
+        return Text(printable(str(value)))
+
     c = open_capture(capture)
+    c.verify()  # a damaged file is exit 2, not a table of whatever it now holds
     out = app.out
-    info = Table(title=f"{capture}", show_header=False, box=None)
+    info = Table(title=cell(capture), show_header=False, box=None)
     for key in ("label", "status", "exit_code", "steps", "command", "script", "module", "seed",
                 "started", "op_steps", "nondet_format_version", "nondet_version"):
         if key in c.attrs and c.attrs[key] != "":
-            info.add_row(key, str(c.attrs[key]))
+            info.add_row(key, cell(c.attrs[key]))
     out.print(info)
 
     env = Table(title="environment", show_header=False, box=None)
     for key, value in sorted(c.env.items()):
         if not (key.startswith("env.") and value == "(unset)"):
-            env.add_row(key, value)
+            env.add_row(cell(key), cell(value))
     out.print(env)
 
     steps = Table(title=f"steps ({c.n_steps}, plus init)")
@@ -71,7 +78,7 @@ def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int
             ops = c.ops(s)
             counts = collections.Counter(split_node(c.string(int(n)))[0] for n in ops["name"])
             common = ", ".join(f"{name} ({n})" for name, n in counts.most_common(4))
-            summary.add_row("init" if s < 0 else str(s), str(len(ops)), common)
+            summary.add_row("init" if s < 0 else str(s), str(len(ops)), cell(common))
         out.print(summary)
     if op_step is not None:
         ops = c.ops(op_step)
@@ -86,8 +93,9 @@ def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int
                 table.add_column(column)
         for r, (op, node) in zip(ops, names, strict=True):
             table.add_row(str(int(r["index"])), Kind(int(r["kind"])).name.lower(),
-                          Phase(int(r["phase"])).label, op, *([node or ""] if with_nodes else []),
-                          c.string(int(r["module"])), c.string(int(r["source"])),
+                          Phase(int(r["phase"])).label, cell(op),
+                          *([cell(node or "")] if with_nodes else []),
+                          cell(c.string(int(r["module"]))), cell(c.string(int(r["source"]))),
                           short(int(r["out_fp"])), short(int(r["in_fp"])))
         out.print(table)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from xml.etree import ElementTree as ET
@@ -11,9 +12,19 @@ from rich.console import Console
 
 from nondet.report import Report, text
 
+# Terminal escape sequences (CSI, OSC, two-character): dropped whole from XML, where they
+# mean nothing; any other control character becomes U+FFFD (XML 1.0 forbids most of them).
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]")
+
+
+def xml_text(value: str) -> str:
+    """Any text (a script's error output, strings from a capture) as valid XML 1.0 content."""
+    return text.printable(_ANSI.sub("", value), newlines=True)
+
 
 def write(report: Report, path: Path, name: str, seconds: float, error: str = "") -> None:
     """``error``: the one-line message of a check that could not run (exit code 2)."""
+    name, error = xml_text(name), xml_text(error)
     failed = report.verdict == "nondeterministic"
     errored = bool(error)
     attrs = {"tests": "1", "failures": str(int(failed)), "errors": str(int(errored)),
@@ -29,11 +40,11 @@ def write(report: Report, path: Path, name: str, seconds: float, error: str = ""
         node = ET.SubElement(case, "error", {"message": error, "type": "nondet.error"})
         node.text = error
     elif failed:
-        node = ET.SubElement(case, "failure", {"message": summary_line(report),
+        node = ET.SubElement(case, "failure", {"message": xml_text(summary_line(report)),
                                                "type": "nondet.nondeterminism"})
-        node.text = plain_text(report)
+        node.text = xml_text(plain_text(report))
     out = ET.SubElement(case, "system-out")
-    out.text = plain_text(report) if not errored else ""
+    out.text = xml_text(plain_text(report)) if not errored else ""
     path.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
 

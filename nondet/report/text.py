@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING
 
 from rich.markup import escape
@@ -15,6 +16,21 @@ if TYPE_CHECKING:
 
 _LABEL = 10  # width of the left-hand labels
 
+# C0 controls but tab and newline, DEL, C1 controls (0x9b is a one-byte CSI), bidirectional
+# overrides (they reorder what a reader sees), surrogates and the XML 1.0 non-characters.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
+                     "\u2066-\u2069\ud800-\udfff\ufffe\uffff]")
+_LINE_BREAKS = re.compile("[\n\u2028\u2029]")
+
+
+def printable(text: str, *, newlines: bool = False) -> str:
+    """Text from a capture or a script's output made safe to print, to a terminal or into XML:
+    control characters (the ESC that starts a terminal escape sequence included) become
+    U+FFFD, and so do line breaks unless ``newlines``. Replacing, never deleting, keeps
+    rich markup escaping (a backslash before a bracket) exactly as it was."""
+    text = _UNSAFE.sub("\ufffd", text)
+    return text if newlines else _LINE_BREAKS.sub("\ufffd", text)
+
 
 def render(report: Report, console: Console) -> None:
     for line in lines(report):
@@ -22,7 +38,8 @@ def render(report: Report, console: Console) -> None:
 
 
 def lines(report: Report) -> list[str]:
-    """The report as rich-markup lines (tests compare them with markup stripped)."""
+    """The report as rich-markup lines (tests compare them with markup stripped); every
+    string in them that came from a capture is escaped and made printable."""
     out = [_verdict(report)]
     div = report.first_divergence
     if report.baseline:
@@ -44,7 +61,7 @@ def lines(report: Report) -> list[str]:
         out += [""] + [_row("note" if i == 0 else "", escape(n)) for i, n in enumerate(notes)]
     if report.captures:
         out += ["", _row("captures", escape("  ".join(report.captures)))]
-    return out
+    return [printable(line) for line in out]
 
 
 def _verdict(report: Report) -> str:
@@ -63,8 +80,8 @@ def _verdict(report: Report) -> str:
         "init": "the initial state already differs",
     }[div.kind]
     if not div.localized:
-        what = f"runs diverge ({div.phase})"
-    return f"[bold red]nondet: nondeterministic[/] — {where}, {div.phase}: {what}"
+        what = f"runs diverge ({escape(div.phase)})"
+    return f"[bold red]nondet: nondeterministic[/] — {where}, {escape(div.phase)}: {what}"
 
 
 def _entry_label(div: Divergence) -> str:
@@ -81,7 +98,7 @@ def _finding(div: Divergence) -> list[str]:
     out = []
     step = "init" if div.step is None else f"step {div.step}"
     if div.kind == "op" and div.localized:
-        head = f"{step}, {div.phase}, op #{div.op_index}: [bold]{escape(div.op or '')}[/]"
+        head = f"{step}, {escape(div.phase)}, op #{div.op_index}: [bold]{escape(div.op or '')}[/]"
         if div.node:
             head += f" at node {escape(div.node)}"
         why = ("its output differs while all its inputs matched: this op created the difference"
@@ -92,7 +109,7 @@ def _finding(div: Divergence) -> list[str]:
         out += [_row("finding", head), _row("", why)]
     elif div.kind == "entry":
         record = f", record #{div.op_index}" if div.op_index is not None else ""
-        out += [_row("finding", f"{step}, {div.phase}{record}: "
+        out += [_row("finding", f"{step}, {escape(div.phase)}{record}: "
                                 f"[bold]{escape(_entry_label(div))}[/]"),
                 _row("", "this value came from outside the recorded ops and differs between "
                          "runs")]
@@ -101,7 +118,7 @@ def _finding(div: Divergence) -> list[str]:
                                 f"{escape(str(div.op))}, run b {escape(str(div.op_b))}")]
     else:
         fields = ", ".join(div.step_fields) or "state"
-        out += [_row("finding", f"{step}, {div.phase}: {escape(fields)} differ"),
+        out += [_row("finding", f"{step}, {escape(div.phase)}: {escape(fields)} differ"),
                 _row("", "no op-level capture covers this step")]
     if div.module:
         out.append(_row("module", escape(div.module)))

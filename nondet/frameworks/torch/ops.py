@@ -335,7 +335,9 @@ class OpRecorder:
         else:
             kind = "external"
             name = self.backend.tensor_name(t)
-            what = name or f"tensor {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            sizes = safe.shape(t)
+            dims = "[nested]" if sizes is None else str(list(sizes))
+            what = name or f"tensor {str(t.dtype).removeprefix('torch.')}{dims}"
         return self.session.intern(f"{kind}:{what}")
 
     def resolve(self) -> None:

@@ -70,17 +70,23 @@ def describe(t: torch.Tensor) -> tuple[int, ...]:
     code = _DTYPE_CODES.get(t.dtype)
     if code is None:
         code = _DTYPE_CODES[t.dtype] = name_code(str(t.dtype))
+    sizes = shape(t)
+    return (code, name_code(t.device.type), t.dim(), *(sizes or (_NO_SHAPE,)))
+
+
+def shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The sizes as integers, or None if they are not (nested tensors)."""
     try:
-        sizes: tuple[int, ...] = tuple(int(n) for n in t.shape)
+        return tuple(int(n) for n in t.shape)
     except _REFUSED:
-        sizes = (_NO_SHAPE,)
-    return (code, name_code(t.device.type), t.dim(), *sizes)
+        return None
 
 
 def geometry(view: torch.Tensor, base: torch.Tensor) -> tuple[int, ...] | None:
     """A view's strides and offset relative to its base, or None if it has none."""
     try:
-        return (*view.stride(), int(view.storage_offset()) - int(base.storage_offset()))
+        return (*(int(n) for n in view.stride()),
+                int(view.storage_offset()) - int(base.storage_offset()))
     except _REFUSED:
         return None
 

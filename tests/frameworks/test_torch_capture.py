@@ -23,6 +23,7 @@ from nondet.frameworks.torch.ops import OpRecorder
 from nondet.launch import CapturedRun, Plan, Target
 from nondet.records import Flag, Kind, Phase
 from nondet.store import Capture, open_capture
+from tests.conftest import run_cli
 
 
 def capture(tmp_path: Path, body: str, op_steps: list[int] | None = None) -> Capture:
@@ -421,3 +422,72 @@ def test_deepcopy_uninitialized_storage_is_never_an_entry(tmp_path: Path) -> Non
     assert from_storage == [("external:tensor from a storage (aten.set_)", "12")], entries
     copied = [r for r in c.ops(1) if c.string(int(r["name"])).startswith("aten.set_")]
     assert copied and all(int(r["out_fp"]) == 0 for r in copied)
+
+
+def test_library_code_that_modifies_no_grad_views_in_place_runs_under_capture() -> None:
+    """Views made under no_grad and then modified in place raise when their grad_fn is
+    read: nn.Embedding(padding_idx=...), nn.init.orthogonal_, Adam on a complex parameter."""
+    with recording() as recorder:
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 4, padding_idx=0)
+        lin = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            torch.nn.init.orthogonal_(lin.weight)
+        z = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        opt = torch.optim.Adam([*emb.parameters(), *lin.parameters(), z], lr=0.1)
+        for _ in range(2):
+            loss = lin(emb(torch.tensor([[0, 1, 2]]))).pow(2).mean() + (z * z.conj()).real.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert len(recorder.take_rows(0)) > 50
+
+
+#: Scripts that crashed in nondet's hooks (reported as the script's failure); all of them
+#: are deterministic. (script body, extra nondet options)
+LIBRARY_PATTERNS = {
+    "embedding_padding_idx": ("""
+        m = torch.nn.Sequential(torch.nn.Embedding(10, 4, padding_idx=0), torch.nn.Linear(4, 1))
+        params = list(m.parameters())
+        forward = lambda: m(torch.tensor([[0, 1, 2], [3, 4, 0]])).pow(2).mean()
+        """, []),
+    "adam_complex_parameter": ("""
+        z = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        params = [z]
+        forward = lambda: (z * z.conj()).real.sum()
+        """, ["--ops", "all"]),
+    "float8_buffer": ("""
+        m = torch.nn.Linear(4, 1)
+        m.register_buffer("scale", torch.full((4,), 0.5).to(torch.float8_e4m3fn))
+        params = list(m.parameters())
+        forward = lambda: m(torch.ones(2, 4) * m.scale.float()).pow(2).mean()
+        """, []),
+    "orthogonal_init_under_no_grad": ("""
+        m = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            torch.nn.init.orthogonal_(m.weight)
+        params = list(m.parameters())
+        forward = lambda: m(torch.ones(2, 4)).pow(2).mean()
+        """, []),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", sorted(LIBRARY_PATTERNS))
+def test_library_patterns_run_to_a_deterministic_verdict(name: str, tmp_path: Path) -> None:
+    body, options = LIBRARY_PATTERNS[name]
+    script = tmp_path / f"{name}.py"
+    loop = """
+        opt = torch.optim.Adam(params, lr=0.1)
+        for _ in range(3):
+            loss = forward()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        """
+    script.write_text("import torch\ntorch.manual_seed(0)\n" + textwrap.dedent(body)
+                      + textwrap.dedent(loop))
+    result = run_cli("run", "-q", *options, "--out", str(tmp_path / "out"), str(script),
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("nondet: deterministic"), result.stdout

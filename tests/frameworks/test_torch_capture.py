@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ import torch
 from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from nondet.compare import localize
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.ops import OpRecorder
 from nondet.launch import CapturedRun, Plan, Target
@@ -491,3 +493,23 @@ def test_library_patterns_run_to_a_deterministic_verdict(name: str, tmp_path: Pa
                      cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("nondet: deterministic"), result.stdout
+
+
+def test_bytes_outside_every_tensor_are_never_evidence() -> None:
+    """deepcopy copies a tensor's whole storage, including bytes no tensor covers (a scalar
+    loss can own a 64-byte storage). Two "runs" whose storages differ only there must give
+    records that the comparison finds identical."""
+    streams = []
+    for junk in (1.0, 2.0):
+        storage = torch.full((16,), junk)
+        storage[0] = 0.25  # the only value any tensor shows
+        scalar = storage[0]  # made outside the recorder: its storage is unknown to it
+        with recording() as recorder:
+            copied = copy.deepcopy(scalar)
+            (copied * 2).sum()
+            fresh = torch.ones(()) * 3  # known storage, bytes beyond it from the allocator
+            copy.deepcopy(fresh) + 1
+        streams.append((recorder.take_rows(0), recorder.session.strings))
+    (a, strings_a), (b, strings_b) = streams
+    assert len(a) > 5
+    assert localize(a, b, strings_a, strings_b) is None

@@ -32,8 +32,13 @@ storages filled from the file. Which of the two it is cannot be told at the ``se
 its output is treated as uninitialized memory that remembers where it was wrapped
 (``StorageState.origin``): overwritten first, it was never evidence; read first, the read
 records it as an entry point ("tensor from a storage") with its fingerprint at that moment.
-A ``set_`` onto a storage already known (deepcopy's view of the source) is an alias of
-known values. The ``set_`` record itself carries no output fingerprint.
+A ``set_`` with a geometry onto a storage already known is an alias of known values. A
+``set_`` without one is a handle on all of a storage's bytes (``UntypedStorage.copy_``),
+including bytes outside every tensor on it, which are uninitialized (a scalar loss can own
+a 64-byte storage): such a handle is uninitialized memory, never an entry. The ``set_``
+record itself carries no output fingerprint. A copy of uninitialized memory (``MOVE_OPS``
+with no initialized input) is uninitialized memory too, not a read: the op that finally
+computes with it is the one that reads it.
 
 Note [Derived fingerprints]
 A view's values are fixed by its base's values and its geometry (dtype, shape, strides,
@@ -97,6 +102,8 @@ UNINIT_OPS = frozenset(
         "_empty_per_channel_affine_quantized",
     }
 )
+#: Ops that only move values: a copy of uninitialized memory is uninitialized memory.
+MOVE_OPS = frozenset({"copy_", "clone", "_to_copy"})
 #: Elementwise ops without reductions: bitwise deterministic functions of their inputs on
 #: every device (Note [Derived fingerprints]). Deliberately short; anything else is hashed.
 POINTWISE_OPS = frozenset(
@@ -144,6 +151,8 @@ class OpInfo:
     uninit_output: bool
     flags: int
     from_storage: bool = False  # set_(storage): the values come from outside the ops
+    storage_handle: bool = False  # set_(storage) without geometry: all of its bytes
+    move: bool = False  # only moves values (MOVE_OPS)
     pointwise: bool = False  # output derived from inputs (Note [Derived fingerprints])
     code: int = 0  # stable code of the op name
 
@@ -419,10 +428,11 @@ class OpRecorder:
             flags |= Flag.UNINIT_OUTPUT
         from_storage = base == "set_" and any(
             str(arg.type) == "Storage" for arg in schema.arguments)
+        handle = from_storage and len(schema.arguments) == 2  # set_.source_Storage
         pointwise = base in POINTWISE_OPS and not uninit and not (flags & Flag.RNG)
         return OpInfo(name_id, view, frozenset(mutated_args), frozenset(mutated_kwargs),
                       frozenset(over_args), frozenset(over_kwargs), uninit, int(flags),
-                      from_storage, pointwise, name_code(str(func)))
+                      from_storage, handle, base in MOVE_OPS, pointwise, name_code(str(func)))
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         info = self.info(func)
@@ -465,6 +475,10 @@ class OpRecorder:
         for key, value in kwargs.items():
             flags |= self._input(value, key in info.overwritten_kwargs, ctx, ins, taints,
                                  scalars)
+        garbage_moved = info.move and bool(taints) and not ins
+        if garbage_moved:  # not a read: the copy is as uninitialized as its source
+            flags = (flags & ~Flag.READS_UNINIT) | Flag.UNINIT_OUTPUT
+            taints = []
 
         self.depth += 1
         try:
@@ -481,11 +495,12 @@ class OpRecorder:
             for t in outputs:
                 self.note_write(t)
         out_fps: list[Fp] = []
-        if info.uninit_output:
+        if info.uninit_output or garbage_moved:
             for t in outputs:
                 self.remember(t, Fp(uninit=True))
         elif info.from_storage:
-            self._wrapped_storage(outputs, known_source, ctx)
+            self._wrapped_storage(outputs, None if info.storage_handle else known_source,
+                                  None if info.storage_handle else ctx)
         elif info.pointwise:
             for t in outputs:
                 out_fps.append(self.remember(t, self.derive_output(info, ins + taints,
@@ -506,7 +521,8 @@ class OpRecorder:
             device = first.device.type
             if device != "cpu":
                 flags |= Flag.CUDA if device == "cuda" else Flag.OTHER_DEVICE
-        measured = not (info.pointwise or info.uninit_output or info.from_storage)
+        measured = not (info.pointwise or info.uninit_output or info.from_storage
+                        or garbage_moved)
         self.add(Kind.OP, phase, flags, info.name_id, module, source, out_fps, ins, taints,
                  tuple(scalars), numel, outputs if measured else [])
         return out
@@ -520,15 +536,18 @@ class OpRecorder:
         return state if state is not None and state.uninit is not None else None
 
     def _wrapped_storage(self, outputs: list[torch.Tensor], known: StorageState | None,
-                         ctx: tuple[int, int, int]) -> None:
-        """Outputs of ``set_(storage)``: see Note [Uninitialized memory]."""
+                         ctx: tuple[int, int, int] | None) -> None:
+        """Outputs of ``set_(storage)``: see Note [Uninitialized memory]. ``ctx`` None: a
+        handle on all of a storage's bytes, never an entry (they may lie outside every
+        tensor on it, uninitialized)."""
         for t in outputs:
             if known is not None:
                 # An alias of values already known: fingerprinted when first read.
                 self.remember(t, Fp(uninit=bool(known.uninit)))
             else:
                 self.remember(t, Fp(uninit=True))
-                self.storages.state(t).origin = ctx
+                if ctx is not None:
+                    self.storages.state(t).origin = ctx
 
     def _input(self, value: Any, overwritten: bool, ctx: tuple[int, int, int],
                ins: list[Fp], taints: list[Fp], scalars: list[Any]) -> int:

@@ -20,6 +20,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from nondet.compare import localize
+from nondet.frameworks.torch.backend import _to_numpy
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.ops import OpRecorder
 from nondet.launch import CapturedRun, Plan, Target
@@ -179,7 +180,7 @@ def test_steps_outside_the_op_window_have_no_op_records(tmp_path: Path) -> None:
 # -- the recorder in this process: one tensor kind, dtype or pattern at a time ------------------
 class _Session:
     def __init__(self) -> None:
-        self.config = SimpleNamespace(dump=None, keep_bytes=0)
+        self.config = SimpleNamespace(dump=None, keep_bytes=1 << 20)
         self.step = 0
         self.sources = SimpleNamespace(here=lambda depth=2: -1)
         self.strings: list[str] = []
@@ -206,6 +207,10 @@ class _Backend:
 
     def tensor_name(self, t: torch.Tensor) -> str | None:
         return None
+
+    def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:  # what the lockstep schedule keeps of every output
+            _to_numpy(t)
 
 
 class _Mode(TorchDispatchMode):

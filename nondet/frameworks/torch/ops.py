@@ -377,7 +377,7 @@ class OpRecorder:
                              scalars, numel))
         if self.dump_at is not None and self.dump_at == (self.session.step, index):
             self.backend.dump_and_exit(tensors)
-        if self.keep_outputs and tensors:
+        if self.keep_outputs and tensors and all(safe.keepable(t) for t in tensors):
             self.backend.keep(self.session.step, index, tensors)
 
     def take_rows(self, step: int) -> np.ndarray:

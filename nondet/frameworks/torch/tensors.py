@@ -103,6 +103,23 @@ def readable(t: torch.Tensor) -> bool:
     return not t.is_nested
 
 
+#: dtypes whose values the backend can copy into NumPy (after widening fp8/bf16/fp16 and
+#: complex32): quantized, bits, sub-byte and fp4 types have no NumPy counterpart.
+_KEEPABLE = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+    torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex32, torch.complex64, torch.complex128, torch.float8_e4m3fn,
+    torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+})
+
+
+def keepable(t: torch.Tensor) -> bool:
+    """Whether a host copy of ``t``'s values can be kept (plain dense or sparse tensors)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in _KEEPABLE
+            and not t.is_nested and t.device.type != "meta"
+            and t.layout in (torch.strided, torch.sparse_coo))
+
+
 class StorageState:
     """What the recorder knows about one storage during an op window."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -518,3 +519,20 @@ def test_bytes_outside_every_tensor_are_never_evidence() -> None:
     (a, strings_a), (b, strings_b) = streams
     assert len(a) > 5
     assert localize(a, b, strings_a, strings_b) is None
+
+
+def test_a_loaded_tensor_is_an_entry_even_when_copied_before_it_is_read() -> None:
+    """torch.load wraps storages filled from the file; a deepcopy of a loaded tensor before
+    anything reads it must still show the loaded values as an entry point."""
+    buf = io.BytesIO()
+    torch.save(torch.arange(4.0), buf)
+    buf.seek(0)
+    with recording() as recorder:
+        loaded = torch.load(buf)
+        copied = copy.deepcopy(loaded)
+        copied.sum()
+    rows = recorder.take_rows(0)
+    entries = names(recorder, rows, Kind.ENTRY)
+    assert entries == ["external:tensor from a storage (aten.set_)"]
+    reads = [r for r in rows if names(recorder, [r])[0] == "aten.sum.default"]
+    assert reads and not int(reads[0]["flags"]) & Flag.READS_UNINIT

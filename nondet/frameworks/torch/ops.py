@@ -491,7 +491,8 @@ class OpRecorder:
             _extend_unique(outputs, args[position] if position < len(args) else None)
         for key in info.mutated_kwargs:
             _extend_unique(outputs, kwargs.get(key))
-        if info.mutated_args or info.mutated_kwargs:
+        if (info.mutated_args or info.mutated_kwargs) and not info.from_storage:
+            # (set_ changes which memory a tensor shows, not the memory's bytes)
             for t in outputs:
                 self.note_write(t)
         out_fps: list[Fp] = []

@@ -2,9 +2,10 @@
 
 Note [Fingerprint definition]
 A tensor's content fingerprint is  sum_i  w_i * K_i  (mod 2**64), where w_i are the
-tensor's raw bytes read as 64-bit words (as 32-bit or 8-bit words, sign-extended, when the
-byte count is not a multiple of 8) in row-major order, and K_i are fixed odd 64-bit keys
-(splitmix64 of the position, with the low bit set). Integer arithmetic wraps identically on
+tensor's raw bytes read as 64-bit words (when the byte count is not a multiple of 8: as
+signed 32-bit words, sign-extended, or else as unsigned 8-bit words, zero-extended) in
+row-major order, and K_i are fixed odd 64-bit keys (splitmix64 of the position, with the
+low bit set). Integer arithmetic wraps identically on
 every device and in any reduction order, so the value is exact and reproducible on CPU and
 GPU alike. A change in one word always changes the sum (K_i is odd, hence invertible mod
 2**64); a permutation changes it unless two keys collide in their product, which happens

@@ -361,7 +361,7 @@ class StepLifecycle:
         capturing, so that the script itself runs on."""
         if not self.disabled:
             self.disable()
-            self.session.send_meta({channel.HOOK_ERROR: traceback.format_exc()})
+            self.session.send_meta({channel.META_HOOK_ERROR: traceback.format_exc()})
 
     @contextmanager
     def guarded(self) -> Iterator[None]:

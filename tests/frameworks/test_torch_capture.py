@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import textwrap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
 
+import torch
+from torch.testing._internal.two_tensor import TwoTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from nondet.compare import localize
+from nondet.frameworks.torch.backend import _to_numpy
+from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.ops import OpRecorder
 from nondet.launch import CapturedRun, Plan, Target
 from nondet.records import Flag, Kind, Phase
 from nondet.store import Capture, open_capture
+from tests.conftest import run_cli
 
 
 def capture(tmp_path: Path, body: str, op_steps: list[int] | None = None) -> Capture:
@@ -160,3 +176,363 @@ def test_steps_outside_the_op_window_have_no_op_records(tmp_path: Path) -> None:
         """, op_steps=[1])
     assert c.op_steps() == [1]
     assert [int(r["n_records"]) > 0 for r in c.steps] == [False, False, True, False]
+
+
+# -- the recorder in this process: one tensor kind, dtype or pattern at a time ------------------
+class _Session:
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(dump=None, keep_bytes=1 << 20)
+        self.step = 0
+        self.sources = SimpleNamespace(here=lambda depth=2: -1)
+        self.strings: list[str] = []
+
+    def intern(self, text: str) -> int:
+        if text not in self.strings:
+            self.strings.append(text)
+        return self.strings.index(text)
+
+
+class _Backend:
+    """The part of TorchBackend the recorder calls, without hooks or a parent process."""
+
+    def __init__(self) -> None:
+        self.session = _Session()
+        self.hasher = TorchHasher()
+        self.phase = Phase.FORWARD
+
+    def current_module(self) -> int:
+        return -1
+
+    def node_origin(self, node: Any) -> tuple[int, int]:
+        return -1, -1
+
+    def tensor_name(self, t: torch.Tensor) -> str | None:
+        return None
+
+    def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:  # what the lockstep schedule keeps of every output
+            _to_numpy(t)
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, recorder: OpRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        return self.recorder.dispatch(func, args, kwargs or {})
+
+
+@contextmanager
+def recording() -> Iterator[OpRecorder]:
+    recorder = OpRecorder(_Backend())  # type: ignore[arg-type]
+    recorder.open_window()
+    with _Mode(recorder):
+        yield recorder
+    recorder.resolve()
+
+
+def names(recorder: OpRecorder, rows: np.ndarray, kind: Kind | None = None) -> list[str]:
+    strings = recorder.session.strings
+    return [strings[int(r["name"])] for r in rows if kind is None or int(r["kind"]) == kind]
+
+
+def _nograd_view() -> torch.Tensor:
+    w = torch.randn(4, 2, requires_grad=True)
+    with torch.no_grad():
+        v = w[0]
+        v.fill_(0)
+    return v
+
+
+def _inference() -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.ones(3)
+
+
+#: Tensors that user programs make and whose metadata torch refuses to give in some way.
+ODD_TENSORS: dict[str, Callable[[], torch.Tensor]] = {
+    "sparse_coo": lambda: torch.randn(3, 3).to_sparse(),
+    "sparse_csr": lambda: torch.randn(3, 3).to_sparse_csr(),
+    "nested": lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+    "jagged": lambda: torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)],
+                                                 layout=torch.jagged),
+    "quantized": lambda: torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8),
+    "meta": lambda: torch.empty(3, device="meta"),
+    "inference": _inference,
+    "nograd_view_modified": _nograd_view,
+    "conj": lambda: torch.randn(3, dtype=torch.complex64).conj(),
+    "mkldnn": lambda: torch.randn(3).to_mkldnn(),
+    "expanded": lambda: torch.randn(1).expand(5),
+    "two_tensor": lambda: TwoTensor(torch.randn(3), torch.randn(3)),
+}
+
+#: What a script does with a tensor: each either works or raises torch's own error.
+USES: dict[str, Callable[[torch.Tensor], Any]] = {
+    "clone": lambda t: t.clone(),
+    "add": lambda t: t + t,
+    "sum": lambda t: t.sum(),
+    "view": lambda t: t.view(-1),
+    "slice": lambda t: t[1:],
+    "inplace": lambda t: t.mul_(2),
+    "detach": lambda t: t.detach(),
+    "grad_of_copy": lambda t: t.detach().requires_grad_().mul(2).sum(),
+    "transpose": lambda t: t.t() if t.dim() == 2 else t.unsqueeze(0).t(),
+}
+
+
+def _origin(e: BaseException) -> str:
+    """The last frame that raised, as "module" (nondet's frames show up here)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__", "?") if tb is not None else "?"
+
+
+def _outcome(make: Callable[[], torch.Tensor], use: Callable[[torch.Tensor], Any],
+             recorded: bool) -> str:
+    t = make()
+    try:
+        if recorded:
+            with recording() as recorder:
+                use(t)
+                use(t)  # second use: the cached fingerprint and the stamp of the first
+            recorder.take_rows(0)
+        else:
+            use(t)
+            use(t)
+    except Exception as e:  # torch's own refusals are part of the outcome
+        raised_by = "nondet" if _origin(e).startswith("nondet.") else "torch"
+        return f"{type(e).__name__} raised by {raised_by}"
+    return "ok"
+
+
+@pytest.mark.parametrize("kind", sorted(ODD_TENSORS))
+def test_the_recorder_never_changes_what_an_op_on_any_tensor_does(kind: str) -> None:
+    """Every use of an odd tensor works or fails exactly as without nondet: reading its
+    metadata (grad_fn, _version, storage, strides, sizes) never raises into the script."""
+    for use_name, use in USES.items():
+        plain = _outcome(ODD_TENSORS[kind], use, recorded=False)
+        under = _outcome(ODD_TENSORS[kind], use, recorded=True)
+        assert under == plain, f"{kind}.{use_name}: {under!r} under nondet, {plain!r} without"
+
+
+def _every_dtype() -> list[torch.dtype]:
+    found = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    return sorted(found, key=str)
+
+
+def _make(dtype: torch.dtype, values: list[float]) -> torch.Tensor | None:
+    source = torch.tensor(values)
+    if dtype.is_complex:
+        return torch.complex(source, -source).to(dtype)
+    if dtype in (torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        return torch.quantize_per_tensor(source, 0.5, 2, dtype)
+    try:
+        return source.to(dtype)
+    except (RuntimeError, NotImplementedError, TypeError):
+        pass
+    t = torch.empty(len(values), dtype=torch.uint8)  # bits and sub-byte types: raw bytes
+    t.copy_(torch.tensor([int(v) % 8 for v in values], dtype=torch.uint8))
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return None
+
+
+def test_every_dtype_fingerprints_and_has_statistics() -> None:
+    made = 0
+    for dtype in _every_dtype():
+        t = _make(dtype, [0.0, 1.0, 2.0, 3.0])
+        u = _make(dtype, [3.0, 2.0, 1.0, 0.0])
+        if t is None or u is None:
+            continue
+        made += 1
+        with recording() as recorder:
+            t.detach()  # works for every dtype; t and u enter as entry points
+            u.detach()
+        rows = recorder.take_rows(0)
+        fps = [int(r["out_fp"]) for r in rows if int(r["kind"]) == Kind.ENTRY]
+        assert len(fps) == 2 and 0 not in fps and fps[0] != fps[1], dtype
+        stats = TorchHasher.stats(t)  # fp8 has no max kernel: must not raise
+        if t.is_floating_point() and dtype != torch.float4_e2m1fn_x2:
+            assert stats is not None and float(stats[0]) != 0.0, dtype
+    assert made >= 40  # float8 variants, complex32, quantized, bits, uint16/32/64 ...
+
+
+def test_inference_tensors_are_hashed_once_per_write() -> None:
+    with recording() as recorder, torch.inference_mode():
+        x = torch.arange(1000.0)
+        hashed = []
+        original = recorder.fingerprint
+
+        def spy(t: torch.Tensor, fp: Any = None) -> Any:
+            if t is x:
+                hashed.append(1)
+            return original(t, fp)
+
+        recorder.fingerprint = spy  # type: ignore[method-assign]
+        for _ in range(3):
+            (x * 2).sum()  # old code: x fingerprinted again at every use
+        before = recorder.known(x)
+        x.add_(1)  # a recorded write: the next use must see the new value
+        after = recorder.known(x)
+    assert len(hashed) == 0
+    assert before is not None and after is not None and before is not after
+
+
+def test_a_recycled_storage_address_never_decides_what_is_recorded() -> None:
+    """A tensor made outside the ops (the scalar of ``losses[k] = x.item()``) is an entry
+    point even when its storage lands where a freed, known storage was."""
+    collisions = 0
+    with recording() as recorder:
+        for _ in range(40):
+            known = torch.ones(3) * 2  # produced by a recorded op
+            address = known.untyped_storage()._cdata
+            del known
+            with _disable_current_modes():
+                fresh = torch.from_numpy(np.full(3, 5.0, dtype=np.float32))
+            collisions += fresh.untyped_storage()._cdata == address
+            fresh + 1
+    rows = recorder.take_rows(0)
+    assert collisions, "the allocator never reused an address: nothing was tested"
+    assert len(names(recorder, rows, Kind.ENTRY)) == 40
+
+
+def test_deepcopy_uninitialized_storage_is_never_an_entry(tmp_path: Path) -> None:
+    """deepcopy wraps a fresh, uninitialized storage with set_ and copies into it: the
+    garbage is never evidence. A storage filled from outside (torch.load) is an entry where
+    it is first read, at the line that wrapped it."""
+    c = capture(tmp_path, """
+        import copy, io
+        import torch
+        buf = io.BytesIO()
+        torch.save(torch.full((4,), 0.5), buf)
+        lin = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        kept = []
+        for step in range(3):
+            if step == 1:
+                buf.seek(0)
+                loaded = torch.load(buf)                               # line 12
+                lin.weight.data.copy_(loaded)
+            loss = lin(torch.ones(2, 4)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            kept.append(copy.deepcopy(loss.detach()))
+            kept.append(copy.deepcopy(lin).weight.sum())
+        """, op_steps=None)
+    entries = [(c.string(int(r["name"])), c.string(int(r["source"])).rpartition(":")[2])
+               for s in range(-1, c.n_steps) for r in c.ops(s) if int(r["kind"]) == Kind.ENTRY]
+    from_storage = [e for e in entries if "from a storage" in e[0]]
+    assert from_storage == [("external:tensor from a storage (aten.set_)", "12")], entries
+    copied = [r for r in c.ops(1) if c.string(int(r["name"])).startswith("aten.set_")]
+    assert copied and all(int(r["out_fp"]) == 0 for r in copied)
+
+
+def test_library_code_that_modifies_no_grad_views_in_place_runs_under_capture() -> None:
+    """Views made under no_grad and then modified in place raise when their grad_fn is
+    read: nn.Embedding(padding_idx=...), nn.init.orthogonal_, Adam on a complex parameter."""
+    with recording() as recorder:
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 4, padding_idx=0)
+        lin = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            torch.nn.init.orthogonal_(lin.weight)
+        z = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        opt = torch.optim.Adam([*emb.parameters(), *lin.parameters(), z], lr=0.1)
+        for _ in range(2):
+            loss = lin(emb(torch.tensor([[0, 1, 2]]))).pow(2).mean() + (z * z.conj()).real.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert len(recorder.take_rows(0)) > 50
+
+
+#: Scripts that crashed in nondet's hooks (reported as the script's failure); all of them
+#: are deterministic. (script body, extra nondet options)
+LIBRARY_PATTERNS = {
+    "embedding_padding_idx": ("""
+        m = torch.nn.Sequential(torch.nn.Embedding(10, 4, padding_idx=0), torch.nn.Linear(4, 1))
+        params = list(m.parameters())
+        forward = lambda: m(torch.tensor([[0, 1, 2], [3, 4, 0]])).pow(2).mean()
+        """, []),
+    "adam_complex_parameter": ("""
+        z = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        params = [z]
+        forward = lambda: (z * z.conj()).real.sum()
+        """, ["--ops", "all"]),
+    "float8_buffer": ("""
+        m = torch.nn.Linear(4, 1)
+        m.register_buffer("scale", torch.full((4,), 0.5).to(torch.float8_e4m3fn))
+        params = list(m.parameters())
+        forward = lambda: m(torch.ones(2, 4) * m.scale.float()).pow(2).mean()
+        """, []),
+    "orthogonal_init_under_no_grad": ("""
+        m = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            torch.nn.init.orthogonal_(m.weight)
+        params = list(m.parameters())
+        forward = lambda: m(torch.ones(2, 4)).pow(2).mean()
+        """, []),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", sorted(LIBRARY_PATTERNS))
+def test_library_patterns_run_to_a_deterministic_verdict(name: str, tmp_path: Path) -> None:
+    body, options = LIBRARY_PATTERNS[name]
+    script = tmp_path / f"{name}.py"
+    loop = """
+        opt = torch.optim.Adam(params, lr=0.1)
+        for _ in range(3):
+            loss = forward()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        """
+    script.write_text("import torch\ntorch.manual_seed(0)\n" + textwrap.dedent(body)
+                      + textwrap.dedent(loop))
+    result = run_cli("run", "-q", *options, "--out", str(tmp_path / "out"), str(script),
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("nondet: deterministic"), result.stdout
+
+
+def test_bytes_outside_every_tensor_are_never_evidence() -> None:
+    """deepcopy copies a tensor's whole storage, including bytes no tensor covers (a scalar
+    loss can own a 64-byte storage). Two "runs" whose storages differ only there must give
+    records that the comparison finds identical."""
+    streams = []
+    for junk in (1.0, 2.0):
+        storage = torch.full((16,), junk)
+        storage[0] = 0.25  # the only value any tensor shows
+        scalar = storage[0]  # made outside the recorder: its storage is unknown to it
+        with recording() as recorder:
+            copied = copy.deepcopy(scalar)
+            (copied * 2).sum()
+            fresh = torch.ones(()) * 3  # known storage, bytes beyond it from the allocator
+            copy.deepcopy(fresh) + 1
+        streams.append((recorder.take_rows(0), recorder.session.strings))
+    (a, strings_a), (b, strings_b) = streams
+    assert len(a) > 5
+    assert localize(a, b, strings_a, strings_b) is None
+
+
+def test_a_loaded_tensor_is_an_entry_even_when_copied_before_it_is_read() -> None:
+    """torch.load wraps storages filled from the file; a deepcopy of a loaded tensor before
+    anything reads it must still show the loaded values as an entry point."""
+    buf = io.BytesIO()
+    torch.save(torch.arange(4.0), buf)
+    buf.seek(0)
+    with recording() as recorder:
+        loaded = torch.load(buf)
+        copied = copy.deepcopy(loaded)
+        copied.sum()
+    rows = recorder.take_rows(0)
+    entries = names(recorder, rows, Kind.ENTRY)
+    assert entries == ["external:tensor from a storage (aten.set_)"]
+    reads = [r for r in rows if names(recorder, [r])[0] == "aten.sum.default"]
+    assert reads and not int(reads[0]["flags"]) & Flag.READS_UNINIT

@@ -33,6 +33,8 @@ from nondet.fingerprint import (
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Floating dtypes with sum/abs/max kernels on every device; others are widened for stats.
+_REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 # Taken before nondet wraps torch.from_numpy to see data entering the user's script.
 _from_numpy = torch.from_numpy
 
@@ -151,15 +153,24 @@ class TorchHasher:
 
     @staticmethod
     def stats(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(sum, max |x|) as float64 device scalars, for floating and complex tensors."""
-        t = tensor.detach()
-        if t.layout != torch.strided or not (t.is_floating_point() or t.is_complex()):
+        """(sum, max |x|) as float64 device scalars, for floating and complex tensors; None
+        where they cannot be computed (they only size a difference, never decide one)."""
+        t = _prepare(tensor)
+        if (t is None or t.layout != torch.strided or t.is_nested
+                or not (t.is_floating_point() or t.is_complex())):
             return None
         if t.numel() == 0:
             zero = torch.zeros((), dtype=torch.float64, device=t.device)
             return zero, zero
         if t.is_complex():
-            t = torch.view_as_real(t.resolve_conj())
+            t = torch.view_as_real(t)  # _prepare resolved conj/neg views
+        if t.dtype not in _REDUCIBLE:
+            # fp8/fp4 have no reduction kernels: widen (exact: their values are float32
+            # values). Step-level state only, in steps with op capture.
+            try:
+                t = t.to(torch.float32)
+            except (RuntimeError, NotImplementedError):  # no conversion kernel (fp4 x2)
+                return None
         return t.sum(dtype=torch.float64), t.abs().max().to(torch.float64)
 
 

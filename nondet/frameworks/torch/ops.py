@@ -24,6 +24,22 @@ them inherits that, and an op that fully overwrites such a tensor (``fill_``, ``
 apart (``taint_fp``): if that op's output then differs while its other inputs matched, the
 finding is "reads uninitialized memory", never a false alarm on the ``empty`` itself.
 
+The rule behind it: a value that is overwritten before anything reads it is never evidence.
+``set_(storage)`` wraps a storage made outside the ops: ``copy.deepcopy`` (torchmetrics
+states, Lightning's ``self.log``, EMA copies) makes a fresh, uninitialized
+``UntypedStorage(nbytes)``, wraps it and then ``copy_``s into it; ``torch.load`` wraps
+storages filled from the file. Which of the two it is cannot be told at the ``set_``, so
+its output is treated as uninitialized memory that remembers where it was wrapped
+(``StorageState.origin``): overwritten first, it was never evidence; read first, the read
+records it as an entry point ("tensor from a storage") with its fingerprint at that moment.
+A ``set_`` with a geometry onto a storage already known is an alias of known values. A
+``set_`` without one is a handle on all of a storage's bytes (``UntypedStorage.copy_``),
+including bytes outside every tensor on it, which are uninitialized (a scalar loss can own
+a 64-byte storage): such a handle is uninitialized memory, never an entry. The ``set_``
+record itself carries no output fingerprint. A copy of uninitialized memory (``MOVE_OPS``
+with no initialized input) is uninitialized memory too, not a read: the op that finally
+computes with it is the one that reads it.
+
 Note [Derived fingerprints]
 A view's values are fixed by its base's values and its geometry (dtype, shape, strides,
 offset), and a pointwise op's output (``POINTWISE_OPS``: elementwise, no reduction, no RNG)
@@ -38,12 +54,16 @@ Note [Fingerprint cache]
 Each tensor is fingerprinted once, when an op produces it; consumers look the fingerprint up
 by tensor identity: a dict keyed by ``id`` whose weak reference must still point at the same
 tensor (no effect on lifetimes; nothing is attached to user tensors, so checkpoints stay
-clean; dead entries are pruned at step ends). An entry is current only if both the tensor's
-version counter and a per-storage write count (bumped by every recorded op that mutates any
-tensor on that storage) are unchanged: ``p.data.sub_(...)`` does not bump ``p``'s version
-counter, but it does bump the storage's write count. The cache lives only while the op
-window is open, because writes outside it are not seen. A tensor never produced by a
-recorded op is an entry point. Views are never hashed: see ``Fp``.
+clean; dead entries are pruned at step ends, and a recycled ``id`` never matches). An entry
+is current only if both the tensor's version counter and its storage's write count (bumped
+by every recorded op that mutates any tensor on that storage) are unchanged:
+``p.data.sub_(...)`` does not bump ``p``'s version counter, but it does bump the storage's
+write count. Inference tensors have no version counter: the write count alone decides
+(their writes in other threads are not seen, as for any op there). The cache lives only
+while the op window is open, because writes outside it are not seen. A tensor never
+produced by a recorded op, over a storage never seen, is an entry point; storages are
+known by identity, never by address (Note [Storage identity] in tensors.py). Views are
+never hashed: see ``Fp``.
 """
 
 from __future__ import annotations
@@ -60,7 +80,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nondet.fingerprint import combine, name_code, scalar_value
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.tensors import Storages, StorageState
 from nondet.records import OP_DTYPE, Flag, Kind, Phase
 
 
@@ -93,6 +115,8 @@ UNINIT_OPS = frozenset(
         "_empty_per_channel_affine_quantized",
     }
 )
+#: Ops that only move values: a copy of uninitialized memory is uninitialized memory.
+MOVE_OPS = frozenset({"copy_", "clone", "_to_copy"})
 #: Elementwise ops without reductions: bitwise deterministic functions of their inputs on
 #: every device (Note [Derived fingerprints]). Deliberately short; anything else is hashed.
 POINTWISE_OPS = frozenset(
@@ -124,14 +148,7 @@ RNG_OPS = frozenset(
 
 
 _VIEW_TAG = 0x71E3_5EED
-_DTYPE_CODES: dict[Any, int] = {}
-
-
-def _describe(t: torch.Tensor) -> tuple[int, ...]:
-    code = _DTYPE_CODES.get(t.dtype)
-    if code is None:
-        code = _DTYPE_CODES[t.dtype] = name_code(str(t.dtype))
-    return (code, name_code(t.device.type), t.dim(), *(int(n) for n in t.shape))
+_describe = safe.describe
 
 
 @dataclass(frozen=True)
@@ -147,25 +164,10 @@ class OpInfo:
     uninit_output: bool
     flags: int
     from_storage: bool = False  # set_(storage): the values come from outside the ops
+    storage_handle: bool = False  # set_(storage) without geometry: all of its bytes
+    move: bool = False  # only moves values (MOVE_OPS)
     pointwise: bool = False  # output derived from inputs (Note [Derived fingerprints])
     code: int = 0  # stable code of the op name
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    # The StorageImpl's address: shared by every view and alias of the same memory. An
-    # address can be reused once a storage is freed; Note [Fingerprint cache] says why
-    # that only risks a missed entry point, never a false alarm.
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):  # sparse, subclasses without storage
-        return id(t)
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return -1
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -188,8 +190,7 @@ class OpRecorder:
         self.window = False  # op-level capture is on for the current step
         self.active = False  # ... and nondet is not running its own ops right now
         self.cache: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int], Fp]] = {}
-        self.writes: dict[int, int] = {}  # storage address -> recorded writes
-        self.storages: dict[int, bool] = {}  # storages seen -> holds uninitialized memory
+        self.storages = Storages()  # Note [Storage identity]
         self.pending: list[Fp] = []
         self.records: list[tuple[Any, ...]] = []
         self.infos: dict[Any, OpInfo] = {}
@@ -203,7 +204,7 @@ class OpRecorder:
     def fingerprint(self, t: torch.Tensor, fp: Fp | None = None) -> Fp:
         """Start fingerprinting ``t`` (into ``fp`` if given, e.g. a lazy one)."""
         fp = fp or Fp()
-        content = self.hasher.content(t)
+        content = self.hasher.content(t) if safe.readable(t) else None
         if content is None:
             fp.value = 0  # unhashable: compared as "no information"
             return fp
@@ -229,9 +230,11 @@ class OpRecorder:
         fp = Fp(uninit=uninit)
         if base.lazy:
             return fp
+        where = safe.geometry(view, base_tensor)
+        if where is None:  # no strides (sparse, nested): read the view itself
+            return self.fingerprint(view, fp)
         fp.parents = (base,)
-        fp.meta = (_VIEW_TAG, *_describe(view), *view.stride(),
-                   int(view.storage_offset()) - int(base_tensor.storage_offset()))
+        fp.meta = (_VIEW_TAG, *_describe(view), *where)
         self.pending.append(fp)
         return fp
 
@@ -252,22 +255,26 @@ class OpRecorder:
     def close_window(self) -> None:
         self.window = self.active = False
         self.cache = {}
-        self.writes = {}
-        self.storages = {}
+        self.storages.clear()
         self.stamp = None
 
     def _stamp_of(self, t: torch.Tensor) -> tuple[int, int]:
-        return _version(t), self.writes.get(_storage_key(t), 0)
+        state = self.storages.get(t)
+        version = safe.version(t)
+        return -1 if version is None else version, 0 if state is None else state.writes
 
     def note_write(self, t: torch.Tensor) -> None:
-        key = _storage_key(t)
-        self.writes[key] = self.writes.get(key, 0) + 1
+        state = self.storages.state(t)
+        state.writes += 1
+        state.origin = None  # written by a recorded op: no longer an unknown storage
 
     def remember(self, t: torch.Tensor, fp: Fp) -> Fp:
         if self.window:
-            key = _storage_key(t)
-            self.cache[id(t)] = (weakref.ref(t), (_version(t), self.writes.get(key, 0)), fp)
-            self.storages[key] = fp.uninit
+            state = self.storages.state(t)
+            version = safe.version(t)
+            self.cache[id(t)] = (weakref.ref(t), (-1 if version is None else version,
+                                                  state.writes), fp)
+            state.uninit = fp.uninit
         return fp
 
     def _hit(self, t: torch.Tensor) -> tuple[tuple[int, int], Fp] | None:
@@ -287,14 +294,16 @@ class OpRecorder:
         the recorded ops (other processes through shared memory, NumPy views) show up.
         """
         self.cache.pop(id(t), None)
-        self.storages.pop(_storage_key(t), None)
+        state = self.storages.get(t)
+        if state is not None:
+            state.uninit = state.origin = None
 
     def known(self, t: torch.Tensor) -> Fp | None:
         """The cached fingerprint of ``t`` if it is current (materialized if lazy)."""
         if not self.window:
             return None
         hit = self._hit(t)
-        if hit is None or hit[0][0] < 0 or hit[0] != self._stamp_of(t):
+        if hit is None or hit[0] != self._stamp_of(t):
             return None
         fp = hit[1]
         if fp.lazy:
@@ -306,7 +315,7 @@ class OpRecorder:
         hit = self._hit(t)
         if hit is not None:
             stamp, fp = hit
-            if stamp[0] >= 0 and stamp == self._stamp_of(t):
+            if stamp == self._stamp_of(t):
                 if fp.lazy and materialize:
                     self.fingerprint(t, fp)
                 return fp
@@ -315,18 +324,32 @@ class OpRecorder:
             fresh = self.fingerprint(t)
             fresh.uninit = fp.uninit
             return self.remember(t, fresh)
-        uninit = self.storages.get(_storage_key(t))
-        if uninit is not None and self.creating is None:
+        state = self.storages.get(t)
+        if state is not None and state.uninit is not None and self.creating is None:
             # A new tensor object over a storage we already track (``nn.Parameter(data)``,
             # ``.data``): not an entry point; it inherits the uninitialized mark.
-            fp = Fp(uninit=uninit)
+            fp = Fp(uninit=state.uninit)
             if materialize:
                 self.fingerprint(t, fp)
             return self.remember(t, fp)
         fp = self.remember(t, self.fingerprint(t))
         self.add(Kind.ENTRY, ctx[0], 0, self.entry_name(t), ctx[1], ctx[2], [fp], [], [], (),
-                 t.numel(), [t])
+                 safe.numel(t), [t])
         return fp
+
+    def read_unknown(self, t: torch.Tensor, state: StorageState) -> Fp:
+        """First read of memory that ``set_`` wrapped before nondet saw its contents: an
+        entry point now, at the ``set_``'s place (Note [Uninitialized memory])."""
+        origin = state.origin
+        assert origin is not None
+        state.origin = None
+        fp = self.fingerprint(t)
+        self.add(Kind.ENTRY, origin[0], 0, self._from_storage_name(), origin[1], origin[2],
+                 [fp], [], [], (), safe.numel(t), [t])
+        return self.remember(t, fp)
+
+    def _from_storage_name(self) -> int:
+        return self.session.intern("external:tensor from a storage (aten.set_)")
 
     def entry_name(self, t: torch.Tensor) -> int:
         if self.creating is not None:
@@ -334,7 +357,9 @@ class OpRecorder:
         else:
             kind = "external"
             name = self.backend.tensor_name(t)
-            what = name or f"tensor {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            sizes = safe.shape(t)
+            dims = "[nested]" if sizes is None else str(list(sizes))
+            what = name or f"tensor {str(t.dtype).removeprefix('torch.')}{dims}"
         return self.session.intern(f"{kind}:{what}")
 
     def resolve(self) -> None:
@@ -365,7 +390,7 @@ class OpRecorder:
                              scalars, numel))
         if self.dump_at is not None and self.dump_at == (self.session.step, index):
             self.backend.dump_and_exit(tensors)
-        if self.keep_outputs and tensors:
+        if self.keep_outputs and tensors and all(safe.keepable(t) for t in tensors):
             self.backend.keep(self.session.step, index, tensors)
 
     def take_rows(self, step: int) -> np.ndarray:
@@ -416,12 +441,11 @@ class OpRecorder:
             flags |= Flag.UNINIT_OUTPUT
         from_storage = base == "set_" and any(
             str(arg.type) == "Storage" for arg in schema.arguments)
-        if from_storage:
-            name_id = self.session.intern("external:tensor from a storage (aten.set_)")
+        handle = from_storage and len(schema.arguments) == 2  # set_.source_Storage
         pointwise = base in POINTWISE_OPS and not uninit and not (flags & Flag.RNG)
         return OpInfo(name_id, view, frozenset(mutated_args), frozenset(mutated_kwargs),
                       frozenset(over_args), frozenset(over_kwargs), uninit, int(flags),
-                      from_storage, pointwise, name_code(str(func)))
+                      from_storage, handle, base in MOVE_OPS, pointwise, name_code(str(func)))
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         info = self.info(func)
@@ -450,6 +474,9 @@ class OpRecorder:
             return out
 
         flags = info.flags
+        known_source: StorageState | None = None
+        if info.from_storage:
+            known_source = self._source_storage(args, kwargs)
         ins: list[Fp] = []
         taints: list[Fp] = []
         scalars: list[Any] = []
@@ -461,6 +488,10 @@ class OpRecorder:
         for key, value in kwargs.items():
             flags |= self._input(value, key in info.overwritten_kwargs, ctx, ins, taints,
                                  scalars)
+        garbage_moved = info.move and bool(taints) and not ins
+        if garbage_moved:  # not a read: the copy is as uninitialized as its source
+            flags = (flags & ~Flag.READS_UNINIT) | Flag.UNINIT_OUTPUT
+            taints = []
 
         self.depth += 1
         try:
@@ -473,13 +504,17 @@ class OpRecorder:
             _extend_unique(outputs, args[position] if position < len(args) else None)
         for key in info.mutated_kwargs:
             _extend_unique(outputs, kwargs.get(key))
-        if info.mutated_args or info.mutated_kwargs:
+        if (info.mutated_args or info.mutated_kwargs) and not info.from_storage:
+            # (set_ changes which memory a tensor shows, not the memory's bytes)
             for t in outputs:
                 self.note_write(t)
         out_fps: list[Fp] = []
-        if info.uninit_output:
+        if info.uninit_output or garbage_moved:
             for t in outputs:
                 self.remember(t, Fp(uninit=True))
+        elif info.from_storage:
+            self._wrapped_storage(outputs, None if info.storage_handle else known_source,
+                                  None if info.storage_handle else ctx)
         elif info.pointwise:
             for t in outputs:
                 out_fps.append(self.remember(t, self.derive_output(info, ins + taints,
@@ -496,14 +531,37 @@ class OpRecorder:
         numel = 0
         if outputs:
             first = outputs[0]
-            numel = first.numel()
+            numel = safe.numel(first)
             device = first.device.type
             if device != "cpu":
                 flags |= Flag.CUDA if device == "cuda" else Flag.OTHER_DEVICE
-        kind = Kind.ENTRY if info.from_storage else Kind.OP
-        self.add(kind, phase, flags, info.name_id, module, source, out_fps, ins, taints,
-                 tuple(scalars), numel, [] if info.pointwise or info.uninit_output else outputs)
+        measured = not (info.pointwise or info.uninit_output or info.from_storage
+                        or garbage_moved)
+        self.add(Kind.OP, phase, flags, info.name_id, module, source, out_fps, ins, taints,
+                 tuple(scalars), numel, outputs if measured else [])
         return out
+
+    def _source_storage(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> StorageState | None:
+        """What is known about the storage a ``set_(storage)`` wraps (None: nothing)."""
+        storage = args[1] if len(args) > 1 else kwargs.get("source")
+        storage = getattr(storage, "_untyped_storage", storage)  # a TypedStorage
+        state = self.storages.get_object(storage)
+        return state if state is not None and state.uninit is not None else None
+
+    def _wrapped_storage(self, outputs: list[torch.Tensor], known: StorageState | None,
+                         ctx: tuple[int, int, int] | None) -> None:
+        """Outputs of ``set_(storage)``: see Note [Uninitialized memory]. ``ctx`` None: a
+        handle on all of a storage's bytes, never an entry (they may lie outside every
+        tensor on it, uninitialized)."""
+        for t in outputs:
+            if known is not None:
+                # An alias of values already known: fingerprinted when first read.
+                self.remember(t, Fp(uninit=bool(known.uninit)))
+            else:
+                self.remember(t, Fp(uninit=True))
+                if ctx is not None:
+                    self.storages.state(t).origin = ctx
 
     def _input(self, value: Any, overwritten: bool, ctx: tuple[int, int, int],
                ins: list[Fp], taints: list[Fp], scalars: list[Any]) -> int:
@@ -520,7 +578,12 @@ class OpRecorder:
                 if overwritten:
                     if fp.uninit:
                         flags |= Flag.OVERWRITES_UNINIT
-                elif fp.uninit:
+                    continue
+                if fp.uninit:
+                    state = self.storages.get(item)
+                    if state is not None and state.origin is not None:
+                        fp = self.read_unknown(item, state)
+                if fp.uninit:
                     taints.append(fp)
                     flags |= Flag.READS_UNINIT
                 else:
@@ -539,7 +602,7 @@ class OpRecorder:
         outputs, module, source = self.stamp  # type: ignore[misc]
         self.stamp = None
         for t in outputs:
-            node = t.grad_fn
+            node = safe.grad_fn(t)  # Note [Reading user tensors] in tensors.py
             if node is not None:
                 meta: dict[str, Any] = node.metadata  # type: ignore[assignment]
                 if "nondet" not in meta:

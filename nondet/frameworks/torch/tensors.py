@@ -1,0 +1,178 @@
+"""Reading user tensors from inside the user's program, and telling their storages apart.
+
+Note [Reading user tensors]
+The op recorder runs inside the user's program, on every tensor the program makes. Some
+of torch's own attribute reads raise on perfectly valid tensors: ``grad_fn`` of a view made
+under ``no_grad`` whose base was then modified in place (``nn.Embedding(padding_idx=...)``,
+``nn.init.orthogonal_``, Adam on a complex parameter through ``view_as_real``), ``_version``
+of an inference tensor, ``untyped_storage()`` of sparse, nested and opaque (mkldnn) tensors,
+``stride()`` of sparse CSR and nested tensors, integer sizes of jagged nested tensors. A
+raise there would surface in the user's program as *its* error. So the recorder reads these
+attributes only through the functions below, which return a neutral value instead; what is
+unreadable is recorded as having no information (never as a difference).
+
+Note [Storage identity]
+Whether a record is written (an entry point for a tensor over memory nondet never saw, an
+uninitialized value that must not be compared) depends on what nondet knows about a
+tensor's storage. That knowledge must not depend on addresses: a storage freed and a new
+one allocated at the same address is a different storage, and whether the allocator reuses
+the address differs from run to run, so keying by address made one run record an entry the
+other did not (a "structure" difference on a deterministic script). Storages are therefore
+keyed by the identity of their Python object, which torch keeps alive exactly as long as
+the storage itself (PyObject preservation): ``Storages`` holds a weak reference to it,
+drops the state when it dies, and never matches a different object with a recycled
+``id()``. Tensors without a storage (sparse, nested, opaque) are their own owner.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nondet.fingerprint import name_code
+
+#: What torch raises when an attribute does not apply to a tensor (see the Note). Anything
+#: else is a bug in nondet and is left to the backend's containment.
+_REFUSED = (RuntimeError, NotImplementedError, AttributeError, TypeError)
+_NO_SHAPE = 0x5_4A9E  # stands for sizes that are not plain integers (nested tensors)
+_DTYPE_CODES: dict[Any, int] = {}
+
+
+def grad_fn(t: torch.Tensor) -> Any | None:
+    """The autograd node of ``t``, or None (also when torch refuses to say)."""
+    try:
+        return t.grad_fn
+    except _REFUSED:
+        return None
+
+
+def version(t: torch.Tensor) -> int | None:
+    """The version counter, or None for tensors without one (inference tensors)."""
+    try:
+        return int(t._version)
+    except _REFUSED:
+        return None
+
+
+def owner(t: torch.Tensor) -> object:
+    """The object whose identity stands for ``t``'s memory (Note [Storage identity])."""
+    try:
+        return t.untyped_storage()
+    except _REFUSED:
+        return t
+
+
+def describe(t: torch.Tensor) -> tuple[int, ...]:
+    """dtype, device, rank and sizes as integers (sizes replaced by a marker if ragged)."""
+    code = _DTYPE_CODES.get(t.dtype)
+    if code is None:
+        code = _DTYPE_CODES[t.dtype] = name_code(str(t.dtype))
+    sizes = shape(t)
+    return (code, name_code(t.device.type), t.dim(), *(sizes or (_NO_SHAPE,)))
+
+
+def shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The sizes as integers, or None if they are not (nested tensors)."""
+    try:
+        return tuple(int(n) for n in t.shape)
+    except _REFUSED:
+        return None
+
+
+def geometry(view: torch.Tensor, base: torch.Tensor) -> tuple[int, ...] | None:
+    """A view's strides and offset relative to its base, or None if it has none."""
+    try:
+        return (*(int(n) for n in view.stride()),
+                int(view.storage_offset()) - int(base.storage_offset()))
+    except _REFUSED:
+        return None
+
+
+def numel(t: torch.Tensor) -> int:
+    try:
+        return int(t.numel())
+    except _REFUSED:
+        return 0
+
+
+def readable(t: torch.Tensor) -> bool:
+    """False for layouts whose bytes the hasher cannot read as one tensor (nested)."""
+    return not t.is_nested
+
+
+#: dtypes whose values the backend can copy into NumPy (after widening fp8/bf16/fp16 and
+#: complex32): quantized, bits, sub-byte and fp4 types have no NumPy counterpart.
+_KEEPABLE = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+    torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex32, torch.complex64, torch.complex128, torch.float8_e4m3fn,
+    torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+})
+
+
+def keepable(t: torch.Tensor) -> bool:
+    """Whether a host copy of ``t``'s values can be kept (plain dense or sparse tensors)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in _KEEPABLE
+            and not t.is_nested and t.device.type != "meta"
+            and t.layout in (torch.strided, torch.sparse_coo))
+
+
+class StorageState:
+    """What the recorder knows about one storage during an op window."""
+
+    __slots__ = ("origin", "ref", "uninit", "writes")
+
+    def __init__(self, ref: weakref.ref[Any]) -> None:
+        self.ref = ref
+        self.writes = 0  # recorded ops that wrote any tensor on it
+        self.uninit: bool | None = None  # None: no tensor on it seen; True: garbage
+        # (phase, module, source) of the ``set_`` that wrapped it while its contents were
+        # unknown: an entry point if it is read before being written (Note [Uninitialized
+        # memory] in ops.py).
+        self.origin: tuple[int, int, int] | None = None
+
+
+class Storages:
+    """Per-storage state keyed by storage identity, never by address (see the Note)."""
+
+    def __init__(self) -> None:
+        self._states: dict[int, StorageState] = {}
+
+    def get(self, t: torch.Tensor) -> StorageState | None:
+        return self.get_object(owner(t))
+
+    def get_object(self, obj: object) -> StorageState | None:
+        state = self._states.get(id(obj))
+        if state is None or state.ref() is not obj:
+            return None
+        return state
+
+    def state(self, t: torch.Tensor) -> StorageState:
+        """The state of ``t``'s storage, created empty on first sight."""
+        obj = owner(t)
+        state = self.get_object(obj)
+        if state is None:
+            key = id(obj)
+            try:
+                ref = weakref.ref(obj, self._dropper(key))
+            except TypeError:  # not weakly referenceable: known for this use only
+                return StorageState(lambda: None)  # type: ignore[arg-type]
+            state = self._states[key] = StorageState(ref)
+        return state
+
+    def _dropper(self, key: int) -> Callable[[weakref.ref[Any]], None]:
+        def drop(ref: weakref.ref[Any]) -> None:
+            state = self._states.get(key)
+            if state is not None and state.ref is ref:
+                del self._states[key]
+
+        return drop
+
+    def clear(self) -> None:
+        self._states = {}
+
+    def __len__(self) -> int:
+        return len(self._states)

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 
 from nondet.capture import Session, StopRun
 from nondet.fingerprint import bytes_fp, combine, scalar_value
+from nondet.frameworks.torch import compiled
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.ops import CaptureMode, Fp, OpRecorder, tensors_in
 from nondet.records import TENSOR_DTYPE, Group, Kind, Phase
@@ -170,6 +171,7 @@ class TorchBackend:
         for name, kind in (("from_numpy", "numpy"), ("as_tensor", None), ("tensor", None),
                            ("frombuffer", "numpy")):
             setattr(torch, name, self._creation_wrapper(getattr(torch, name), name, kind))
+        compiled.install(self)
 
     def _creation_wrapper(self, original: Any, name: str, kind: str | None) -> Any:
         """Wrap a function that makes tensors from Python or NumPy data (an entry point)."""

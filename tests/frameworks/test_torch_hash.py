@@ -156,3 +156,23 @@ def test_stats_are_float64_sum_and_max_abs() -> None:
     total, maxabs = HASHER.stats(x)
     assert float(total) == 0.0 and float(maxabs) == 3.0
     assert HASHER.stats(torch.tensor([1, 2])) is None
+
+
+def test_wrapper_subclasses_hash_their_inner_tensors() -> None:
+    """A wrapper subclass (float8 training tensors, NF4, DTensor: ``__tensor_flatten__``) is
+    fingerprinted by the words of its inner tensors, in flatten order; it used to hash to
+    None (compared by shape only)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(6, 4), torch.randn(6, 4)
+    wrapped = TwoTensor(a, b)
+    expected = content(torch.cat([a.reshape(-1), b.reshape(-1)]))
+    assert HASHER.content(wrapped) is not None
+    assert int(HASHER.content(wrapped)) & MASK64 == expected  # type: ignore[arg-type]
+    device = HASHER.content(wrapped, on_device=True)
+    assert isinstance(device, torch.Tensor) and int(device.item()) & MASK64 == expected
+    changed = b.clone()
+    changed[5, 3] += 1
+    assert HASHER.content(TwoTensor(a, changed)) != HASHER.content(wrapped)
+    group = HASHER.content_of_many([wrapped])
+    assert [int(v) & MASK64 for v in group.values()] == [expected]

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from nondet.capture import Session, StopRun
 from nondet.fingerprint import bytes_fp, combine, scalar_value
 from nondet.frameworks.torch import compiled
-from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.hashing import TorchHasher, local_tensor
 from nondet.frameworks.torch.ops import CaptureMode, Fp, OpRecorder, tensors_in
 from nondet.records import TENSOR_DTYPE, Group, Kind, Phase
 
@@ -620,7 +620,7 @@ def _leaf_tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().resolve_conj().resolve_neg().cpu()
+    t = local_tensor(t).resolve_conj().resolve_neg().cpu()
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.dtype in (torch.bfloat16, torch.float16) or (

@@ -54,12 +54,15 @@ class TorchHasher:
 
         ``on_device=True`` forces the torch-op path on CPU tensors too (for tests).
         """
-        t = _prepare(tensor)
-        if t is None:
+        leaves = _leaves(tensor)
+        if leaves is None:
             return None
-        if t.device.type == "cpu" and not on_device and t.numel() <= HOST_LIMIT:
-            return host_content([_host_words(t)])
-        return self._device_sum([self.words(t)], t.device)
+        device = leaves[0].device
+        if any(t.device != device for t in leaves):
+            return None  # a wrapper with parts on several devices: no single sum
+        if device.type == "cpu" and not on_device and sum(t.numel() for t in leaves) <= HOST_LIMIT:
+            return host_content([_host_words(t) for t in leaves])
+        return self._device_sum([self.words(t) for t in leaves], device)
 
     def content_of_many(self, tensors: Sequence[torch.Tensor], *,
                         on_device: bool = False) -> dict[str, Content]:
@@ -70,9 +73,9 @@ class TorchHasher:
         """
         groups: dict[Any, list[torch.Tensor]] = {}
         for tensor in tensors:
-            t = _prepare(tensor)
-            if t is not None and t.numel():
-                groups.setdefault(t.device, []).append(t)
+            for t in _leaves(tensor) or ():
+                if t.numel():
+                    groups.setdefault(t.device, []).append(t)
         out: dict[str, Content] = {}
         for device, ts in groups.items():
             if device.type == "cpu" and not on_device:
@@ -131,10 +134,14 @@ class TorchHasher:
 
     @staticmethod
     def words(tensor: torch.Tensor) -> torch.Tensor | None:
-        """The tensor's bytes as a 1-D int64 tensor of words (see the Note), or None."""
-        t = _prepare(tensor)
-        if t is None:
+        """The tensor's bytes as a 1-D int64 tensor of words (see the Note), or None.
+        A wrapper subclass's words are those of its inner tensors, concatenated."""
+        leaves = _leaves(tensor)
+        if leaves is None:
             return None
+        if len(leaves) > 1:
+            return torch.cat([TorchHasher.words(x) for x in leaves])  # type: ignore[misc]
+        t = leaves[0]
         if t.layout == torch.sparse_coo:
             parts = [TorchHasher.words(t._indices()), TorchHasher.words(t._values())]
             return torch.cat(parts)  # type: ignore[arg-type]
@@ -163,14 +170,83 @@ class TorchHasher:
         return t.sum(dtype=torch.float64), t.abs().max().to(torch.float64)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    kind = type(t)
+    return (kind in (torch.Tensor, torch.nn.Parameter)
+            or kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
+def _inner(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors a wrapper subclass holds its data in: its ``__tensor_flatten__``
+    attributes (a DTensor's local shard, what ``to_local()`` returns a view of; float8 data
+    and scale; NF4 blocks), or None (FakeTensor, FunctionalTensor and other compile
+    internals hold no data of the run). Attribute reads only: no op runs."""
+    kind = type(t)
+    if kind.__module__.startswith("torch._subclasses"):
+        return None
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    names, _ = flatten()
+    # DTensor also lists its device mesh: only tensors hold data.
+    inner = [x for x in (getattr(t, name, None) for name in names) if isinstance(x, torch.Tensor)]
+    return inner or None
+
+
+def _leaves(tensor: torch.Tensor, depth: int = 0) -> list[torch.Tensor] | None:
+    """Plain tensors whose bytes are ``tensor``'s content: itself, prepared, or the inner
+    tensors of a wrapper subclass (in ``__tensor_flatten__`` order), or None."""
+    t = tensor.detach()
+    if _plain(t):
+        p = _prepare(t)
+        return None if p is None else [p]
+    inner = _inner(t) if depth < 4 else None
+    if not inner:
+        return None
+    out: list[torch.Tensor] = []
+    for x in inner:
+        leaves = _leaves(x, depth + 1)
+        if leaves is None:
+            return None
+        out.extend(leaves)
+    return out
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor to copy to the host for ``tensor``: a DTensor's local shard, or the
+    inner tensor of another wrapper that has the wrapper's shape (float8 data); the tensor
+    itself otherwise."""
+    t = tensor.detach()
+    if _plain(t):
+        return t
+    inner = _inner(t) or []
+    if type(t).__name__ == "DTensor" and inner:
+        return local_tensor(inner[0])
+    same_shape = [x for x in inner if x.shape == t.shape]
+    return local_tensor(same_shape[0]) if same_shape else t
+
+
+def storage_owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s data: ``t``, or a wrapper subclass's first
+    inner tensor. A wrapper's own storage is an empty placeholder made per object, so
+    tracking it would tell apart wrappers of the same data (and reuse addresses)."""
+    for _ in range(4):
+        if _plain(t):
+            return t
+        inner = _inner(t)
+        if not inner:
+            return t
+        t = inner[0]
+    return t
+
+
 def _prepare(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor as plain values (sparse coalesced, quantized as integers, conj/neg
     resolved), or None if it has no local data we can trust."""
     t = tensor.detach()
-    # Subclasses that override dispatch (FakeTensor, DTensor, functional wrappers) have no
-    # local bytes we can trust to be the data.
-    if (type(t) not in (torch.Tensor, torch.nn.Parameter)
-            and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__):
+    # Subclasses that override dispatch are unwrapped by _leaves first: their own bytes
+    # are not the data.
+    if not _plain(t):
         return None
     if t.device.type == "meta":
         return None

@@ -60,6 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nondet.fingerprint import combine, name_code, scalar_value
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch.compiled import in_region
+from nondet.frameworks.torch.hashing import storage_owner
 from nondet.records import OP_DTYPE, Flag, Kind, Phase
 
 if TYPE_CHECKING:
@@ -143,6 +144,8 @@ def _storage_key(t: torch.Tensor) -> int:
     # The StorageImpl's address: shared by every view and alias of the same memory. An
     # address can be reused once a storage is freed; Note [Fingerprint cache] says why
     # that only risks a missed entry point, never a false alarm.
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        t = storage_owner(t)  # a wrapper subclass (DTensor): where its data lives
     try:
         return t.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # sparse, subclasses without storage

@@ -176,3 +176,31 @@ def test_wrapper_subclasses_hash_their_inner_tensors() -> None:
     assert HASHER.content(TwoTensor(a, changed)) != HASHER.content(wrapped)
     group = HASHER.content_of_many([wrapped])
     assert [int(v) & MASK64 for v in group.values()] == [expected]
+
+
+def _reference(t: torch.Tensor) -> int:
+    """The content sum from the whole widened word array (the definition, unchunked input)."""
+    from nondet.fingerprint import host_content
+
+    words = TorchHasher.words(t)
+    assert words is not None
+    return host_content([words.numpy()])
+
+
+@pytest.mark.parametrize("make", [
+    # odd byte count: byte words; larger than a chunk
+    lambda: torch.arange(3 * CHUNK_WORDS + 5, dtype=torch.int64).to(torch.uint8),
+    # transposed, blocks of rows whose byte counts split 4-byte words (a carried word)
+    lambda: torch.randn(3001, 2002).to(torch.float16).t(),
+    # contiguous but starting off an 8-byte boundary
+    lambda: torch.randn(2 * CHUNK_WORDS + 1)[1:],
+    # expanded (stride 0) and a row longer than a block
+    lambda: torch.randn(1, 5 * CHUNK_WORDS + 3).expand(2, -1),
+], ids=["odd-uint8", "transposed-f16", "misaligned-f32", "expanded-long-rows"])
+def test_large_odd_strided_and_misaligned_tensors_hash_chunk_by_chunk(make: object) -> None:
+    t = make()  # type: ignore[operator]
+    expected = _reference(t)
+    assert int(HASHER.content(t)) & MASK64 == expected  # type: ignore[arg-type]
+    assert int(HASHER.content(t.contiguous())) & MASK64 == expected  # type: ignore[arg-type]
+    group = HASHER.content_of_many([t])
+    assert [int(v) & MASK64 for v in group.values()] == [expected]

@@ -16,7 +16,7 @@ Tests force both paths on the same tensors and check that they agree.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from nondet.fingerprint import (
 )
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
+_NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Taken before nondet wraps torch.from_numpy to see data entering the user's script.
 _from_numpy = torch.from_numpy
@@ -62,7 +63,7 @@ class TorchHasher:
             return None  # a wrapper with parts on several devices: no single sum
         if device.type == "cpu" and not on_device and sum(t.numel() for t in leaves) <= HOST_LIMIT:
             return host_content([_host_words(t) for t in leaves])
-        return self._device_sum([self.words(t) for t in leaves], device)
+        return self._device_sum([_word_pieces(t, self._stage(device)) for t in leaves], device)
 
     def content_of_many(self, tensors: Sequence[torch.Tensor], *,
                         on_device: bool = False) -> dict[str, Content]:
@@ -78,30 +79,39 @@ class TorchHasher:
                     groups.setdefault(t.device, []).append(t)
         out: dict[str, Content] = {}
         for device, ts in groups.items():
-            if device.type == "cpu" and not on_device:
+            # The host path reads zero-copy views; a non-contiguous CPU tensor would need a
+            # whole copy there, so such a group takes the (chunked) torch path instead.
+            if device.type == "cpu" and not on_device and all(
+                    t.is_contiguous() or t.layout == torch.sparse_coo for t in ts):
                 out[str(device)] = host_content([_host_words(t) for t in ts])
             else:
-                out[str(device)] = self._device_sum([self.words(t) for t in ts], device)
+                stage = self._stage(device)
+                out[str(device)] = self._device_sum([_word_pieces(t, stage) for t in ts], device)
         return out
 
     # -- device path ----------------------------------------------------------------------
-    def _device_sum(self, parts: list[torch.Tensor | None], device: Any) -> torch.Tensor:
+    def _device_sum(self, parts: list[tuple[int, Iterator[torch.Tensor]]],
+                    device: Any) -> torch.Tensor:
         """Products are written into a scratch buffer at their place in the concatenation,
-        chunk by chunk: equal to the sum over ``torch.cat(parts)`` without allocating it."""
-        words = [p for p in parts if p is not None and p.numel()]
-        total = sum(w.numel() for w in words)
+        chunk by chunk: equal to the sum over the concatenated words of ``parts`` (each a
+        word count and its pieces, see ``_word_pieces``) without allocating it. Narrow words
+        are widened into the scratch buffer, one chunk at a time."""
+        total = sum(n for n, _ in parts)
         if total == 0:
             return torch.zeros((), dtype=torch.int64, device=device)
         room = min(total, CHUNK_WORDS)
         keys, scratch = self._keys_for(device, room), self._scratch_for(device, room)
         partial: list[torch.Tensor] = []
         pos = 0
-        for w in words:
+        for w in (piece for _, pieces in parts for piece in pieces):
             start, n = 0, w.numel()
             while start < n:
                 take = min(n - start, CHUNK_WORDS - pos)
-                torch.mul(w[start : start + take], keys[pos : pos + take],
-                          out=scratch[pos : pos + take])
+                out = scratch[pos : pos + take]
+                if w.dtype == torch.int64:
+                    torch.mul(w[start : start + take], keys[pos : pos + take], out=out)
+                else:  # widen into the scratch itself: a mixed-dtype mul allocates a temporary
+                    out.copy_(w[start : start + take]).mul_(keys[pos : pos + take])
                 pos, start = pos + take, start + take
                 if pos == CHUNK_WORDS:
                     partial.append(scratch.sum())
@@ -131,6 +141,19 @@ class TorchHasher:
             buf = torch.empty(min(CHUNK_WORDS, max(n, 4096)), dtype=torch.int64, device=device)
             scratch[device] = buf
         return buf
+
+    def _stage(self, device: Any) -> Stage:
+        """Staging byte buffers of this thread and device, made when first needed."""
+        buffers: dict[Any, torch.Tensor] = self._local.__dict__.setdefault("b", {})
+
+        def get(i: int) -> torch.Tensor:
+            buf = buffers.get((device, i))
+            if buf is None:  # one block plus a carried word
+                buf = buffers[(device, i)] = torch.empty(_BLOCK_BYTES + 8, dtype=torch.uint8,
+                                                         device=device)
+            return buf
+
+        return get
 
     @staticmethod
     def words(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -263,10 +286,93 @@ def _prepare(tensor: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
+Stage = Callable[[int], torch.Tensor]  # staging byte buffer number i (0 or 1)
+_BLOCK_BYTES = CHUNK_WORDS * 8
+
+
+def _word_pieces(t: torch.Tensor, stage: Stage) -> tuple[int, Iterator[torch.Tensor]]:
+    """The words of a prepared tensor (as ``TorchHasher.words``) as a count and a stream of
+    1-D pieces of at most CHUNK_WORDS words each, NOT widened to int64 (``_device_sum``
+    widens each piece into its scratch: uint8 words zero-extended, int32 sign-extended, as
+    ``.to(torch.int64)`` would). Pieces of a contiguous, aligned tensor are views; anything
+    else is copied block by block into two fixed staging buffers (``stage``), so the extra
+    memory is bounded whatever the tensor's size, layout or alignment, and nothing is
+    allocated per chunk. A piece is valid until the next one is taken."""
+    if t.layout == torch.sparse_coo:
+        parts = [_word_pieces(t._indices(), stage), _word_pieces(t._values(), stage)]
+        return sum(n for n, _ in parts), (p for _, pieces in parts for p in pieces)
+    nbytes = t.numel() * t.element_size()
+    word = word_size(nbytes)
+    return nbytes // word, _regroup(_byte_blocks(t, stage), word, stage)
+
+
+def _byte_blocks(t: torch.Tensor, stage: Stage) -> Iterator[torch.Tensor]:
+    """``t``'s bytes in row-major order as 1-D uint8 tensors of at most _BLOCK_BYTES:
+    views of a contiguous tensor; else each block copied into staging buffer 0."""
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        raw = t.reshape(-1).view(torch.uint8)  # every dtype has a byte view
+        for start in range(0, raw.numel(), _BLOCK_BYTES):
+            yield raw[start : start + _BLOCK_BYTES]
+        return
+    size = t.element_size()
+    for block in _dense_blocks(t, _BLOCK_BYTES // size):
+        raw = stage(0)[: block.numel() * size]
+        raw.view(t.dtype).view(block.shape).copy_(block)
+        yield raw
+
+
+def _dense_blocks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """Consecutive row-major blocks (views) of ``t``, at most ``limit`` elements each."""
+    if t.numel() <= limit:
+        yield t
+    elif t.dim() == 1:
+        for start in range(0, t.shape[0], limit):
+            yield t[start : start + limit]
+    elif t[0].numel() <= limit:
+        rows = limit // t[0].numel()
+        for start in range(0, t.shape[0], rows):
+            yield t[start : start + rows]
+    else:
+        for i in range(t.shape[0]):
+            yield from _dense_blocks(t[i], limit)
+
+
+def _regroup(blocks: Iterator[torch.Tensor], word: int, stage: Stage) -> Iterator[torch.Tensor]:
+    """Byte blocks as word pieces of at most CHUNK_WORDS words. A word split between two
+    blocks is carried over (a few bytes); a misaligned start is copied to staging buffer 1."""
+    dtype = _WORD_DTYPES[word]
+    carry: torch.Tensor | None = None
+    for block in blocks:
+        if carry is not None or block.storage_offset() % word:  # wider words need alignment
+            head = 0 if carry is None else carry.numel()
+            staged = stage(1)[: head + block.numel()]
+            if carry is not None:
+                staged[:head].copy_(carry)
+            staged[head:].copy_(block)
+            block, carry = staged, None
+        usable = block.numel() - block.numel() % word
+        if usable < block.numel():
+            carry = block[usable:].clone()  # under one word
+            block = block[:usable]
+        if not usable:
+            continue
+        words = block.view(dtype) if word > 1 else block
+        for start in range(0, words.numel(), CHUNK_WORDS):
+            yield words[start : start + CHUNK_WORDS]
+
+
 def _host_words(t: torch.Tensor) -> np.ndarray:
-    """The same words as ``TorchHasher.words``, as a NumPy int64 array (CPU tensors)."""
+    """The same words as ``TorchHasher.words`` as a NumPy array (CPU tensors): a zero-copy
+    view of a contiguous tensor, in its narrow word type (``host_content`` widens them one
+    chunk at a time, like the device path)."""
     if t.layout == torch.sparse_coo:
         return np.concatenate([_host_words(t._indices()), _host_words(t._values())])
     if t.element_size() not in _SAME_SIZE_INT:  # complex128: two float64 per element
         t = torch.view_as_real(t)
-    return host_words(t.view(_SAME_SIZE_INT[t.element_size()]).numpy())  # zero-copy view
+    values = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()  # zero-copy view
+    if not values.flags.c_contiguous:
+        return host_words(values)  # small tensors only (see content_of_many)
+    raw = values.reshape(-1).view(np.uint8)
+    return raw.view(_NP_WORDS[word_size(raw.size)])

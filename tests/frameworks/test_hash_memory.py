@@ -68,3 +68,44 @@ def test_hashing_needs_at_most_a_few_chunks_of_extra_memory() -> None:
     bound = 4 * CHUNK_BYTES
     print({k: v >> 20 for k, v in extra.items()})
     assert all(v < bound for v in extra.values()), {k: v >> 20 for k, v in extra.items()}
+
+
+TF_CHILD = """
+import json, re, sys
+import numpy as np
+import tensorflow as tf
+from nondet.frameworks.tensorflow.hashing import GraphHasher, host
+
+def kib(key):
+    return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+hasher = GraphHasher()
+big = int(sys.argv[1])
+known = tf.function(hasher.content)
+unknown = tf.function(hasher.content, input_signature=[tf.TensorSpec([None], tf.uint8)])
+warm = tf.ones([3 * (1 << 20) + 1], tf.uint8)
+known(warm), unknown(warm), host(warm)
+out = {}
+for name, fn in (("graph", known), ("graph, unknown shape", unknown), ("host", host)):
+    x = tf.ones([big + 1], tf.uint8) + 0
+    np.asarray(x.numpy()).sum()  # touch every page
+    open("/proc/self/clear_refs", "w").write("5")
+    before = kib("VmRSS")
+    fn(x)
+    out[name] = (kib("VmHWM") - before) * 1024
+    del x
+print(json.dumps(out))
+"""
+
+
+def test_tensorflow_hashing_needs_at_most_a_few_chunks_of_extra_memory() -> None:
+    pytest.importorskip("tensorflow")
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux /proc to measure peak RSS")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(TF_CHILD), str(BIG)],
+                            env=env, capture_output=True, text=True, timeout=600, check=True)
+    extra = json.loads(result.stdout.strip().splitlines()[-1])
+    print({k: v >> 20 for k, v in extra.items()})
+    assert all(v < 4 * CHUNK_BYTES for v in extra.values()), {k: v >> 20 for k, v in extra.items()}

@@ -156,3 +156,51 @@ def test_stats_are_float64_sum_and_max_abs() -> None:
     total, maxabs = HASHER.stats(x)
     assert float(total) == 0.0 and float(maxabs) == 3.0
     assert HASHER.stats(torch.tensor([1, 2])) is None
+
+
+def test_wrapper_subclasses_hash_their_inner_tensors() -> None:
+    """A wrapper subclass (float8 training tensors, NF4, DTensor: ``__tensor_flatten__``) is
+    fingerprinted by the words of its inner tensors, in flatten order; it used to hash to
+    None (compared by shape only)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(6, 4), torch.randn(6, 4)
+    wrapped = TwoTensor(a, b)
+    expected = content(torch.cat([a.reshape(-1), b.reshape(-1)]))
+    assert HASHER.content(wrapped) is not None
+    assert int(HASHER.content(wrapped)) & MASK64 == expected  # type: ignore[arg-type]
+    device = HASHER.content(wrapped, on_device=True)
+    assert isinstance(device, torch.Tensor) and int(device.item()) & MASK64 == expected
+    changed = b.clone()
+    changed[5, 3] += 1
+    assert HASHER.content(TwoTensor(a, changed)) != HASHER.content(wrapped)
+    group = HASHER.content_of_many([wrapped])
+    assert [int(v) & MASK64 for v in group.values()] == [expected]
+
+
+def _reference(t: torch.Tensor) -> int:
+    """The content sum from the whole widened word array (the definition, unchunked input)."""
+    from nondet.fingerprint import host_content
+
+    words = TorchHasher.words(t)
+    assert words is not None
+    return host_content([words.numpy()])
+
+
+@pytest.mark.parametrize("make", [
+    # odd byte count: byte words; larger than a chunk
+    lambda: torch.arange(3 * CHUNK_WORDS + 5, dtype=torch.int64).to(torch.uint8),
+    # transposed, blocks of rows whose byte counts split 4-byte words (a carried word)
+    lambda: torch.randn(3001, 2002).to(torch.float16).t(),
+    # contiguous but starting off an 8-byte boundary
+    lambda: torch.randn(2 * CHUNK_WORDS + 1)[1:],
+    # expanded (stride 0) and a row longer than a block
+    lambda: torch.randn(1, 5 * CHUNK_WORDS + 3).expand(2, -1),
+], ids=["odd-uint8", "transposed-f16", "misaligned-f32", "expanded-long-rows"])
+def test_large_odd_strided_and_misaligned_tensors_hash_chunk_by_chunk(make: object) -> None:
+    t = make()  # type: ignore[operator]
+    expected = _reference(t)
+    assert int(HASHER.content(t)) & MASK64 == expected  # type: ignore[arg-type]
+    assert int(HASHER.content(t.contiguous())) & MASK64 == expected  # type: ignore[arg-type]
+    group = HASHER.content_of_many([t])
+    assert [int(v) & MASK64 for v in group.values()] == [expected]

@@ -25,6 +25,7 @@ HASHABLE = frozenset({
     tf.bool, tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32,
     tf.uint64, tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128,
 })
+_NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
 _INT_OF_SIZE = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
 
 
@@ -34,16 +35,36 @@ def hashable(t: Any) -> bool:
     return isinstance(t, tf.Tensor) and t.dtype in HASHABLE
 
 
+_eager_hasher: GraphHasher | None = None
+
+
 def host(t: Any) -> int:
-    """Content sum of an eager tensor via NumPy (CPU)."""
-    return host_content([host_words(np.asarray(t.numpy()))])
+    """Content sum of an eager tensor via NumPy (CPU). ``.numpy()`` copies the whole tensor:
+    tensors over a chunk are hashed with TF ops instead, chunk by chunk (the same number)."""
+    global _eager_hasher
+    if t.dtype.size * (t.shape.num_elements() or 0) > CHUNK_WORDS * 8:
+        if _eager_hasher is None:  # made on first need: it holds a chunk of keys
+            _eager_hasher = GraphHasher()
+        return int(_eager_hasher.content(t).numpy())
+    return host_content([narrow_host_words(np.asarray(t.numpy()))])
+
+
+def narrow_host_words(values: np.ndarray) -> np.ndarray:
+    """``host_words`` without widening to int64: a zero-copy view of a contiguous array in
+    its word type (``host_content`` widens one chunk at a time, like the graph path)."""
+    if not values.flags.c_contiguous:
+        return host_words(values)
+    raw = values.reshape(-1).view(np.uint8)
+    return raw.view(_NP_WORDS[word_size(raw.size)])
 
 
 class GraphHasher:
     """Builds the in-graph fingerprint of a tensor: an int64 scalar computed on its device.
 
     Keys live in non-trainable variables created once (outside any graph), so graphs read
-    them instead of embedding megabytes of constants.
+    them instead of embedding megabytes of constants. Words are widened to int64 one chunk
+    at a time inside a loop: the extra memory is a few chunks whatever the tensor's size
+    (widening or padding the whole tensor took up to 16 times its bytes).
     """
 
     def __init__(self) -> None:
@@ -54,24 +75,47 @@ class GraphHasher:
                                           name="nondet_chunk_keys")
 
     def content(self, t: tf.Tensor) -> tf.Tensor:
-        words = _words(t)
+        return _words(t, self._sum)
+
+    def _sum(self, words: tf.Tensor) -> tf.Tensor:
+        """Content sum of narrow words (uint8, int32 or int64), chunk by chunk."""
         n = tf.size(words, out_type=tf.int64)
 
         def one_chunk() -> tf.Tensor:
-            return tf.reduce_sum(words * self.keys[:n])
+            return tf.reduce_sum(_widen(words) * self.keys[:n])
 
         def chunked() -> tf.Tensor:
             chunks = (n + CHUNK_WORDS - 1) // CHUNK_WORDS
-            padded = tf.pad(words, [[0, chunks * CHUNK_WORDS - n]])
-            partial = tf.reduce_sum(tf.reshape(padded, [-1, CHUNK_WORDS]) * self.keys[None, :],
-                                    axis=1)
-            return tf.reduce_sum(partial * self.chunk_keys[:chunks])
 
+            def body(i: tf.Tensor, acc: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+                start = i * CHUNK_WORDS
+                size = tf.minimum(n - start, CHUNK_WORDS)
+                piece = _widen(tf.slice(words, [start], [size]))
+                partial = tf.reduce_sum(piece * self.keys[:size])
+                return i + 1, acc + partial * self.chunk_keys[i]
+
+            zero = tf.constant(0, tf.int64)
+            _, total = tf.while_loop(lambda i, _: i < chunks, body, (zero, zero),
+                                     parallel_iterations=1)
+            return total
+
+        size = _static_size(words)
+        if size is not None:  # known when tracing: no branch needed
+            return one_chunk() if size <= CHUNK_WORDS else chunked()
         return tf.cond(n <= CHUNK_WORDS, one_chunk, chunked)
 
 
-def _words(t: tf.Tensor) -> tf.Tensor:
-    """The tensor's bytes as int64 words (8, else 4, else 1 bytes: see the Note)."""
+def _static_size(t: tf.Tensor) -> int | None:
+    return t.shape.num_elements() if t.shape.is_fully_defined() else None
+
+
+def _widen(words: tf.Tensor) -> tf.Tensor:
+    return words if words.dtype == tf.int64 else tf.cast(words, tf.int64)
+
+
+def _words(t: tf.Tensor, reduce: Any) -> tf.Tensor:
+    """``reduce`` applied to the tensor's bytes as narrow words (8, else 4, else 1 bytes:
+    see the Note); uint8 words are zero-extended and int32 sign-extended when widened."""
     if t.dtype == tf.bool:
         t = tf.cast(t, tf.uint8)
     elif t.dtype.is_complex:  # real and imaginary parts, interleaved: the same bytes
@@ -86,7 +130,7 @@ def _words(t: tf.Tensor) -> tf.Tensor:
             grouped = tf.bitcast(tf.reshape(flat, [-1, word // size]), _INT_OF_SIZE[word])
         else:  # bytes
             grouped = tf.reshape(tf.bitcast(flat, tf.uint8), [-1])
-        return tf.cast(grouped, tf.int64) if word != 8 else grouped
+        return reduce(grouped)
 
     if t.shape.is_fully_defined():  # the usual case: the word size is known when tracing
         return as_words(word_size(t.shape.num_elements() * size))

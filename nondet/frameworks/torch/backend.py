@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.base import Session, StepLifecycle, StepState, TensorRow, group_fp
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.torch import compiled
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.ops import CaptureMode, OpRecorder, tensors_in
@@ -89,6 +90,7 @@ class TorchBackend(StepLifecycle):
         optim_module.register_optimizer_step_pre_hook(self._optimizer_pre)
         optim_module.register_optimizer_step_post_hook(self._optimizer_post)
         self.entries.install()
+        compiled.install(self)
 
         original_opt_init = torch.optim.Optimizer.__init__
 

@@ -16,7 +16,7 @@ Tests force both paths on the same tensors and check that they agree.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ from nondet.fingerprint import (
 )
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
+_NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Floating dtypes with sum/abs/max kernels on every device; others are widened for stats.
 _REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -56,12 +57,15 @@ class TorchHasher:
 
         ``on_device=True`` forces the torch-op path on CPU tensors too (for tests).
         """
-        t = _prepare(tensor)
-        if t is None:
+        leaves = _leaves(tensor)
+        if leaves is None:
             return None
-        if t.device.type == "cpu" and not on_device and t.numel() <= HOST_LIMIT:
-            return host_content([_host_words(t)])
-        return self._device_sum([self.words(t)], t.device)
+        device = leaves[0].device
+        if any(t.device != device for t in leaves):
+            return None  # a wrapper with parts on several devices: no single sum
+        if device.type == "cpu" and not on_device and sum(t.numel() for t in leaves) <= HOST_LIMIT:
+            return host_content([_host_words(t) for t in leaves])
+        return self._device_sum([_word_pieces(t, self._stage(device)) for t in leaves], device)
 
     def content_of_many(self, tensors: Sequence[torch.Tensor], *,
                         on_device: bool = False) -> dict[str, Content]:
@@ -72,35 +76,44 @@ class TorchHasher:
         """
         groups: dict[Any, list[torch.Tensor]] = {}
         for tensor in tensors:
-            t = _prepare(tensor)
-            if t is not None and t.numel():
-                groups.setdefault(t.device, []).append(t)
+            for t in _leaves(tensor) or ():
+                if t.numel():
+                    groups.setdefault(t.device, []).append(t)
         out: dict[str, Content] = {}
         for device, ts in groups.items():
-            if device.type == "cpu" and not on_device:
+            # The host path reads zero-copy views; a non-contiguous CPU tensor would need a
+            # whole copy there, so such a group takes the (chunked) torch path instead.
+            if device.type == "cpu" and not on_device and all(
+                    t.is_contiguous() or t.layout == torch.sparse_coo for t in ts):
                 out[str(device)] = host_content([_host_words(t) for t in ts])
             else:
-                out[str(device)] = self._device_sum([self.words(t) for t in ts], device)
+                stage = self._stage(device)
+                out[str(device)] = self._device_sum([_word_pieces(t, stage) for t in ts], device)
         return out
 
     # -- device path ----------------------------------------------------------------------
-    def _device_sum(self, parts: list[torch.Tensor | None], device: Any) -> torch.Tensor:
+    def _device_sum(self, parts: list[tuple[int, Iterator[torch.Tensor]]],
+                    device: Any) -> torch.Tensor:
         """Products are written into a scratch buffer at their place in the concatenation,
-        chunk by chunk: equal to the sum over ``torch.cat(parts)`` without allocating it."""
-        words = [p for p in parts if p is not None and p.numel()]
-        total = sum(w.numel() for w in words)
+        chunk by chunk: equal to the sum over the concatenated words of ``parts`` (each a
+        word count and its pieces, see ``_word_pieces``) without allocating it. Narrow words
+        are widened into the scratch buffer, one chunk at a time."""
+        total = sum(n for n, _ in parts)
         if total == 0:
             return torch.zeros((), dtype=torch.int64, device=device)
         room = min(total, CHUNK_WORDS)
         keys, scratch = self._keys_for(device, room), self._scratch_for(device, room)
         partial: list[torch.Tensor] = []
         pos = 0
-        for w in words:
+        for w in (piece for _, pieces in parts for piece in pieces):
             start, n = 0, w.numel()
             while start < n:
                 take = min(n - start, CHUNK_WORDS - pos)
-                torch.mul(w[start : start + take], keys[pos : pos + take],
-                          out=scratch[pos : pos + take])
+                out = scratch[pos : pos + take]
+                if w.dtype == torch.int64:
+                    torch.mul(w[start : start + take], keys[pos : pos + take], out=out)
+                else:  # widen into the scratch itself: a mixed-dtype mul allocates a temporary
+                    out.copy_(w[start : start + take]).mul_(keys[pos : pos + take])
                 pos, start = pos + take, start + take
                 if pos == CHUNK_WORDS:
                     partial.append(scratch.sum())
@@ -131,12 +144,29 @@ class TorchHasher:
             scratch[device] = buf
         return buf
 
+    def _stage(self, device: Any) -> Stage:
+        """Staging byte buffers of this thread and device, made when first needed."""
+        buffers: dict[Any, torch.Tensor] = self._local.__dict__.setdefault("b", {})
+
+        def get(i: int) -> torch.Tensor:
+            buf = buffers.get((device, i))
+            if buf is None:  # one block plus a carried word
+                buf = buffers[(device, i)] = torch.empty(_BLOCK_BYTES + 8, dtype=torch.uint8,
+                                                         device=device)
+            return buf
+
+        return get
+
     @staticmethod
     def words(tensor: torch.Tensor) -> torch.Tensor | None:
-        """The tensor's bytes as a 1-D int64 tensor of words (see the Note), or None."""
-        t = _prepare(tensor)
-        if t is None:
+        """The tensor's bytes as a 1-D int64 tensor of words (see the Note), or None.
+        A wrapper subclass's words are those of its inner tensors, concatenated."""
+        leaves = _leaves(tensor)
+        if leaves is None:
             return None
+        if len(leaves) > 1:
+            return torch.cat([TorchHasher.words(x) for x in leaves])  # type: ignore[misc]
+        t = leaves[0]
         if t.layout == torch.sparse_coo:
             parts = [TorchHasher.words(t._indices()), TorchHasher.words(t._values())]
             return torch.cat(parts)  # type: ignore[arg-type]
@@ -174,14 +204,83 @@ class TorchHasher:
         return t.sum(dtype=torch.float64), t.abs().max().to(torch.float64)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    kind = type(t)
+    return (kind in (torch.Tensor, torch.nn.Parameter)
+            or kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
+def _inner(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors a wrapper subclass holds its data in: its ``__tensor_flatten__``
+    attributes (a DTensor's local shard, what ``to_local()`` returns a view of; float8 data
+    and scale; NF4 blocks), or None (FakeTensor, FunctionalTensor and other compile
+    internals hold no data of the run). Attribute reads only: no op runs."""
+    kind = type(t)
+    if kind.__module__.startswith("torch._subclasses"):
+        return None
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    names, _ = flatten()
+    # DTensor also lists its device mesh: only tensors hold data.
+    inner = [x for x in (getattr(t, name, None) for name in names) if isinstance(x, torch.Tensor)]
+    return inner or None
+
+
+def _leaves(tensor: torch.Tensor, depth: int = 0) -> list[torch.Tensor] | None:
+    """Plain tensors whose bytes are ``tensor``'s content: itself, prepared, or the inner
+    tensors of a wrapper subclass (in ``__tensor_flatten__`` order), or None."""
+    t = tensor.detach()
+    if _plain(t):
+        p = _prepare(t)
+        return None if p is None else [p]
+    inner = _inner(t) if depth < 4 else None
+    if not inner:
+        return None
+    out: list[torch.Tensor] = []
+    for x in inner:
+        leaves = _leaves(x, depth + 1)
+        if leaves is None:
+            return None
+        out.extend(leaves)
+    return out
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor to copy to the host for ``tensor``: a DTensor's local shard, or the
+    inner tensor of another wrapper that has the wrapper's shape (float8 data); the tensor
+    itself otherwise."""
+    t = tensor.detach()
+    if _plain(t):
+        return t
+    inner = _inner(t) or []
+    if type(t).__name__ == "DTensor" and inner:
+        return local_tensor(inner[0])
+    same_shape = [x for x in inner if x.shape == t.shape]
+    return local_tensor(same_shape[0]) if same_shape else t
+
+
+def storage_owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s data: ``t``, or a wrapper subclass's first
+    inner tensor. A wrapper's own storage is an empty placeholder made per object, so
+    tracking it would tell apart wrappers of the same data (and reuse addresses)."""
+    for _ in range(4):
+        if _plain(t):
+            return t
+        inner = _inner(t)
+        if not inner:
+            return t
+        t = inner[0]
+    return t
+
+
 def _prepare(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor as plain values (sparse coalesced, quantized as integers, conj/neg
     resolved), or None if it has no local data we can trust."""
     t = tensor.detach()
-    # Subclasses that override dispatch (FakeTensor, DTensor, functional wrappers) have no
-    # local bytes we can trust to be the data.
-    if (type(t) not in (torch.Tensor, torch.nn.Parameter)
-            and type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__):
+    # Subclasses that override dispatch are unwrapped by _leaves first: their own bytes
+    # are not the data.
+    if not _plain(t):
         return None
     if t.device.type == "meta":
         return None
@@ -198,10 +297,93 @@ def _prepare(tensor: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
+Stage = Callable[[int], torch.Tensor]  # staging byte buffer number i (0 or 1)
+_BLOCK_BYTES = CHUNK_WORDS * 8
+
+
+def _word_pieces(t: torch.Tensor, stage: Stage) -> tuple[int, Iterator[torch.Tensor]]:
+    """The words of a prepared tensor (as ``TorchHasher.words``) as a count and a stream of
+    1-D pieces of at most CHUNK_WORDS words each, NOT widened to int64 (``_device_sum``
+    widens each piece into its scratch: uint8 words zero-extended, int32 sign-extended, as
+    ``.to(torch.int64)`` would). Pieces of a contiguous, aligned tensor are views; anything
+    else is copied block by block into two fixed staging buffers (``stage``), so the extra
+    memory is bounded whatever the tensor's size, layout or alignment, and nothing is
+    allocated per chunk. A piece is valid until the next one is taken."""
+    if t.layout == torch.sparse_coo:
+        parts = [_word_pieces(t._indices(), stage), _word_pieces(t._values(), stage)]
+        return sum(n for n, _ in parts), (p for _, pieces in parts for p in pieces)
+    nbytes = t.numel() * t.element_size()
+    word = word_size(nbytes)
+    return nbytes // word, _regroup(_byte_blocks(t, stage), word, stage)
+
+
+def _byte_blocks(t: torch.Tensor, stage: Stage) -> Iterator[torch.Tensor]:
+    """``t``'s bytes in row-major order as 1-D uint8 tensors of at most _BLOCK_BYTES:
+    views of a contiguous tensor; else each block copied into staging buffer 0."""
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        raw = t.reshape(-1).view(torch.uint8)  # every dtype has a byte view
+        for start in range(0, raw.numel(), _BLOCK_BYTES):
+            yield raw[start : start + _BLOCK_BYTES]
+        return
+    size = t.element_size()
+    for block in _dense_blocks(t, _BLOCK_BYTES // size):
+        raw = stage(0)[: block.numel() * size]
+        raw.view(t.dtype).view(block.shape).copy_(block)
+        yield raw
+
+
+def _dense_blocks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """Consecutive row-major blocks (views) of ``t``, at most ``limit`` elements each."""
+    if t.numel() <= limit:
+        yield t
+    elif t.dim() == 1:
+        for start in range(0, t.shape[0], limit):
+            yield t[start : start + limit]
+    elif t[0].numel() <= limit:
+        rows = limit // t[0].numel()
+        for start in range(0, t.shape[0], rows):
+            yield t[start : start + rows]
+    else:
+        for i in range(t.shape[0]):
+            yield from _dense_blocks(t[i], limit)
+
+
+def _regroup(blocks: Iterator[torch.Tensor], word: int, stage: Stage) -> Iterator[torch.Tensor]:
+    """Byte blocks as word pieces of at most CHUNK_WORDS words. A word split between two
+    blocks is carried over (a few bytes); a misaligned start is copied to staging buffer 1."""
+    dtype = _WORD_DTYPES[word]
+    carry: torch.Tensor | None = None
+    for block in blocks:
+        if carry is not None or block.storage_offset() % word:  # wider words need alignment
+            head = 0 if carry is None else carry.numel()
+            staged = stage(1)[: head + block.numel()]
+            if carry is not None:
+                staged[:head].copy_(carry)
+            staged[head:].copy_(block)
+            block, carry = staged, None
+        usable = block.numel() - block.numel() % word
+        if usable < block.numel():
+            carry = block[usable:].clone()  # under one word
+            block = block[:usable]
+        if not usable:
+            continue
+        words = block.view(dtype) if word > 1 else block
+        for start in range(0, words.numel(), CHUNK_WORDS):
+            yield words[start : start + CHUNK_WORDS]
+
+
 def _host_words(t: torch.Tensor) -> np.ndarray:
-    """The same words as ``TorchHasher.words``, as a NumPy int64 array (CPU tensors)."""
+    """The same words as ``TorchHasher.words`` as a NumPy array (CPU tensors): a zero-copy
+    view of a contiguous tensor, in its narrow word type (``host_content`` widens them one
+    chunk at a time, like the device path)."""
     if t.layout == torch.sparse_coo:
         return np.concatenate([_host_words(t._indices()), _host_words(t._values())])
     if t.element_size() not in _SAME_SIZE_INT:  # complex128: two float64 per element
         t = torch.view_as_real(t)
-    return host_words(t.view(_SAME_SIZE_INT[t.element_size()]).numpy())  # zero-copy view
+    values = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()  # zero-copy view
+    if not values.flags.c_contiguous:
+        return host_words(values)  # small tensors only (see content_of_many)
+    raw = values.reshape(-1).view(np.uint8)
+    return raw.view(_NP_WORDS[word_size(raw.size)])

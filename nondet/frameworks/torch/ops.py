@@ -81,6 +81,7 @@ from nondet.fingerprint import combine, name_code, scalar_value
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import tensors as safe
+from nondet.frameworks.torch.compiled import in_region
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.tensors import Storages, StorageState
 from nondet.records import OP_DTYPE, Flag, Kind, Phase
@@ -638,9 +639,15 @@ class CaptureMode(TorchDispatchMode):
         super().__init__()
         self.recorder = recorder
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Lets Dynamo compile while the mode is on (else it runs the script eager and skips
+        # the code for good): compiled regions are recorded whole by torch/compiled.py.
+        return True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self.recorder.active or func.namespace in _PASS_THROUGH:
+        if not self.recorder.active or func.namespace in _PASS_THROUGH or in_region():
             return func(*args, **kwargs)
         return self.recorder.dispatch(func, args, kwargs)

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nondet.frameworks.torch.hashing import local_tensor
+
 Named = list[tuple[str, Any]]
 
 
@@ -68,7 +70,7 @@ def leaf_tensors(value: Any) -> Iterator[torch.Tensor]:
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A host copy with the same values (fp8/bf16/fp16 widened exactly to float32)."""
-    t = t.detach().resolve_conj().resolve_neg().cpu()
+    t = local_tensor(t).resolve_conj().resolve_neg().cpu()
     if t.layout != torch.strided:
         t = t.to_dense()
     if t.dtype in (torch.bfloat16, torch.float16) or (

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from nondet.fingerprint import name_code
+from nondet.frameworks.torch.hashing import storage_owner
 
 #: What torch raises when an attribute does not apply to a tensor (see the Note). Anything
 #: else is a bug in nondet and is left to the backend's containment.
@@ -59,6 +60,8 @@ def version(t: torch.Tensor) -> int | None:
 
 def owner(t: torch.Tensor) -> object:
     """The object whose identity stands for ``t``'s memory (Note [Storage identity])."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        t = storage_owner(t)  # a wrapper subclass (DTensor): where its data lives
     try:
         return t.untyped_storage()
     except _REFUSED:

@@ -1,0 +1,103 @@
+"""torch.compile under nondet: the same graphs are compiled, and each compiled region (and its
+backward) is recorded as one op. The racy compiled fixture (fixtures/torch/compiled_*.py) is
+run through the CLI by tests/e2e/test_torch_fixtures.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from nondet.launch import CapturedRun, Plan, Target
+from nondet.records import Flag, Kind, Phase
+from tests.conftest import REPO
+
+# Inductor's CPU backend writes and compiles C++: without a compiler torch.compile fails.
+_CXX = next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+pytestmark = pytest.mark.skipif(_CXX is None, reason="no C++ compiler (g++/clang++) for Inductor")
+
+SCRIPT = """
+import json, sys
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.lin(x))).sum(dim=1)
+
+torch.manual_seed(0)
+net = Net()
+fast = torch.compile(net)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+for _ in range(3):
+    x = torch.randn(16, 8)
+    loss = fast(x).square().mean()   # line 20
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+stats = torch._dynamo.utils.counters["stats"]
+with open(sys.argv[1], "w") as f:
+    json.dump({"stats": dict(stats), "weight": net.lin.weight.sum().item()}, f)
+"""
+
+
+def _plain(script: Path, out: Path) -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, str(script), str(out)], check=True, env=env, timeout=600,
+                   capture_output=True)
+    result: dict[str, object] = json.loads(out.read_text())
+    return result
+
+
+def test_compiled_as_often_as_without_nondet_and_recorded_as_one_op(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    plain = _plain(script, tmp_path / "plain.json")
+
+    under = tmp_path / "under.json"
+    target = Target(str(script), None, (str(under),))
+    run = CapturedRun(target, Plan("t", [0, 1]), 0, tmp_path / "out")
+    run.start()
+    result = run.wait()
+    assert result.status == "complete" and not result.hook_error, result.log_tail()
+    captured = json.loads(under.read_text())
+
+    # Compiled exactly as often (before the fix: 0 graphs under nondet, the run was eager),
+    # and the same numbers come out.
+    assert plain["stats"]["unique_graphs"] >= 1  # type: ignore[index]
+    assert captured["stats"] == plain["stats"]
+    assert captured["weight"] == plain["weight"]
+
+    from nondet.store import open_capture
+
+    c = open_capture(result.path)
+    for step in (0, 1):
+        rows = c.ops(step)
+        names = [c.string(int(r["name"])) for r in rows]
+        regions = [r for r, n in zip(rows, names, strict=True) if n.startswith("compiled:")]
+        assert [c.string(int(r["name"])) for r in regions] == [
+            "compiled:Net.forward", "compiled:Net.forward (backward)"], names
+        fwd, bwd = regions
+        assert int(fwd["kind"]) == Kind.OP and int(fwd["phase"]) == Phase.FORWARD
+        assert int(bwd["phase"]) == Phase.BACKWARD
+        # The caller's line, for both; inputs and outputs fingerprinted.
+        assert c.string(int(fwd["source"])) == c.string(int(bwd["source"]))
+        assert c.string(int(fwd["source"])).endswith("train.py:20")
+        assert fwd["out_fp"] and fwd["in_fp"] and bwd["out_fp"] and bwd["in_fp"]
+        # BatchNorm's running statistics are written by the graph: counted as outputs.
+        assert int(fwd["flags"]) & Flag.INPLACE
+        # Nothing from inside the regions is recorded one by one (the forward's matmul
+        # runs as an extern kernel, aten.addmm.out, through the dispatcher).
+        assert not any(n.endswith(".out") or "native_batch_norm" in n for n in names), names

@@ -21,9 +21,9 @@ from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from nondet.compare import localize
-from nondet.frameworks.torch.backend import _to_numpy
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.ops import OpRecorder
+from nondet.frameworks.torch.state import to_numpy as _to_numpy
 from nondet.launch import CapturedRun, Plan, Target
 from nondet.records import Flag, Kind, Phase
 from nondet.store import Capture, open_capture

@@ -35,6 +35,9 @@ class Recipe:
     cost: str = ""
     note: str = ""
     variants: tuple[dict[str, Any], ...] = ()
+    # fact name -> text with "{site}": lines the capture recorded for this cause (where an
+    # unseeded generator was made, ...), listed under the suggestion
+    sites: tuple[tuple[str, str], ...] = ()
 
     def matches(self, facts: dict[str, Any]) -> bool:
         return self.specificity(facts) > 0
@@ -98,6 +101,7 @@ def load() -> tuple[Recipe, ...]:
                 match=_alternatives(entry.get("match", {})), where=entry.get("where", ""),
                 cost=entry.get("cost", ""), note=entry.get("note", ""),
                 variants=tuple(entry.get("variants", ())),
+                sites=tuple(entry.get("sites", {}).items()),
             ))
     return tuple(recipes)
 
@@ -122,14 +126,20 @@ def _alternatives(match: dict[str, Any] | list[dict[str, Any]]) -> tuple[dict[st
     return tuple(match) if isinstance(match, list) else (match,)
 
 
-def suggest(facts: dict[str, Any], limit: int = 3) -> list[Suggestion]:
+def suggest(facts: dict[str, Any], limit: int = 3,
+            sites: dict[str, Any] | None = None) -> list[Suggestion]:
     """Suggestions for a finding: the most specific match first (the one with the most
-    conditions), file order among equals; a fix for another version goes last."""
+    conditions), file order among equals; a fix for another version goes last. ``sites``
+    (a capture's facts) fill in the places a recipe's ``sites`` table names."""
     matched = [(recipe, recipe.specificity(facts)) for recipe in load()]
     ranked = sorted(((r, score) for r, score in matched if score > 0),
                     key=lambda pair: -pair[1])
     out = [_choose_variant(recipe, facts) for recipe, _ in ranked]
     out.sort(key=lambda s: s.applies_here is False)
+    for suggestion in out:
+        for fact, text in suggestion.recipe.sites:
+            suggestion.details.extend(text.format(site=site)
+                                      for site in (sites or {}).get(fact, []))
     return out[:limit]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from nondet import pipeline
+from nondet import analysis, recipe
 from nondet.records import Flag, Kind, Phase
 from nondet.report import text
 from nondet.store import open_capture
@@ -57,9 +57,9 @@ def _pair(tmp_path: Path) -> tuple[Path, Path]:
 def _render(tmp_path: Path) -> tuple[str, dict]:
     a, b = _pair(tmp_path)
     ca, cb = open_capture(a), open_capture(b)
-    report = pipeline.compare_captures(ca, cb)
-    report.suggestions = pipeline.recipe.suggest(
-        pipeline.finding_facts(report.first_divergence, ca, report.environment_differences))
+    report = analysis.compare_captures(ca, cb)
+    report.suggestions = recipe.suggest(
+        analysis.finding_facts(report.first_divergence, ca, report.environment_differences))
     report.captures = ["a.h5", "b.h5"]
     out = io.StringIO()
     text.render(report, Console(file=out, width=100, color_system=None, highlight=False,
@@ -97,7 +97,7 @@ def test_json_report_follows_the_contract(tmp_path: Path) -> None:
 
 def test_deterministic_report_has_null_divergence(tmp_path: Path) -> None:
     a, _ = _pair(tmp_path)
-    report = pipeline.compare_captures(open_capture(a), open_capture(a)).to_json()
+    report = analysis.compare_captures(open_capture(a), open_capture(a)).to_json()
     assert report["verdict"] == "deterministic" and report["first_divergence"] is None
     assert report["exit_code"] == 0
 
@@ -116,9 +116,9 @@ def test_entry_kinds_are_reported_as_entries(tmp_path: Path) -> None:
                       facts={"numpy.unseeded_generator": ["train.py:1"]})
     b = write_capture(tmp_path / "b.h5", other, ops(7))
     ca = open_capture(a)
-    report = pipeline.compare_captures(ca, open_capture(b))
+    report = analysis.compare_captures(ca, open_capture(b))
     div = report.first_divergence
     assert div is not None and div.kind == "entry" and div.entry_kind == "numpy"
     assert div.op == "torch.from_numpy" and div.phase == "forward"
-    facts = pipeline.finding_facts(div, ca)
-    assert pipeline.recipe.suggest(facts)[0].recipe.id == "PY-NP-GENERATOR"
+    facts = analysis.finding_facts(div, ca)
+    assert recipe.suggest(facts)[0].recipe.id == "PY-NP-GENERATOR"

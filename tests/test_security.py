@@ -8,7 +8,7 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
-from nondet import pipeline
+from nondet import analysis
 from nondet.capture import SourceLocator
 from nondet.records import Phase
 from nondet.report import Divergence, Report, github, junit
@@ -52,11 +52,11 @@ def test_source_text_is_what_the_run_captured(tmp_path: Path) -> None:
     a, b = _pair(tmp_path, "train.py:2")
     train.write_text("import torch\nprint('changed after the run')\n")  # never read back
     ca, cb = open_capture(a), open_capture(b)
-    div = pipeline.compare_captures(ca, cb).first_divergence
+    div = analysis.compare_captures(ca, cb).first_divergence
     assert div is not None and div.source == "train.py:2"
     assert div.source_text == "out = table[idx]  # captured"
     (tmp_path / "other.py").write_text("secret = 1\n")
-    assert pipeline.source_text(ca, "other.py:1") == ""  # no text captured for it
+    assert analysis.source_text(ca, "other.py:1") == ""  # no text captured for it
     assert ca.source_text("train.py:2") == "out = table[idx]  # captured"
 
 

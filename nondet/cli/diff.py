@@ -18,14 +18,14 @@ from nondet.exitcodes import EPILOG
 @click.pass_obj
 def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) -> int:
     """Compare two captures: environment differences first, then the first divergence."""
-    from nondet import pipeline
+    from nondet import analysis
     from nondet.report import json_file, text
     from nondet.store import open_capture
 
     a, b = open_capture(capture_a), open_capture(capture_b)
     a.verify()  # damage anywhere is exit 2, never a verdict (checksums checked as read)
     b.verify()
-    report = pipeline.compare_captures(a, b)
+    report = analysis.compare_captures(a, b)
     report.command = f"diff {capture_a} {capture_b}"
     if a.attrs.get("script_sha256") != b.attrs.get("script_sha256"):
         what = (f"{a.attrs.get('script') or a.attrs.get('module')} vs "
@@ -35,7 +35,7 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) 
         report.notes.append(message)
         app.err.print(f"nondet: warning: {text.printable(message)}", highlight=False,
                       markup=False)
-    pipeline.add_suggestions(report, a)
+    analysis.add_suggestions(report, a)
     if json_path is not None:
         json_file.write(report, json_path)
     text.render(report, app.out)

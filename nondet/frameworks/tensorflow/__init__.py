@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
-from nondet.frameworks.base import Session
-from nondet.frameworks.tensorflow.backend import TFBackend
+from nondet.frameworks.base import Backend, Session
 
 
-def create(session: Session) -> TFBackend:
+def create(session: Session) -> Backend:
+    # imported here: the package's own modules import each other, never this file
+    from nondet.frameworks.tensorflow.backend import TFBackend
+
     return TFBackend(session)

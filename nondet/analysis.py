@@ -1,0 +1,285 @@
+"""Captures in, a report out: the first divergence, its context, growth and explanation.
+
+Pure over captures already on disk (no subprocesses, no frameworks), so ``nondet diff`` and
+``nondet show`` stay light; ``pipeline`` calls it for ``nondet run`` and ``check``. The
+injection rule itself is ``compare.localize`` (record arrays in, first finding out); this
+module turns its answer into a ``Divergence`` with names, lines, context and facts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from nondet import compare, environment, recipe
+from nondet.exitcodes import ExitCode
+from nondet.records import (
+    ENTRY_KINDS,
+    INIT_STEP,
+    OP_DTYPE,
+    STEP_COMPONENTS,
+    Flag,
+    Group,
+    Kind,
+    Phase,
+    device_of,
+    split_node,
+)
+from nondet.report import ContextLine, Divergence, GrowthRow, Report, RunSummary
+from nondet.store import Capture
+
+#: How many steps the runs go on past the first difference (for the growth view).
+GROWTH_STEPS = 4
+
+_FIELD_LABELS = {name: name.removesuffix("_fp") for name, _ in STEP_COMPONENTS}
+
+
+def measure_from_dumps(div: Divergence, da: Capture, db: Capture) -> bool:
+    """Compare the saved outputs of the finding's record in two captures; False if absent."""
+    step = INIT_STEP if div.step is None else div.step
+
+    def outputs(c: Capture) -> dict[str, np.ndarray]:
+        return {name.rsplit("-", 1)[-1]: array for name, (array, attrs) in c.dumps.items()
+                if attrs.get("step") == step and attrs.get("index") == div.op_index}
+
+    xa, xb = outputs(da), outputs(db)
+    names = sorted(set(xa) & set(xb))
+    if not names:
+        return False
+    stats = None
+    for name in names:
+        candidate = compare.mismatch_stats(xa[name], xb[name])
+        stats = stats or candidate
+        if candidate.get("mismatched_elements"):
+            stats = candidate
+            break
+    assert stats is not None
+    div.numel = stats.get("numel")  # type: ignore[assignment]
+    div.mismatched_elements = stats.get("mismatched_elements")  # type: ignore[assignment]
+    div.max_abs_diff = stats.get("max_abs_diff")  # type: ignore[assignment]
+    div.max_abs_diff_at = stats.get("max_abs_diff_at")  # type: ignore[assignment]
+    return True
+
+
+# -- comparing ---------------------------------------------------------------------------------
+def capture_notes(*captures: Capture) -> list[str]:
+    """What the backends noted about their own capture (``capture_note.*`` facts), once."""
+    notes: list[str] = []
+    for capture in captures:
+        for key, value in capture.facts.items():
+            if key.startswith("capture_note.") and str(value) not in notes:
+                notes.append(str(value))
+    return notes
+
+
+def compare_captures(a: Capture, b: Capture) -> Report:
+    """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
+    env_diff = environment.differences(a.env, b.env)
+    report = Report(verdict="deterministic", exit_code=ExitCode.DETERMINISTIC,
+                    runs=[summary_of_capture(a), summary_of_capture(b)],
+                    environment_differences=env_diff, captures=[str(a.path), str(b.path)])
+    report.notes.extend(capture_notes(a, b))
+    step_div = compare.first_step_divergence(a.steps, b.steps)
+    common_op_steps = sorted(set(a.op_steps()) & set(b.op_steps()))
+    report.op_records = sum(min(len(a.ops(s)), len(b.ops(s))) for s in common_op_steps)
+    if step_div is None:
+        # Step-level state matches; op records may still show a difference that did not
+        # reach any step-level fingerprint (e.g. a discarded tensor).
+        div = localize(a, b, common_op_steps) if common_op_steps else None
+        if div is None:
+            return report
+    else:
+        window = [s for s in common_op_steps if s <= step_div.step]
+        div = localize(a, b, window) if window else None
+        if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
+            div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(step_div)
+    report.verdict = "nondeterministic"
+    report.exit_code = ExitCode.NONDETERMINISTIC
+    report.first_divergence = div
+    report.growth = growth(a, b, step_div.step if step_div else (div.step or 0))
+    return report
+
+
+def _data_entry_divergence(a: Capture, b: Capture,
+                           step_div: compare.StepDivergence) -> Divergence | None:
+    """When the first thing that differs in a step is the data that entered, the step rows
+    name each entry (batch, NumPy-made tensor): the first differing one is the finding,
+    even without op-level capture of that step."""
+    if not step_div.fields or step_div.fields[0] != "data_fp":
+        return None
+    rows_a = [r for r in a.tensor_rows(step_div.step) if int(r["group"]) == Group.DATA]
+    rows_b = [r for r in b.tensor_rows(step_div.step) if int(r["group"]) == Group.DATA]
+    for ra, rb in zip(rows_a, rows_b, strict=False):
+        label_a, label_b = a.string(int(ra["name"])), b.string(int(rb["name"]))
+        if label_a == label_b and int(ra["fp"]) == int(rb["fp"]):
+            continue
+        name, _, source = label_a.partition(" @ ")
+        entry_kind, _, what = name.partition(":")
+        step = step_div.step
+        div = Divergence(
+            kind="entry", step=None if step == INIT_STEP else step,
+            phase="init" if step == INIT_STEP
+            else "data" if entry_kind in ("dataloader", "tf_data") else "forward",
+            op=what, module="", source=source or None,
+            entry_kind=entry_kind if entry_kind in ENTRY_KINDS else "external",
+            numel=int(ra["numel"]) if int(ra["numel"]) >= 0 else None,
+            notes=["named from the step-level record of the data that entered; the op-level "
+                   "records do not cover this step"])
+        div.source_text = source_text(a, div.source)
+        return div
+    return None
+
+
+def _step_level_divergence(step_div: compare.StepDivergence) -> Divergence:
+    fields = [_FIELD_LABELS.get(f, f) for f in step_div.fields]
+    if step_div.structural:
+        return Divergence(kind="structure", step=step_div.step, phase="other", localized=False,
+                          notes=[f"one run has a step {step_div.step} and the other does not"])
+    kind = "init" if step_div.step == INIT_STEP else "op"
+    return Divergence(
+        kind=kind, step=None if step_div.step == INIT_STEP else step_div.step,
+        phase=step_div.phase.label, localized=False, step_fields=fields,
+        notes=[f"step-level state differs ({', '.join(fields)}) but no op-level capture "
+               "covers this step in both files"],
+    )
+
+
+def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
+    """Apply the injection rule over the op records of ``steps`` (in execution order)."""
+    ops_a = concat([a.ops(s) for s in steps])
+    ops_b = concat([b.ops(s) for s in steps])
+    found = compare.localize(ops_a, ops_b, a.strings, b.strings)
+    if found is None:
+        return None
+    row = found.row_a if found.row_a is not None else found.row_b
+    assert row is not None
+    capture = a if found.row_a is not None else b
+    step = int(row["step"])
+    name = capture.string(int(row["name"]))
+    entry_kind = None
+    op, node = split_node(name)
+    if int(row["kind"]) != Kind.OP:
+        op, node = name, None
+        entry_kind, _, op = name.partition(":")
+        entry_kind = entry_kind if entry_kind in ENTRY_KINDS else "external"
+    if found.scalar_argument:
+        entry_kind = "python_value"
+    div = Divergence(
+        kind=found.kind, step=None if step == INIT_STEP else step,
+        phase=Phase(int(row["phase"])).label if step != INIT_STEP else "init",
+        op=op, node=node, op_index=int(row["index"]), module=capture.string(int(row["module"])),
+        source=capture.string(int(row["source"])) or None, entry_kind=entry_kind,
+        explained=found.explained, reads_uninitialized=found.reads_uninitialized,
+        scalar_argument=found.scalar_argument,
+    )
+    if found.kind == "structure":
+        div.op = split_node(a.string(int(found.row_a["name"])))[0] \
+            if found.row_a is not None else None
+        div.op_b = split_node(b.string(int(found.row_b["name"])))[0] \
+            if found.row_b is not None else None
+        div.notes.append("the runs executed different ops here: control flow (or the number "
+                         "of batches) depends on a value that differs between runs")
+    if not found.explained:
+        div.notes.append("this op's inputs already differed but no earlier recorded op or entry "
+                         "did: a tensor was changed outside the ops nondet sees (another "
+                         "thread, a NumPy view, a C extension)")
+    if found.scalar_argument:
+        div.notes.append("the op's tensor inputs matched but a Python number passed to it "
+                         "differed: that value came from outside the framework")
+    div.source_text = source_text(capture, div.source)
+    div.context = [
+        ContextLine(index=int(ops_a[j]["index"]), op=split_node(a.string(int(ops_a[j]["name"])))[0],
+                    module=a.string(int(ops_a[j]["module"])),
+                    source=a.string(int(ops_a[j]["source"])), state=state,
+                    focus=j == found.position)
+        for j, state in found.context
+        if j < len(ops_a) and int(ops_a[j]["step"]) == step  # the finding's step only
+    ]
+    if int(row["numel"]) >= 0:  # of the first output; the dump pass may refine it
+        div.numel = int(row["numel"])
+    flags = int(row["flags"])
+    div.device = device_of(flags) if int(row["kind"]) == Kind.OP else None
+    div.rng_op = bool(flags & Flag.RNG)
+    return div
+
+
+def concat(parts: list[np.ndarray]) -> np.ndarray:
+    parts = [p for p in parts if len(p)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=OP_DTYPE)
+
+
+def source_text(capture: Capture, source: str | None) -> str:
+    # The text the run captured with the location: never a file a capture names.
+    return capture.source_text(source) if source else ""
+
+
+def growth(a: Capture, b: Capture, first: int) -> list[GrowthRow]:
+    rows_a = {int(r["step"]): r for r in a.steps}
+    rows_b = {int(r["step"]): r for r in b.steps}
+    steps = [s for s in sorted(set(rows_a) & set(rows_b)) if s >= first]
+    out = []
+    for s in steps[: GROWTH_STEPS + 2]:
+        ra, rb = rows_a[s], rows_b[s]
+        out.append(GrowthRow(
+            step=s, loss_a=float(ra["loss"]), loss_b=float(rb["loss"]),
+            differing=[_FIELD_LABELS[f] for f in compare.rows_differ(ra, rb)],
+            params_sum_a=float(ra["params_sum"]), params_sum_b=float(rb["params_sum"]),
+        ))
+    return out
+
+
+# -- explaining ---------------------------------------------------------------------------------
+def finding_facts(div: Divergence, capture: Capture,
+                  env_differences: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """Facts about a finding for the recipe matcher (docs/recipes.md lists them)."""
+    facts: dict[str, Any] = {k: v for k, v in capture.facts.items() if not k.startswith("data")}
+    op = div.op or ""
+    namespace = op.split(".", 1)[0] if "." in op else ""
+    framework = capture.facts.get("framework") or _framework_of_old_capture(div, capture)
+    is_torch = framework == "torch"
+    facts.update(
+        framework=framework,
+        op=op, phase=div.phase, kind=div.kind, entry_kind=div.entry_kind,
+        reads_uninitialized=div.reads_uninitialized,
+        custom_op=bool(is_torch and div.kind == "op" and namespace
+                       and namespace not in ("aten", "prims", "c10d", "_c10d_functional")),
+    )
+    facts["device"] = div.device
+    facts["rng_op"] = div.rng_op
+    for key, value in capture.env.items():
+        if key.endswith("_version"):
+            facts[key] = value
+    if div.entry_kind == "dataloader" and div.op:
+        index = div.op.rsplit("#", 1)[-1]
+        facts.update(capture.facts.get(f"dataloader#{index}", {}))
+    for kind in ("numpy.unseeded_generator", "python.unseeded_random"):
+        facts[kind] = bool(capture.facts.get(kind))
+    for d in env_differences or ():
+        facts[f"env_differs.{d['key'].removeprefix('env.')}"] = True
+    return facts
+
+
+def add_suggestions(report: Report, capture: Capture) -> None:
+    """Look the finding up in the recipe table (and name unseeded generators' lines)."""
+    if report.first_divergence is None:
+        return
+    report.suggestions = recipe.suggest(
+        finding_facts(report.first_divergence, capture, report.environment_differences),
+        sites=capture.facts)
+
+
+def summary_of_capture(c: Capture) -> RunSummary:
+    return RunSummary(path=str(c.path), exit_code=c.exit_code, steps=c.n_steps,
+                      complete=c.complete, status=c.status, label=c.label)
+
+
+
+
+def _framework_of_old_capture(div: Divergence, capture: Capture) -> str:
+    """Captures written before the run's framework was recorded (the ``framework`` fact,
+    sent when training starts): judged from the versions and the op's name."""
+    namespace = (div.op or "").split(".", 1)[0] if "." in (div.op or "") else ""
+    is_torch = "torch_version" in capture.env and (namespace != "" or div.kind == "entry"
+                                                  or "tensorflow_version" not in capture.env)
+    return "torch" if is_torch else "tensorflow"

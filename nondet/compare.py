@@ -1,7 +1,8 @@
 """Comparing two captures: the first diverging step, then the first injection point.
 
-Pure functions over the arrays of two captures; no I/O, no frameworks. The rule (DESIGN.md
-section 4): walk the op records of the diverging step(s) in execution order; the first
+Pure functions over the arrays of two captures; no I/O, no frameworks. The rule
+(docs/architecture.md, "The injection rule"): walk the op records of the diverging step(s)
+in execution order; the first
 record whose output differs while all its inputs matched created the difference (an
 *injection point*); a differing tensor that was not produced by a recorded op is an *entry
 point*; a differing op name at the same position is a *structure* mismatch.

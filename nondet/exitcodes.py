@@ -1,4 +1,4 @@
-"""Exit codes of every nondet command (the contract in DESIGN.md section 7)."""
+"""Exit codes of every nondet command (the contract in the README and docs/report.md)."""
 
 from __future__ import annotations
 

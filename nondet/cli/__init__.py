@@ -46,7 +46,7 @@ _register()
 
 
 def main() -> None:
-    """Console-script entry point: exit codes per DESIGN.md section 7."""
+    """Console-script entry point: exit codes as the README lists them."""
     with handle_errors():
         code = cli.main(standalone_mode=False)
         sys.exit(int(code or 0))

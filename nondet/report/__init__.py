@@ -1,6 +1,6 @@
 """The report: what the comparison found, in one structure every presenter reads.
 
-``Report.to_json`` is the normative JSON of DESIGN.md section 7 (``nondet_report_version``
+``Report.to_json`` is the normative JSON of docs/report.md (``nondet_report_version``
 1); fields beyond the contract are extras and may be added freely.
 """
 

@@ -1,4 +1,4 @@
-"""The JSON report file (contract: DESIGN.md section 7)."""
+"""The JSON report file (contract: docs/report.md)."""
 
 from __future__ import annotations
 

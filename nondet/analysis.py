@@ -2,7 +2,7 @@
 
 Pure over captures already on disk (no subprocesses, no frameworks), so ``nondet diff`` and
 ``nondet show`` stay light; ``pipeline`` calls it for ``nondet run`` and ``check``. The
-injection rule itself is ``compare.localize`` (record arrays in, first finding out); this
+injection rule itself is ``compare.first_op_divergence`` (record arrays in, first finding out); this
 module turns its answer into a ``Divergence`` with names, lines, context and facts.
 """
 
@@ -149,7 +149,7 @@ def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
     """Apply the injection rule over the op records of ``steps`` (in execution order)."""
     ops_a = concat([a.ops(s) for s in steps])
     ops_b = concat([b.ops(s) for s in steps])
-    found = compare.localize(ops_a, ops_b, a.strings, b.strings)
+    found = compare.first_op_divergence(ops_a, ops_b, a.strings, b.strings)
     if found is None:
         return None
     row = found.row_a if found.row_a is not None else found.row_b

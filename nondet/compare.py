@@ -66,7 +66,7 @@ def _names(rows: np.ndarray, strings: list[str]) -> np.ndarray:
     return table[ids]
 
 
-def localize(ops_a: np.ndarray, ops_b: np.ndarray, strings_a: list[str],
+def first_op_divergence(ops_a: np.ndarray, ops_b: np.ndarray, strings_a: list[str],
              strings_b: list[str], context: int = 3) -> OpDivergence | None:
     """Apply the injection rule to two aligned record streams (same window, same order)."""
     n = min(len(ops_a), len(ops_b))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import platform
-import sys
 from typing import Any
 
 from nondet import __version__
@@ -104,6 +103,3 @@ def script_digest(path: str) -> str:
     except OSError:
         return ""
 
-
-def interpreter() -> str:
-    return sys.executable

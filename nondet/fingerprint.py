@@ -49,13 +49,6 @@ def chunk_keys(n: int) -> np.ndarray:
     return position_keys(n, _CHUNK_KEY_OFFSET)
 
 
-def mix64(z: int) -> int:
-    z &= MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
 def combine(values: Iterable[int]) -> int:
     """Order-sensitive 64-bit combination of integers. Never returns 0 (0 means absent)."""
     words = [v & MASK64 for v in values]
@@ -73,11 +66,6 @@ def name_code(name: str) -> int:
         code = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
         _NAME_CODES[name] = code
     return code
-
-
-def describe(content: int, dtype: str, shape: tuple[int, ...], device_type: str) -> int:
-    """Full fingerprint: content sum plus dtype, shape and device type."""
-    return combine((content, name_code(dtype), name_code(device_type), len(shape), *shape))
 
 
 def scalar_value(value: object) -> int:

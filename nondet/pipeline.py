@@ -124,7 +124,7 @@ def _finding_position(a: schedule.Run, b: schedule.Run) -> tuple[int, int] | Non
         return None
     ops_a = concat([np.concatenate(a.ops[s]) for s in steps])
     ops_b = concat([np.concatenate(b.ops[s]) for s in steps])
-    found = compare.localize(ops_a, ops_b, a.strings, b.strings)
+    found = compare.first_op_divergence(ops_a, ops_b, a.strings, b.strings)
     if found is None or found.kind not in ("op", "entry") or found.row_a is None:
         return None
     return int(found.row_a["step"]), int(found.row_a["index"])

@@ -10,7 +10,8 @@ from tests.conftest import OpStream, step_rows
 
 
 def _pair(build_a: OpStream, build_b: OpStream) -> compare.OpDivergence | None:
-    return compare.localize(build_a.array(), build_b.array(), build_a.strings, build_b.strings)
+    return compare.first_op_divergence(build_a.array(), build_b.array(), build_a.strings,
+                                       build_b.strings)
 
 
 def test_identical_streams_have_no_finding() -> None:
@@ -63,7 +64,7 @@ def test_uninitialized_outputs_are_never_compared() -> None:
     # Even if garbage fingerprints were recorded for the empty output, they are ignored.
     arr_a, arr_b = a.array(), b.array()
     arr_a["out_fp"][0], arr_b["out_fp"][0] = 123, 456
-    assert compare.localize(arr_a, arr_b, a.strings, b.strings) is None
+    assert compare.first_op_divergence(arr_a, arr_b, a.strings, b.strings) is None
 
 
 def test_reading_uninitialized_memory_is_reported_as_such() -> None:

@@ -22,14 +22,6 @@ def test_combine_is_order_sensitive_and_never_zero() -> None:
     assert fp.combine([0]) != fp.combine([0, 0])
 
 
-def test_describe_mixes_in_dtype_shape_and_device() -> None:
-    base = fp.describe(42, "torch.float32", (2, 3), "cpu")
-    assert base != fp.describe(42, "torch.float32", (3, 2), "cpu")
-    assert base != fp.describe(42, "torch.int32", (2, 3), "cpu")
-    assert base != fp.describe(42, "torch.float32", (2, 3), "cuda")
-    assert base == fp.describe(42, "torch.float32", (2, 3), "cpu")
-
-
 def test_scalar_fingerprints_are_bit_exact() -> None:
     assert fp.scalar_value(0.0) != fp.scalar_value(-0.0)
     assert fp.scalar_value(1) != fp.scalar_value(1.0)

@@ -89,10 +89,6 @@ class CaptureWriter:
     def _digest(self) -> int:
         return sum(self._entry_hashes.values()) % _DIGEST_MOD
 
-    def set_attrs(self, attrs: dict[str, Any]) -> None:
-        with _H5_LOCK:
-            self._set("", attrs)
-
     def add_env(self, env: dict[str, Any]) -> None:
         with _H5_LOCK:
             self._set("env", env)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from nondet import compare, environment, recipe
+from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.records import (
     ENTRY_KINDS,
@@ -83,10 +84,18 @@ def compare_captures(a: Capture, b: Capture) -> Report:
     step_div = compare.first_step_divergence(a.steps, b.steps)
     common_op_steps = sorted(set(a.op_steps()) & set(b.op_steps()))
     report.op_records = sum(min(len(a.ops(s)), len(b.ops(s))) for s in common_op_steps)
+    final_differs = _final_params_differ(a, b)
+    if step_div is None and not final_differs and a.n_steps == 0 and b.n_steps == 0:
+        raise NondetError(
+            "no training step was observed in either run, so nothing was compared (no "
+            "optimizer step, no backward-and-update, no nondet.step()); check that the script "
+            "trains with these arguments, or mark its steps with nondet.step()")
     if step_div is None:
         # Step-level state matches; op records may still show a difference that did not
         # reach any step-level fingerprint (e.g. a discarded tensor).
         div = localize(a, b, common_op_steps) if common_op_steps else None
+        if div is None and final_differs:
+            div = _final_state_divergence(a)
         if div is None:
             return report
     else:
@@ -94,11 +103,56 @@ def compare_captures(a: Capture, b: Capture) -> Report:
         div = localize(a, b, window) if window else None
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
             div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(step_div)
+    if not final_differs and not _training_state_differs(a, b):
+        # The verdict follows the training state: a difference that never reached loss,
+        # parameters, gradients, optimizer state or data (a logged metric, a discarded
+        # tensor, an RNG nobody drew from again) is a note, not nondeterminism.
+        where = f" at {div.source}" if div.source else ""
+        step = "init" if div.step is None else f"step {div.step}"
+        what = div.op or (", ".join(div.step_fields) if div.step_fields else "state")
+        report.notes.append(
+            f"{step}: {what}{where} differs between the runs, but the training state (loss, "
+            "parameters, gradients, optimizer state, data) was identical at every step: the "
+            "difference never reached training")
+        report.contained.append({"kind": "contained", "step": div.step, "phase": div.phase,
+                                 "op": div.op, "source": div.source})
+        return report
     report.verdict = "nondeterministic"
     report.exit_code = ExitCode.NONDETERMINISTIC
     report.first_divergence = div
     report.growth = growth(a, b, step_div.step if step_div else (div.step or 0))
     return report
+
+
+#: Step-row fields that make up the training state: the verdict follows these.
+TRAINING_STATE = ("data_fp", "loss_fp", "grads_fp", "params_fp", "buffers_fp", "optim_fp")
+
+
+def _training_state_differs(a: Capture, b: Capture) -> bool:
+    """Any training-state field differs at a step both runs have, or one run has a step the
+    other lacks."""
+    rows_a = {int(r["step"]): r for r in a.steps}
+    rows_b = {int(r["step"]): r for r in b.steps}
+    if set(rows_a) != set(rows_b):
+        return True
+    return any(int(rows_a[s][f]) != int(rows_b[s][f]) for s in rows_a for f in TRAINING_STATE)
+
+
+def _final_params_differ(a: Capture, b: Capture) -> bool:
+    """Both runs ended on their own and their final parameters differ (sent as a fact when
+    the script ends; training in processes nondet did not see shows up here)."""
+    fa, fb = a.facts.get("final_params_fp"), b.facts.get("final_params_fp")
+    return fa is not None and fb is not None and fa != fb
+
+
+def _final_state_divergence(a: Capture) -> Divergence:
+    last = a.n_steps - 1
+    return Divergence(
+        kind="op", step=last if last >= 0 else None, phase="other", localized=False,
+        step_fields=["final params"],
+        notes=["the final parameters differ although every recorded step was identical: "
+               "they were changed where nondet does not record (child processes, other "
+               "threads, code after the last step)"])
 
 
 def _data_entry_divergence(a: Capture, b: Capture,

@@ -342,6 +342,8 @@ class StepLifecycle:
                 final = self._final_params_fp()
                 if final is not None:
                     session.final = {"final_params_fp": final}
+                    # in the capture too: the analysis compares the runs' final weights
+                    session.send_facts({"final_params_fp": f"{final:016x}"})
             else:
                 ops = self._take_records(session.step)
                 if len(ops):

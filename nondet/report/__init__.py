@@ -141,6 +141,8 @@ class Report:
     repeatability: list[RepeatRow] = field(default_factory=list)  # --runs N
     baseline: str | None = None  # the baseline file compared with (nondet check --baseline)
     environment_drift: list[dict[str, str]] = field(default_factory=list)  # allowed drift
+    # differences that never reached the training state (the verdict ignores them)
+    contained: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -163,6 +165,7 @@ class Report:
             } if self.repeatability else None,
             "baseline": self.baseline,
             "environment_drift": self.environment_drift,
+            "contained": self.contained,
         }
 
 

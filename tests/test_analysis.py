@@ -1,0 +1,116 @@
+"""The verdict follows the training state (analysis.compare_captures), on synthetic captures
+written by the real store, and on real scripts through the CLI."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nondet import analysis
+from nondet.errors import NondetError
+from nondet.store import open_capture
+from tests.conftest import OpStream, run_cli, step_rows, write_capture
+
+STEPS = [{"step": -1, "params_fp": 1}, {"step": 0, "loss": 0.5, "loss_fp": 7, "grads_fp": 2,
+                                        "params_fp": 3, "rng_fp": 9},
+         {"step": 1, "loss": 0.25, "loss_fp": 8, "grads_fp": 4, "params_fp": 5, "rng_fp": 11}]
+
+
+def _ops(metric: int) -> OpStream:
+    s = OpStream()
+    s.add(0, "aten.mm.default", out=10, inputs=1, source="train.py:3")
+    s.add(0, "aten.sum.default", out=metric, inputs=10, source="train.py:9")  # a logged metric
+    return s
+
+
+def test_a_difference_that_never_reaches_training_is_a_note(tmp_path: Path) -> None:
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS), _ops(20), attrs={"op_steps": [0]})
+    b = write_capture(tmp_path / "b.h5", step_rows(*STEPS), _ops(21), attrs={"op_steps": [0]})
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    assert report.verdict == "deterministic" and int(report.exit_code) == 0
+    assert report.first_divergence is None
+    assert report.contained == [{"kind": "contained", "step": 0, "phase": "forward",
+                                 "op": "aten.sum.default", "source": "train.py:9"}]
+    assert any("never reached training" in n for n in report.notes)
+
+
+def test_only_the_rng_state_differing_is_a_note(tmp_path: Path) -> None:
+    b_steps = step_rows(*STEPS)
+    b_steps[2]["rng_fp"] = 12
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS))
+    b = write_capture(tmp_path / "b.h5", b_steps)
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    assert report.verdict == "deterministic" and report.contained
+
+
+def test_training_state_that_differs_stays_a_finding(tmp_path: Path) -> None:
+    b_steps = step_rows(*STEPS)
+    b_steps[2]["params_fp"] = 6
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS))
+    b = write_capture(tmp_path / "b.h5", b_steps)
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    assert report.verdict == "nondeterministic" and report.first_divergence is not None
+    assert report.first_divergence.step == 1
+
+
+def test_final_weights_that_differ_are_never_deterministic(tmp_path: Path) -> None:
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS),
+                      facts={"final_params_fp": "00000000000000aa"})
+    b = write_capture(tmp_path / "b.h5", step_rows(*STEPS),
+                      facts={"final_params_fp": "00000000000000bb"})
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    assert report.verdict == "nondeterministic"
+    assert report.first_divergence is not None
+    assert report.first_divergence.step_fields == ["final params"]
+
+
+def test_no_training_step_means_nothing_was_compared(tmp_path: Path) -> None:
+    init_only = [{"step": -1, "params_fp": 1}]
+    a = write_capture(tmp_path / "a.h5", step_rows(*init_only))
+    b = write_capture(tmp_path / "b.h5", step_rows(*init_only))
+    with pytest.raises(NondetError, match="no training step was observed"):
+        analysis.compare_captures(open_capture(a), open_capture(b))
+
+
+@pytest.mark.e2e
+def test_a_script_that_trains_nothing_is_exit_2(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nprint('usage: train.py [--epochs N]')\n")
+    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), str(script), timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "no training step was observed" in result.stderr
+
+
+@pytest.mark.e2e
+def test_a_racy_logged_metric_is_a_note_not_a_verdict(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        torch.manual_seed(0)
+        torch.set_num_threads(2)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.ones(8, 4)
+        idx = torch.randint(0, 2000, (200000,))
+        vals = torch.randn(200000, 32)
+        for step in range(3):
+            loss = model(x).pow(2).mean()
+            with torch.no_grad():  # a logged metric: accumulated in thread order, never trained on
+                table = torch.zeros(2000, 32).index_put((idx,), vals, accumulate=True)
+                print("metric", float(table.sum()))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        """))
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--ops", "all", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), str(script), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["verdict"] == "deterministic"
+    assert report["contained"] and report["contained"][0]["source"].endswith("train.py:13")
+    assert report["contained"][0]["op"] == "aten.index_put.default"

@@ -20,7 +20,7 @@ import torch
 from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from nondet.compare import localize
+from nondet.compare import first_op_divergence as localize
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.ops import OpRecorder
 from nondet.frameworks.torch.state import to_numpy as _to_numpy

@@ -37,3 +37,13 @@ class Fp:
         elif self.content is not None:
             self.value = combine((int(self.content) & MASK64, *self.meta))
         self.content = None
+
+
+def combined(fps: list[Fp]) -> int:
+    """One value for a record's outputs or inputs: 0 when there are none, a lone
+    fingerprint stands for itself (never 0, which means absent)."""
+    if not fps:
+        return 0
+    if len(fps) == 1:
+        return fps[0].value or 1
+    return combine(fp.value or 0 for fp in fps)

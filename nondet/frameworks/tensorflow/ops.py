@@ -55,9 +55,9 @@ from tensorflow.python.framework import op_callbacks
 from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import gen_functional_ops
 
-from nondet.fingerprint import MASK64, combine, name_code
+from nondet.fingerprint import MASK64, name_code
 from nondet.frameworks.base import RecorderHost
-from nondet.frameworks.fp import Fp
+from nondet.frameworks.fp import Fp, combined
 from nondet.frameworks.tensorflow.hashing import GraphHasher, hashable, host
 from nondet.records import NODE_SEP, OP_DTYPE, Kind, Phase
 
@@ -552,8 +552,8 @@ class TFOpRecorder:
     # -- rows ------------------------------------------------------------------------------
     def take_rows(self, step: int) -> np.ndarray:
         rows = [
-            (step, i, kind, phase, flags, name, module, source, _combined(outs),
-             _combined(ins), 0, 0, numel)
+            (step, i, kind, phase, flags, name, module, source, combined(outs),
+             combined(ins), 0, 0, numel)
             for i, (kind, phase, flags, name, module, source, outs, ins, numel)
             in enumerate(self.records)
         ]
@@ -582,14 +582,6 @@ def _recordable_graph(graph: Any) -> bool:
             return False
         graph = getattr(graph, "outer_graph", None)
     return True
-
-
-def _combined(fps: list[Fp]) -> int:
-    if not fps:
-        return 0
-    if len(fps) == 1:
-        return fps[0].value or 1
-    return combine(fp.value or 0 for fp in fps)
 
 
 def _describe(t: Any) -> tuple[int, ...]:

@@ -70,19 +70,19 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nondet.fingerprint import combine, name_code, scalar_value
+from nondet.fingerprint import combine, scalar_value
 from nondet.frameworks.base import RecorderHost
-from nondet.frameworks.fp import Fp
+from nondet.frameworks.fp import Fp, combined
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.compiled import in_region
 from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.optable import OpInfo, op_info
 from nondet.frameworks.torch.tensors import Storages, StorageState
 from nondet.records import OP_DTYPE, Flag, Kind, Phase
 
@@ -100,75 +100,8 @@ class TorchHost(RecorderHost, Protocol):
 
     def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None: ...
 
-#: In-place ops whose result does not depend on the old value of the tensor they write.
-OVERWRITE_OPS = frozenset(
-    {
-        "fill_", "zero_", "copy_", "set_", "uniform_", "normal_", "random_", "bernoulli_",
-        "exponential_", "geometric_", "cauchy_", "log_normal_", "_foreach_zero_",
-        "_foreach_copy_", "detach_", "resize_",
-    }
-)
-#: Ops whose output is uninitialized memory (see Note [Uninitialized memory]).
-UNINIT_OPS = frozenset(
-    {
-        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-        "empty_permuted", "resize_", "_empty_affine_quantized",
-        "_empty_per_channel_affine_quantized",
-    }
-)
-#: Ops that only move values: a copy of uninitialized memory is uninitialized memory.
-MOVE_OPS = frozenset({"copy_", "clone", "_to_copy"})
-#: Elementwise ops without reductions: bitwise deterministic functions of their inputs on
-#: every device (Note [Derived fingerprints]). Deliberately short; anything else is hashed.
-POINTWISE_OPS = frozenset(
-    {
-        "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "neg_", "abs",
-        "abs_", "relu", "relu_", "threshold_backward", "clamp", "clamp_", "clamp_min",
-        "clamp_min_", "clamp_max", "clamp_max_", "where", "maximum", "minimum", "fill_",
-        "zero_", "copy_", "clone", "_to_copy", "ones_like", "zeros_like", "full_like",
-        "lerp", "lerp_", "addcmul", "addcmul_", "addcdiv", "addcdiv_", "sqrt", "sqrt_",
-        "rsqrt", "rsqrt_", "reciprocal", "reciprocal_", "sign", "square", "pow", "pow_",
-        "exp", "exp_", "log", "log_", "tanh", "tanh_", "tanh_backward", "sigmoid",
-        "sigmoid_", "sigmoid_backward", "gelu", "gelu_backward", "silu", "silu_backward",
-        "leaky_relu", "leaky_relu_backward", "hardtanh", "hardtanh_backward", "elu",
-        "elu_backward", "softplus", "softplus_backward", "eq", "ne", "lt", "le", "gt", "ge",
-        "logical_not", "logical_and", "logical_or", "bitwise_and", "bitwise_or", "masked_fill",
-        "masked_fill_", "sin", "cos", "erf", "floor", "ceil", "round", "trunc", "frac",
-    }
-)
-#: Ops that draw from a random number generator.
-RNG_OPS = frozenset(
-    {
-        "uniform_", "normal_", "normal", "bernoulli_", "bernoulli", "random_", "exponential_",
-        "geometric_", "cauchy_", "log_normal_", "native_dropout", "dropout", "feature_dropout",
-        "alpha_dropout", "randperm", "randint", "randint_like", "rand", "rand_like", "randn",
-        "randn_like", "multinomial", "poisson", "binomial", "_standard_gamma",
-        "_sample_dirichlet", "rrelu_with_noise", "_fused_dropout",
-    }
-)
-
-
 _VIEW_TAG = 0x71E3_5EED
 _describe = safe.describe
-
-
-@dataclass(frozen=True)
-class OpInfo:
-    """What the schema says about an op, computed once per overload."""
-
-    name_id: int
-    view: bool  # returns an alias of an input and writes nothing
-    mutated_args: frozenset[int]
-    mutated_kwargs: frozenset[str]
-    overwritten_args: frozenset[int]  # mutated args whose old value cannot matter
-    overwritten_kwargs: frozenset[str]
-    uninit_output: bool
-    flags: int
-    from_storage: bool = False  # set_(storage): the values come from outside the ops
-    storage_handle: bool = False  # set_(storage) without geometry: all of its bytes
-    move: bool = False  # only moves values (MOVE_OPS)
-    pointwise: bool = False  # output derived from inputs (Note [Derived fingerprints])
-    code: int = 0  # stable code of the op name
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -397,8 +330,8 @@ class OpRecorder:
     def take_rows(self, step: int) -> np.ndarray:
         """The current step's records as OP_DTYPE rows (call after ``resolve``)."""
         rows = [
-            (step, i, kind, phase, flags, name, module, source, _combined(outs),
-             _combined(ins), _combined(taints),
+            (step, i, kind, phase, flags, name, module, source, combined(outs),
+             combined(ins), combined(taints),
              combine(scalar_value(s) for s in scalars) if scalars else 0, numel)
             for i, (kind, phase, flags, name, module, source, outs, ins, taints, scalars, numel)
             in enumerate(self.records)
@@ -410,43 +343,8 @@ class OpRecorder:
     def info(self, func: Any) -> OpInfo:
         info = self.infos.get(func)
         if info is None:
-            info = self.infos[func] = self._make_info(func)
+            info = self.infos[func] = op_info(func, self.session.intern(str(func)))
         return info
-
-    def _make_info(self, func: Any) -> OpInfo:
-        schema = getattr(func, "_schema", None)
-        name_id = self.session.intern(str(func))
-        if schema is None:
-            return OpInfo(name_id, False, frozenset(), frozenset(), frozenset(), frozenset(),
-                          False, 0)
-        base = schema.name.split("::")[-1]
-        mutated_args, mutated_kwargs, over_args, over_kwargs = set(), set(), set(), set()
-        positional = 0
-        for arg in schema.arguments:
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            if arg.kwarg_only:
-                if written:
-                    mutated_kwargs.add(arg.name)
-                    over_kwargs.add(arg.name)  # out= arguments are written whole
-            else:
-                if written:
-                    mutated_args.add(positional)
-                    if base in OVERWRITE_OPS:
-                        over_args.add(positional)
-                positional += 1
-        writes = bool(mutated_args or mutated_kwargs)
-        view = not writes and any(r.alias_info is not None for r in schema.returns)
-        flags = (Flag.RNG if base in RNG_OPS else 0) | (Flag.INPLACE if writes else 0)
-        uninit = base in UNINIT_OPS
-        if uninit:
-            flags |= Flag.UNINIT_OUTPUT
-        from_storage = base == "set_" and any(
-            str(arg.type) == "Storage" for arg in schema.arguments)
-        handle = from_storage and len(schema.arguments) == 2  # set_.source_Storage
-        pointwise = base in POINTWISE_OPS and not uninit and not (flags & Flag.RNG)
-        return OpInfo(name_id, view, frozenset(mutated_args), frozenset(mutated_kwargs),
-                      frozenset(over_args), frozenset(over_kwargs), uninit, int(flags),
-                      from_storage, handle, base in MOVE_OPS, pointwise, name_code(str(func)))
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         info = self.info(func)
@@ -614,14 +512,6 @@ def _extend_unique(outputs: list[torch.Tensor], value: Any) -> None:
     for t in tensors_in(value):
         if not any(t is o for o in outputs):
             outputs.append(t)
-
-
-def _combined(fps: list[Fp]) -> int:
-    if not fps:
-        return 0
-    if len(fps) == 1:
-        return fps[0].value or 1  # one fingerprint stands for itself (0 means absent)
-    return combine(fp.value or 0 for fp in fps)
 
 
 #: Op namespaces that compute nothing (profiler ranges): not recorded.

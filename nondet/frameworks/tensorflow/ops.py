@@ -46,19 +46,34 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
-from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import gen_functional_ops
 
 from nondet.fingerprint import MASK64, name_code
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp, combined
-from nondet.frameworks.tensorflow.hashing import GraphHasher, hashable, host
+from nondet.frameworks.tensorflow.graph import (
+    CAPACITY,
+    DATA_OPS,
+    DERIVED_OPS,
+    ENTRY_KINDS_OF,
+    FUNCTION_CALLS,
+    LATE_OPS,
+    SKIPPED_OPS,
+    SLOT_MARGIN,
+    GraphOp,
+    RecorderVariables,
+    backward_graph,
+    describe,
+    entry_label,
+    numel,
+    recordable_graph,
+)
+from nondet.frameworks.tensorflow.hashing import hashable, host
 from nondet.records import NODE_SEP, OP_DTYPE, Kind, Phase
 
 
@@ -72,114 +87,6 @@ class TFHost(RecorderHost, Protocol):
     def after_function(self) -> None: ...
 
     def graph_origin(self, op_name: str, output: Any) -> tuple[int, int]: ...
-
-#: Elementwise ops (and pass-throughs) whose outputs are derived, not hashed.
-DERIVED_OPS = frozenset({
-    "Identity", "IdentityN", "StopGradient", "Snapshot", "AddV2", "Add", "Sub", "Mul",
-    "RealDiv", "Div", "DivNoNan", "Neg", "Abs", "Relu", "Relu6", "Elu", "Selu", "Sigmoid",
-    "Tanh", "Softplus", "Maximum", "Minimum", "Cast", "Square", "Sqrt", "Rsqrt", "Exp",
-    "Log", "Reciprocal", "Select", "SelectV2", "Greater", "GreaterEqual", "Less",
-    "LessEqual", "Equal", "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "ReluGrad",
-    "Relu6Grad", "EluGrad", "SeluGrad", "SigmoidGrad", "TanhGrad", "SoftplusGrad",
-    "SqrtGrad", "RsqrtGrad", "BiasAdd", "Reshape", "ExpandDims", "Squeeze", "Transpose",
-    "ZerosLike", "OnesLike", "Fill", "Pow", "SquaredDifference", "Floor", "Ceil", "Round",
-})
-#: Ops whose outputs carry nothing to compare or that only plumb control flow.
-SKIPPED_OPS = frozenset({
-    "Const", "NoOp", "VarHandleOp", "VarIsInitializedOp", "AssignVariableOp",
-    "AssignAddVariableOp", "AssignSubVariableOp", "Shape", "ShapeN", "Size", "Rank",
-    "Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond",
-    "ResourceScatterNdUpdate", "ResourceStridedSliceAssign",
-})
-#: Ops that run a body nondet does not record op by op; their outputs are fingerprinted
-#: where something reads them (the op itself must not be touched while TF builds it).
-CONTROL_FLOW_OPS = frozenset({
-    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
-    "PartitionedCall", "StatefulPartitionedCall",
-})
-#: Recorded where something first reads their outputs: control-flow ops (see above) and
-#: function inputs (a Placeholder's own instrumentation would be pruned from the function).
-LATE_OPS = CONTROL_FLOW_OPS | {"Placeholder"}
-#: Ops whose outputs are data entering the computation.
-#: Eager ops that run a traced function (its slots are read right after): a plain call, and
-#: under an eager GradientTape its forward and, during ``tape.gradient``, its backward.
-_FUNCTION_CALLS = ("__inference_", "__forward_", "__backward_")
-DATA_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue"})
-ENTRY_KINDS_OF = {"Placeholder": "external", "ReadVariableOp": "variable"}
-#: Graphs of tf.cond/tf.while_loop bodies and their gradients (not nested tf.functions).
-_CONTROL_FLOW_GRAPHS = frozenset({
-    "CondBranchFuncGraph", "_CondGradFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph",
-    "_WhileBodyGradFuncGraph",
-})
-_CAPACITY = 1 << 18  # slots in the buffer variable: outputs of all graphs traced in a run
-_SLOT_MARGIN = 4096  # kept free for the graph inputs and control-flow outputs of one op
-
-
-@dataclass
-class GraphOp:
-    """What nondet knows about one graph op from trace time (see the module Note)."""
-
-    kind: Kind
-    phase: int
-    name_id: int
-    module: int
-    source: int
-    slots: list[int]  # one per hashed output (empty for derived ops)
-    meta: list[tuple[int, ...]]  # description of each output
-    producers: list[tuple[int, int]]  # (op table index, output index) of each input
-    derived: bool = False
-    code: int = 0
-    numel: int = -1
-    data: bool = False  # recorded every step, outside the op window
-    fps: list[Fp] = field(default_factory=list)  # of the last execution
-
-
-class RecorderVariables:
-    """nondet's own variables. Made on first use, not at import: making a variable starts
-    TensorFlow's runtime, after which the script's own set-up calls
-    (``tf.config.threading.set_intra_op_parallelism_threads``, ``set_memory_growth``,
-    ``set_visible_devices``) would raise."""
-
-    def __init__(self, window: bool) -> None:
-        self.hasher = GraphHasher()
-        with tf.init_scope():
-            self.buffer = tf.Variable(tf.zeros([_CAPACITY], tf.int64), trainable=False,
-                                      name="nondet_slots")
-            self.window_flag = tf.Variable(window, trainable=False, name="nondet_window")
-            self.updates = tf.Variable(tf.zeros([], tf.int64), trainable=False,
-                                       name="nondet_updates")
-            # the loss of a traced step (see carry_loss): its content hash + 1, and its value
-            self.loss_hash = tf.Variable(tf.zeros([], tf.int64), trainable=False,
-                                         name="nondet_loss_hash")
-            self.loss_value = tf.Variable(tf.constant(math.nan, tf.float64), trainable=False,
-                                          name="nondet_loss")
-        self._guards: dict[Any, tuple[Any, Any]] = {}
-
-    def guard(self, dtype: Any) -> tuple[Any, Any]:
-        """The two branches of the guard for tensors of ``dtype``, traced once per dtype
-        (a ``tf.cond`` per op would trace two small graphs per op, which made tracing a
-        Keras model many times slower): ``then`` hashes its tensor into the given slot,
-        ``otherwise`` does nothing; both take the tensor, the slot and ``then``'s captured
-        variables, as an ``If`` op requires."""
-        if dtype not in self._guards:
-            hasher, buffer = self.hasher, self.buffer
-
-            def write(t: tf.Tensor, slot: tf.Tensor) -> tf.Tensor:
-                buffer.scatter_nd_update([[slot]], [hasher.content(t) + 1])
-                return tf.constant(True)
-
-            def skip(t: tf.Tensor, slot: tf.Tensor, *captured: tf.Tensor) -> tf.Tensor:
-                return tf.constant(False)
-
-            specs = (tf.TensorSpec(None, dtype), tf.TensorSpec([], tf.int32))
-            with tf.init_scope():
-                then = tf.function(write, autograph=False).get_concrete_function(*specs)
-                captured = [tf.TensorSpec(c.shape, c.dtype) for c in then.captured_inputs]
-                otherwise = tf.function(skip, autograph=False).get_concrete_function(
-                    *specs, *captured)
-            self._guards[dtype] = (then, otherwise)
-        return self._guards[dtype]
-
 
 class TFOpRecorder:
     """Eager records in execution order, graph records from the slots (module Note)."""
@@ -233,9 +140,9 @@ class TFOpRecorder:
                 # trace's first data write).
                 self.vars  # noqa: B018
             if graph is not None:
-                if self.instrument and not self.full and _recordable_graph(graph):
+                if self.instrument and not self.full and recordable_graph(graph):
                     return self._trace(op_type, inputs, outputs, op_name or op_type, graph)
-            elif op_type.startswith(_FUNCTION_CALLS):
+            elif op_type.startswith(FUNCTION_CALLS):
                 self.backend.after_function()
             elif op_type.endswith("Dataset") or "DatasetV" in op_type:
                 self._note_dataset(attrs)
@@ -282,7 +189,7 @@ class TFOpRecorder:
         name = self.session.intern(op_type)
         if op_type in ENTRY_KINDS_OF:
             kind = Kind.ENTRY
-            name = self.session.intern(f"{ENTRY_KINDS_OF[op_type]}:{_entry_label(op_type)}")
+            name = self.session.intern(f"{ENTRY_KINDS_OF[op_type]}:{entry_label(op_type)}")
         else:
             kind = Kind.OP
         if op_type in DERIVED_OPS and kind == Kind.OP:
@@ -291,7 +198,7 @@ class TFOpRecorder:
             fps = [self.hash_eager(t) for t in outs_t]
         for t, fp in zip(outs_t, fps, strict=True):
             self._remember(t, fp)
-        self.records.append((kind, phase, 0, name, module, source, fps, ins, _numel(outs_t[0])))
+        self.records.append((kind, phase, 0, name, module, source, fps, ins, numel(outs_t[0])))
 
     def _eager_input(self, t: Any, phase: int, module: int, source: int) -> Fp:
         hit = self.cache.get(id(t))
@@ -299,7 +206,7 @@ class TFOpRecorder:
             return hit[1]
         fp = self._remember(t, self.hash_eager(t))
         self.records.append((Kind.ENTRY, phase, 0, self.session.intern("external:tensor"),
-                             module, source, [fp], [], _numel(t)))
+                             module, source, [fp], [], numel(t)))
         return fp
 
     def _remember(self, t: Any, fp: Fp) -> Fp:
@@ -311,7 +218,7 @@ class TFOpRecorder:
 
     def hash_eager(self, t: Any) -> Fp:
         fp = Fp()
-        fp.meta = _describe(t)
+        fp.meta = describe(t)
         if "CPU" in (getattr(t, "device", "") or "CPU"):
             fp.content = host(t)
         else:  # pragma: no cover - no GPU here
@@ -322,7 +229,7 @@ class TFOpRecorder:
     def _derive(self, code: int, parents: list[Fp], t: Any) -> Fp:
         fp = Fp()
         fp.parents = tuple(parents)
-        fp.meta = (code, *_describe(t))
+        fp.meta = (code, *describe(t))
         fp.finalize()
         return fp
 
@@ -334,7 +241,7 @@ class TFOpRecorder:
         """A record made by the backend itself (a probe) at the current place in the script."""
         self.records.append((kind, int(self.backend.phase), 0, self.session.intern(name),
                              self.backend.current_module(), self.session.sources.here(3), fps,
-                             [], _numel(value)))
+                             [], numel(value)))
 
     def entry(self, kind: str, what: str, tensors: list[Any]) -> list[Fp]:
         """Data entering from outside in eager code (e.g. a tf.data iterator's next)."""
@@ -346,7 +253,7 @@ class TFOpRecorder:
             self.records.append((Kind.ENTRY, int(self.backend.phase), 0,
                                  self.session.intern(f"{kind}:{what}"),
                                  self.backend.current_module(), source, fps, [],
-                                 _numel(tensors[0])))
+                                 numel(tensors[0])))
         return fps
 
     # -- graph ops (trace time) ----------------------------------------------------------------
@@ -358,7 +265,7 @@ class TFOpRecorder:
         outputs = list(outputs or ())
         if op_type in SKIPPED_OPS or op_type in LATE_OPS:
             return None
-        if self.next_slot + len(outputs) + _SLOT_MARGIN > _CAPACITY:
+        if self.next_slot + len(outputs) + SLOT_MARGIN > CAPACITY:
             self._stop_instrumenting()
             return None
         backend = self.backend
@@ -374,16 +281,16 @@ class TFOpRecorder:
         entry = op_type in ENTRY_KINDS_OF or data
         node = getattr(getattr(outputs[0], "op", None), "name", op_name) if outputs else op_name
         name = (f"tf_data:{op_type}" if data else
-                f"{ENTRY_KINDS_OF[op_type]}:{_entry_label(op_type)}" if entry else
+                f"{ENTRY_KINDS_OF[op_type]}:{entry_label(op_type)}" if entry else
                 f"{op_type}{NODE_SEP}{node}")
         op = GraphOp(
             kind=Kind.ENTRY if entry else Kind.OP,
             phase=int(Phase.DATA if data else
-                      Phase.BACKWARD if _backward_graph(graph) else backend.phase),
+                      Phase.BACKWARD if backward_graph(graph) else backend.phase),
             name_id=self.session.intern(name), module=module, source=source, slots=[],
-            meta=[_describe(t) for t in numeric], producers=producers,
+            meta=[describe(t) for t in numeric], producers=producers,
             derived=op_type in DERIVED_OPS and not entry, code=name_code(op_type),
-            numel=_numel(numeric[0]) if numeric else -1, data=data,
+            numel=numel(numeric[0]) if numeric else -1, data=data,
         )
         for position, t in enumerate(numeric):  # positions count hashed outputs, as op.fps
             self.where[(gid, t.name)] = (index, position)
@@ -433,15 +340,15 @@ class TFOpRecorder:
         for position, output in enumerate(o for o in op.outputs if hashable(o)):
             slot = self._slot()
             record.slots.append(slot)
-            record.meta.append(_describe(output))
+            record.meta.append(describe(output))
             late.append(self._write(output, slot, always=False))
             self.where[(gid, output.name)] = (index, position)
-        record.numel = _numel(op.outputs[0]) if op.outputs else -1
+        record.numel = numel(op.outputs[0]) if op.outputs else -1
         return self.where.get((gid, t.name), (-1, 0))
 
     def _slot(self) -> int:
-        if self.next_slot >= _CAPACITY:  # _SLOT_MARGIN makes this a nondet bug
-            raise RuntimeError(f"more than {_CAPACITY} graph outputs traced")
+        if self.next_slot >= CAPACITY:  # SLOT_MARGIN makes this a nondet bug
+            raise RuntimeError(f"more than {CAPACITY} graph outputs traced")
         slot, self.next_slot = self.next_slot, self.next_slot + 1
         return slot
 
@@ -450,7 +357,7 @@ class TFOpRecorder:
         with a new Python number each step): graphs traced from now on run uninstrumented."""
         self.full = True
         self.backend.note_once("graph_capacity", (
-            f"op-level capture stopped instrumenting new TensorFlow graphs after {_CAPACITY} "
+            f"op-level capture stopped instrumenting new TensorFlow graphs after {CAPACITY} "
             "traced outputs: a tf.function is probably retraced on every call (pass tensors, "
             "not Python numbers, or give it an input_signature)"))
 
@@ -484,7 +391,7 @@ class TFOpRecorder:
             scalar = t.shape.is_fully_defined() and t.shape.num_elements() == 1
             self.vars.loss_value.assign(tf.cast(tf.reshape(t, []) if scalar else math.nan,
                                            tf.float64))
-            self.loss_meta = _describe(t)
+            self.loss_meta = describe(t)
 
     def take_loss(self) -> tuple[Fp, float] | None:
         """The loss carried out of the function that just ran, if it computed one."""
@@ -559,44 +466,3 @@ class TFOpRecorder:
         ]
         self.records = []
         return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)
-
-
-def _backward_graph(graph: Any) -> bool:
-    """The gradient function TensorFlow builds for a function called under an eager tape:
-    it is traced along with the forward call, while nondet's phase is still "forward"."""
-    return str(getattr(graph, "name", "")).startswith("__backward_")
-
-
-def _recordable_graph(graph: Any) -> bool:
-    """Ops of traced functions (nested ones too) are recorded; not those of tf.cond/while_loop
-    bodies, seen as the control-flow op that runs them (their gradient machinery does not
-    accept state captured from outside), nor tf.data's own functions, which run on its
-    threads for many elements at once (the batches they make are recorded)."""
-    if not isinstance(graph, FuncGraph):
-        return False  # a TF1-style graph (``with tf.Graph().as_default()``): not ours to change
-    while graph is not None:
-        name = str(getattr(graph, "name", ""))
-        if name.startswith("Dataset_") or name.startswith("scratch_graph"):
-            return False  # tf.data's functions; Keras' shape inference (never run)
-        if type(graph).__name__ in _CONTROL_FLOW_GRAPHS:
-            return False
-        graph = getattr(graph, "outer_graph", None)
-    return True
-
-
-def _describe(t: Any) -> tuple[int, ...]:
-    dims = [-1 if d is None else int(d) for d in (t.shape.as_list() if t.shape.rank is not None
-                                                   else [])]
-    device = "gpu" if "GPU" in (getattr(t, "device", "") or "") else "cpu"
-    return (name_code(t.dtype.name), name_code(device), len(dims), *dims)
-
-
-def _numel(t: Any) -> int:
-    try:
-        return int(np.prod(t.shape.as_list())) if t.shape.is_fully_defined() else -1
-    except (TypeError, ValueError):
-        return -1
-
-
-def _entry_label(op_type: str) -> str:
-    return {"Placeholder": "graph input", "ReadVariableOp": "variable read"}.get(op_type, op_type)

@@ -1,0 +1,169 @@
+"""What the TensorFlow op recorder knows about graphs: which op types are derived, skipped,
+control flow or data; the record of one graph op (``GraphOp``); nondet's own variables
+(``RecorderVariables``: the slot buffer, the window flag and the guard functions); and which
+graphs are instrumented. See Note [Graph instrumentation] in ops.py."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework.func_graph import FuncGraph
+
+from nondet.fingerprint import name_code
+from nondet.frameworks.fp import Fp
+from nondet.frameworks.tensorflow.hashing import GraphHasher
+from nondet.records import Kind
+
+#: Elementwise ops (and pass-throughs) whose outputs are derived, not hashed.
+DERIVED_OPS = frozenset({
+    "Identity", "IdentityN", "StopGradient", "Snapshot", "AddV2", "Add", "Sub", "Mul",
+    "RealDiv", "Div", "DivNoNan", "Neg", "Abs", "Relu", "Relu6", "Elu", "Selu", "Sigmoid",
+    "Tanh", "Softplus", "Maximum", "Minimum", "Cast", "Square", "Sqrt", "Rsqrt", "Exp",
+    "Log", "Reciprocal", "Select", "SelectV2", "Greater", "GreaterEqual", "Less",
+    "LessEqual", "Equal", "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "ReluGrad",
+    "Relu6Grad", "EluGrad", "SeluGrad", "SigmoidGrad", "TanhGrad", "SoftplusGrad",
+    "SqrtGrad", "RsqrtGrad", "BiasAdd", "Reshape", "ExpandDims", "Squeeze", "Transpose",
+    "ZerosLike", "OnesLike", "Fill", "Pow", "SquaredDifference", "Floor", "Ceil", "Round",
+})
+#: Ops whose outputs carry nothing to compare or that only plumb control flow.
+SKIPPED_OPS = frozenset({
+    "Const", "NoOp", "VarHandleOp", "VarIsInitializedOp", "AssignVariableOp",
+    "AssignAddVariableOp", "AssignSubVariableOp", "Shape", "ShapeN", "Size", "Rank",
+    "Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond",
+    "ResourceScatterNdUpdate", "ResourceStridedSliceAssign",
+})
+#: Ops that run a body nondet does not record op by op; their outputs are fingerprinted
+#: where something reads them (the op itself must not be touched while TF builds it).
+CONTROL_FLOW_OPS = frozenset({
+    "If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall",
+})
+#: Recorded where something first reads their outputs: control-flow ops (see above) and
+#: function inputs (a Placeholder's own instrumentation would be pruned from the function).
+LATE_OPS = CONTROL_FLOW_OPS | {"Placeholder"}
+#: Ops whose outputs are data entering the computation.
+#: Eager ops that run a traced function (its slots are read right after): a plain call, and
+#: under an eager GradientTape its forward and, during ``tape.gradient``, its backward.
+FUNCTION_CALLS = ("__inference_", "__forward_", "__backward_")
+DATA_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue"})
+ENTRY_KINDS_OF = {"Placeholder": "external", "ReadVariableOp": "variable"}
+#: Graphs of tf.cond/tf.while_loop bodies and their gradients (not nested tf.functions).
+_CONTROL_FLOW_GRAPHS = frozenset({
+    "CondBranchFuncGraph", "_CondGradFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph",
+    "_WhileBodyGradFuncGraph",
+})
+CAPACITY = 1 << 18  # slots in the buffer variable: outputs of all graphs traced in a run
+SLOT_MARGIN = 4096  # kept free for the graph inputs and control-flow outputs of one op
+
+
+@dataclass
+class GraphOp:
+    """What nondet knows about one graph op from trace time (see the module Note)."""
+
+    kind: Kind
+    phase: int
+    name_id: int
+    module: int
+    source: int
+    slots: list[int]  # one per hashed output (empty for derived ops)
+    meta: list[tuple[int, ...]]  # description of each output
+    producers: list[tuple[int, int]]  # (op table index, output index) of each input
+    derived: bool = False
+    code: int = 0
+    numel: int = -1
+    data: bool = False  # recorded every step, outside the op window
+    fps: list[Fp] = field(default_factory=list)  # of the last execution
+
+
+class RecorderVariables:
+    """nondet's own variables. Made on first use, not at import: making a variable starts
+    TensorFlow's runtime, after which the script's own set-up calls
+    (``tf.config.threading.set_intra_op_parallelism_threads``, ``set_memory_growth``,
+    ``set_visible_devices``) would raise."""
+
+    def __init__(self, window: bool) -> None:
+        self.hasher = GraphHasher()
+        with tf.init_scope():
+            self.buffer = tf.Variable(tf.zeros([CAPACITY], tf.int64), trainable=False,
+                                      name="nondet_slots")
+            self.window_flag = tf.Variable(window, trainable=False, name="nondet_window")
+            self.updates = tf.Variable(tf.zeros([], tf.int64), trainable=False,
+                                       name="nondet_updates")
+            # the loss of a traced step (see carry_loss): its content hash + 1, and its value
+            self.loss_hash = tf.Variable(tf.zeros([], tf.int64), trainable=False,
+                                         name="nondet_loss_hash")
+            self.loss_value = tf.Variable(tf.constant(math.nan, tf.float64), trainable=False,
+                                          name="nondet_loss")
+        self._guards: dict[Any, tuple[Any, Any]] = {}
+
+    def guard(self, dtype: Any) -> tuple[Any, Any]:
+        """The two branches of the guard for tensors of ``dtype``, traced once per dtype
+        (a ``tf.cond`` per op would trace two small graphs per op, which made tracing a
+        Keras model many times slower): ``then`` hashes its tensor into the given slot,
+        ``otherwise`` does nothing; both take the tensor, the slot and ``then``'s captured
+        variables, as an ``If`` op requires."""
+        if dtype not in self._guards:
+            hasher, buffer = self.hasher, self.buffer
+
+            def write(t: tf.Tensor, slot: tf.Tensor) -> tf.Tensor:
+                buffer.scatter_nd_update([[slot]], [hasher.content(t) + 1])
+                return tf.constant(True)
+
+            def skip(t: tf.Tensor, slot: tf.Tensor, *captured: tf.Tensor) -> tf.Tensor:
+                return tf.constant(False)
+
+            specs = (tf.TensorSpec(None, dtype), tf.TensorSpec([], tf.int32))
+            with tf.init_scope():
+                then = tf.function(write, autograph=False).get_concrete_function(*specs)
+                captured = [tf.TensorSpec(c.shape, c.dtype) for c in then.captured_inputs]
+                otherwise = tf.function(skip, autograph=False).get_concrete_function(
+                    *specs, *captured)
+            self._guards[dtype] = (then, otherwise)
+        return self._guards[dtype]
+
+
+
+
+def backward_graph(graph: Any) -> bool:
+    """The gradient function TensorFlow builds for a function called under an eager tape:
+    it is traced along with the forward call, while nondet's phase is still "forward"."""
+    return str(getattr(graph, "name", "")).startswith("__backward_")
+
+
+def recordable_graph(graph: Any) -> bool:
+    """Ops of traced functions (nested ones too) are recorded; not those of tf.cond/while_loop
+    bodies, seen as the control-flow op that runs them (their gradient machinery does not
+    accept state captured from outside), nor tf.data's own functions, which run on its
+    threads for many elements at once (the batches they make are recorded)."""
+    if not isinstance(graph, FuncGraph):
+        return False  # a TF1-style graph (``with tf.Graph().as_default()``): not ours to change
+    while graph is not None:
+        name = str(getattr(graph, "name", ""))
+        if name.startswith("Dataset_") or name.startswith("scratch_graph"):
+            return False  # tf.data's functions; Keras' shape inference (never run)
+        if type(graph).__name__ in _CONTROL_FLOW_GRAPHS:
+            return False
+        graph = getattr(graph, "outer_graph", None)
+    return True
+
+
+def describe(t: Any) -> tuple[int, ...]:
+    dims = [-1 if d is None else int(d) for d in (t.shape.as_list() if t.shape.rank is not None
+                                                   else [])]
+    device = "gpu" if "GPU" in (getattr(t, "device", "") or "") else "cpu"
+    return (name_code(t.dtype.name), name_code(device), len(dims), *dims)
+
+
+def numel(t: Any) -> int:
+    try:
+        return int(np.prod(t.shape.as_list())) if t.shape.is_fully_defined() else -1
+    except (TypeError, ValueError):
+        return -1
+
+
+def entry_label(op_type: str) -> str:
+    return {"Placeholder": "graph input", "ReadVariableOp": "variable read"}.get(op_type, op_type)

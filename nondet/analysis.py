@@ -81,7 +81,11 @@ def compare_captures(a: Capture, b: Capture) -> Report:
                     runs=[summary_of_capture(a), summary_of_capture(b)],
                     environment_differences=env_diff, captures=[str(a.path), str(b.path)])
     report.notes.extend(capture_notes(a, b))
-    step_div = compare.first_step_divergence(a.steps, b.steps)
+    # Steps only one run has count only if both runs ended on their own (a different step
+    # count is then itself a finding); a stopped or interrupted run is compared over the
+    # steps both have.
+    both_ended = a.status == "complete" and b.status == "complete"
+    step_div = compare.first_step_divergence(a.steps, b.steps, count_extra_steps=both_ended)
     common_op_steps = sorted(set(a.op_steps()) & set(b.op_steps()))
     report.op_records = sum(min(len(a.ops(s)), len(b.ops(s))) for s in common_op_steps)
     final_differs = _final_params_differ(a, b)
@@ -102,8 +106,9 @@ def compare_captures(a: Capture, b: Capture) -> Report:
         window = [s for s in common_op_steps if s <= step_div.step]
         div = localize(a, b, window) if window else None
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
-            div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(step_div)
-    if not final_differs and not _training_state_differs(a, b):
+            div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(
+                step_div, a, b)
+    if not final_differs and not _training_state_differs(a, b, both_ended):
         # The verdict follows the training state: a difference that never reached loss,
         # parameters, gradients, optimizer state or data (a logged metric, a discarded
         # tensor, an RNG nobody drew from again) is a note, not nondeterminism.
@@ -128,14 +133,15 @@ def compare_captures(a: Capture, b: Capture) -> Report:
 TRAINING_STATE = ("data_fp", "loss_fp", "grads_fp", "params_fp", "buffers_fp", "optim_fp")
 
 
-def _training_state_differs(a: Capture, b: Capture) -> bool:
-    """Any training-state field differs at a step both runs have, or one run has a step the
-    other lacks."""
+def _training_state_differs(a: Capture, b: Capture, count_extra_steps: bool) -> bool:
+    """Any training-state field differs at a step both runs have, or (when both ended on
+    their own) one run has a step the other lacks."""
     rows_a = {int(r["step"]): r for r in a.steps}
     rows_b = {int(r["step"]): r for r in b.steps}
-    if set(rows_a) != set(rows_b):
+    if count_extra_steps and set(rows_a) != set(rows_b):
         return True
-    return any(int(rows_a[s][f]) != int(rows_b[s][f]) for s in rows_a for f in TRAINING_STATE)
+    common = set(rows_a) & set(rows_b)
+    return any(int(rows_a[s][f]) != int(rows_b[s][f]) for s in common for f in TRAINING_STATE)
 
 
 def _final_params_differ(a: Capture, b: Capture) -> bool:
@@ -185,11 +191,15 @@ def _data_entry_divergence(a: Capture, b: Capture,
     return None
 
 
-def _step_level_divergence(step_div: compare.StepDivergence) -> Divergence:
+def _step_level_divergence(step_div: compare.StepDivergence, a: Capture,
+                           b: Capture) -> Divergence:
     fields = [_FIELD_LABELS.get(f, f) for f in step_div.fields]
     if step_div.structural:
+        shorter, longer = (a, b) if a.n_steps < b.n_steps else (b, a)
         return Divergence(kind="structure", step=step_div.step, phase="other", localized=False,
-                          notes=[f"one run has a step {step_div.step} and the other does not"])
+                          notes=[f"run {shorter.label} ended after {shorter.n_steps} steps, "
+                                 f"run {longer.label} after {longer.n_steps}: the number of "
+                                 "steps depends on a value that differs between the runs"])
     kind = "init" if step_div.step == INIT_STEP else "op"
     return Divergence(
         kind=kind, step=None if step_div.step == INIT_STEP else step_div.step,

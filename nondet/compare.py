@@ -30,7 +30,11 @@ def rows_differ(a: np.void, b: np.void) -> tuple[str, ...]:
     return tuple(name for name, _ in STEP_COMPONENTS if int(a[name]) != int(b[name]))
 
 
-def first_step_divergence(steps_a: np.ndarray, steps_b: np.ndarray) -> StepDivergence | None:
+def first_step_divergence(steps_a: np.ndarray, steps_b: np.ndarray,
+                          count_extra_steps: bool = True) -> StepDivergence | None:
+    """The first step whose rows differ; then, if ``count_extra_steps`` (both runs ended on
+    their own), the first step only one run has. A run that was stopped or interrupted is
+    compared over the steps both have."""
     by_step_a = {int(r["step"]): r for r in steps_a}
     by_step_b = {int(r["step"]): r for r in steps_b}
     for step in sorted(set(by_step_a) & set(by_step_b)):
@@ -39,7 +43,7 @@ def first_step_divergence(steps_a: np.ndarray, steps_b: np.ndarray) -> StepDiver
             phase = Phase.INIT if step == INIT_STEP else dict(STEP_COMPONENTS)[differing[0]]
             return StepDivergence(step, phase, differing)
     only = sorted(set(by_step_a) ^ set(by_step_b))
-    if only:
+    if only and count_extra_steps:
         return StepDivergence(only[0], Phase.OTHER, (), structural=True)
     return None
 

@@ -114,3 +114,27 @@ def test_a_racy_logged_metric_is_a_note_not_a_verdict(tmp_path: Path) -> None:
     assert report["verdict"] == "deterministic"
     assert report["contained"] and report["contained"][0]["source"].endswith("train.py:13")
     assert report["contained"][0]["op"] == "aten.index_put.default"
+
+
+def test_an_interrupted_capture_is_compared_over_the_common_steps(tmp_path: Path) -> None:
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS))
+    b = write_capture(tmp_path / "b.h5", step_rows(*STEPS[:2]), status="interrupted")
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    assert report.verdict == "deterministic", report.first_divergence
+
+
+def test_a_run_stopped_at_max_steps_matches_a_longer_baseline(tmp_path: Path) -> None:
+    a = write_capture(tmp_path / "baseline.h5", step_rows(*STEPS))
+    b = write_capture(tmp_path / "now.h5", step_rows(*STEPS[:2]), status="stopped")
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    assert report.verdict == "deterministic", report.first_divergence
+
+
+def test_runs_that_end_on_their_own_after_different_step_counts_differ(tmp_path: Path) -> None:
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS))
+    b = write_capture(tmp_path / "b.h5", step_rows(*STEPS[:2]))
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    div = report.first_divergence
+    assert report.verdict == "nondeterministic" and div is not None
+    assert div.kind == "structure" and div.step == 1
+    assert "run b ended after 1 steps, run a after 2" in div.notes[0]

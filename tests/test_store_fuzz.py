@@ -61,12 +61,26 @@ class Outcome:
     max_rss_kib: int
 
 
+_MEASURE = (
+    "import os, resource, subprocess, sys\n"
+    "code = subprocess.call(sys.argv[2:])\n"
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))\n"
+    "if code < 0:\n"
+    "    os.kill(os.getpid(), -code)  # die by the same signal, as the test expects\n"
+    "sys.exit(code)\n"
+)
+
+
 def _run(args: list[str], cwd: Path) -> Outcome:
     """Run a command with a timeout, measuring its peak memory (``os.wait4``)."""
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", "PYTHONPATH": str(REPO),
            "NONDET_PROBE_SECONDS": "5"}  # a file libhdf5 loops on: exit 2 after 5 s
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=out, stderr=err,
+        # Run through a small wrapper: Linux keeps a process's peak RSS across exec, so a
+        # command forked straight from a big pytest process would report pytest's memory.
+        rss_file = Path(tempfile.mkstemp()[1])
+        wrapped = [sys.executable, "-c", _MEASURE, str(rss_file), *args]
+        proc = subprocess.Popen(wrapped, cwd=cwd, env=env, stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + TIMEOUT
         while True:
@@ -81,8 +95,11 @@ def _run(args: list[str], cwd: Path) -> Outcome:
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
+        measured = rss_file.read_text().strip()
+        rss_file.unlink()
         return Outcome(proc.returncode, out.read().decode(errors="replace"),
-                       err.read().decode(errors="replace"), usage.ru_maxrss)
+                       err.read().decode(errors="replace"),
+                       int(measured) if measured else usage.ru_maxrss)
 
 
 def _nondet(*args: str, cwd: Path) -> Outcome:

@@ -179,14 +179,14 @@ def test_show_prints_tables(tmp_path: Path) -> None:
 
 def test_internal_error_exits_3_and_writes_a_log(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from nondet import cli, pipeline
+    from nondet import analysis, cli
 
     a, b = _two_captures(tmp_path, differ=False)
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(pipeline, "compare_captures", broken)
+    monkeypatch.setattr(analysis, "compare_captures", broken)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(sys, "argv", ["nondet", "diff", str(a), str(b)])
     with pytest.raises(SystemExit) as exit_info:

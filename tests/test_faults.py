@@ -110,11 +110,11 @@ def test_sigterm_stops_the_runs_and_exits_143(tmp_path: Path) -> None:
 
 
 def _terminate_and_check(proc: subprocess.Popen[str], tmp_path: Path) -> None:
-    log = _captured(tmp_path / ".nondet", "run-a.log")
     deadline = time.monotonic() + BOUND
     while time.monotonic() < deadline:
         time.sleep(0.2)
-        if log.exists() and "step 1 done" in log.read_text():
+        logs = sorted((tmp_path / ".nondet").glob("*/run-a.log"))  # made once the run starts
+        if logs and "step 1 done" in logs[0].read_text():
             break
     children = _children_of(proc.pid)
     assert proc.poll() is None and children, "the run ended before it could be terminated"

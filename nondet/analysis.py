@@ -8,6 +8,8 @@ module turns its answer into a ``Divergence`` with names, lines, context and fac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,7 @@ import numpy as np
 from nondet import compare, environment, recipe
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
+from nondet.recipe import Suggestion
 from nondet.records import (
     ENTRY_KINDS,
     INIT_STEP,
@@ -27,7 +30,14 @@ from nondet.records import (
     device_of,
     split_node,
 )
-from nondet.report import ContextLine, Divergence, GrowthRow, Report, RunSummary
+from nondet.report import (
+    ContextLine,
+    Divergence,
+    GrowthRow,
+    RepeatRow,
+    Report,
+    RunSummary,
+)
 from nondet.store import Capture
 
 #: How many steps the runs go on past the first difference (for the growth view).
@@ -36,8 +46,9 @@ GROWTH_STEPS = 4
 _FIELD_LABELS = {name: name.removesuffix("_fp") for name, _ in STEP_COMPONENTS}
 
 
-def measure_from_dumps(div: Divergence, da: Capture, db: Capture) -> bool:
-    """Compare the saved outputs of the finding's record in two captures; False if absent."""
+def measure_from_dumps(div: Divergence, da: Capture, db: Capture) -> Divergence | None:
+    """The finding with the sizes of its difference, from the outputs of its record saved in
+    two captures; None if they hold none."""
     step = INIT_STEP if div.step is None else div.step
 
     def outputs(c: Capture) -> dict[str, np.ndarray]:
@@ -47,20 +58,23 @@ def measure_from_dumps(div: Divergence, da: Capture, db: Capture) -> bool:
     xa, xb = outputs(da), outputs(db)
     names = sorted(set(xa) & set(xb))
     if not names:
-        return False
-    stats = None
+        return None
+    stats: dict[str, Any] = {}
     for name in names:
         candidate = compare.mismatch_stats(xa[name], xb[name])
         stats = stats or candidate
         if candidate.get("mismatched_elements"):
             stats = candidate
             break
-    assert stats is not None
-    div.numel = stats.get("numel")  # type: ignore[assignment]
-    div.mismatched_elements = stats.get("mismatched_elements")  # type: ignore[assignment]
-    div.max_abs_diff = stats.get("max_abs_diff")  # type: ignore[assignment]
-    div.max_abs_diff_at = stats.get("max_abs_diff_at")  # type: ignore[assignment]
-    return True
+    return replace(div, numel=stats.get("numel"),
+                   mismatched_elements=stats.get("mismatched_elements"),
+                   max_abs_diff=stats.get("max_abs_diff"),
+                   max_abs_diff_at=stats.get("max_abs_diff_at"))
+
+
+def with_notes(div: Divergence, *notes: str) -> Divergence:
+    """The finding with more notes (a new value: findings are not patched in place)."""
+    return replace(div, notes=[*div.notes, *notes])
 
 
 # -- comparing ---------------------------------------------------------------------------------
@@ -74,20 +88,59 @@ def capture_notes(*captures: Capture) -> list[str]:
     return notes
 
 
-def compare_captures(a: Capture, b: Capture) -> Report:
+@dataclass(frozen=True)
+class Comparison:
+    """What two captures show: every part of a report that comes from the files. The
+    pipeline may replace the finding (narrowed, measured) before the report is built."""
+
+    verdict: str
+    exit_code: ExitCode
+    first_divergence: Divergence | None
+    environment_differences: list[dict[str, str]]
+    notes: list[str]
+    op_records: int
+    growth: list[GrowthRow] = field(default_factory=list)
+    contained: list[dict[str, Any]] = field(default_factory=list)
+
+    def report(self, *, runs: list[RunSummary], captures: list[str], command: str = "",
+               notes: Sequence[str] = (), suggestions: Sequence[Suggestion] = (),
+               repeatability: Sequence[RepeatRow] = (), baseline: str | None = None,
+               environment_drift: Sequence[dict[str, str]] = ()) -> Report:
+        """The one Report of this comparison, with what the caller adds."""
+        return Report(verdict=self.verdict, exit_code=self.exit_code, runs=runs,
+                      first_divergence=self.first_divergence, suggestions=list(suggestions),
+                      environment_differences=self.environment_differences,
+                      growth=self.growth, notes=[*self.notes, *notes], command=command,
+                      op_records=self.op_records, captures=captures,
+                      repeatability=list(repeatability), baseline=baseline,
+                      environment_drift=list(environment_drift), contained=self.contained)
+
+
+def compare_captures(a: Capture, b: Capture, *, command: str = "", notes: Sequence[str] = (),
+                     suggest: bool = False) -> Report:
+    """The report on two captures already on disk (``nondet diff``); with ``suggest``, the
+    recipes that match its finding."""
+    found = compare_pair(a, b)
+    return found.report(
+        runs=[summary_of_capture(a), summary_of_capture(b)],
+        captures=[str(a.path), str(b.path)], command=command, notes=notes,
+        suggestions=suggestions_for(found, a) if suggest else ())
+
+
+def compare_pair(a: Capture, b: Capture) -> Comparison:
     """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
     env_diff = environment.differences(a.env, b.env)
-    report = Report(verdict="deterministic", exit_code=ExitCode.DETERMINISTIC,
-                    runs=[summary_of_capture(a), summary_of_capture(b)],
-                    environment_differences=env_diff, captures=[str(a.path), str(b.path)])
-    report.notes.extend(capture_notes(a, b))
+    notes = capture_notes(a, b)
     # Steps only one run has count only if both runs ended on their own (a different step
     # count is then itself a finding); a stopped or interrupted run is compared over the
     # steps both have.
     both_ended = a.status == "complete" and b.status == "complete"
     step_div = compare.first_step_divergence(a.steps, b.steps, count_extra_steps=both_ended)
     common_op_steps = sorted(set(a.op_steps()) & set(b.op_steps()))
-    report.op_records = sum(min(len(a.ops(s)), len(b.ops(s))) for s in common_op_steps)
+    op_records = sum(min(len(a.ops(s)), len(b.ops(s))) for s in common_op_steps)
+    deterministic = Comparison(verdict="deterministic", exit_code=ExitCode.DETERMINISTIC,
+                               first_divergence=None, environment_differences=env_diff,
+                               notes=notes, op_records=op_records)
     final_differs = _final_params_differ(a, b)
     if step_div is None and not final_differs and a.n_steps == 0 and b.n_steps == 0:
         raise NondetError(
@@ -101,7 +154,7 @@ def compare_captures(a: Capture, b: Capture) -> Report:
         if div is None and final_differs:
             div = _final_state_divergence(a)
         if div is None:
-            return report
+            return deterministic
     else:
         window = [s for s in common_op_steps if s <= step_div.step]
         div = localize(a, b, window) if window else None
@@ -115,18 +168,15 @@ def compare_captures(a: Capture, b: Capture) -> Report:
         where = f" at {div.source}" if div.source else ""
         step = "init" if div.step is None else f"step {div.step}"
         what = div.op or (", ".join(div.step_fields) if div.step_fields else "state")
-        report.notes.append(
+        return replace(deterministic, notes=[*notes, (
             f"{step}: {what}{where} differs between the runs, but the training state (loss, "
             "parameters, gradients, optimizer state, data) was identical at every step: the "
-            "difference never reached training")
-        report.contained.append({"kind": "contained", "step": div.step, "phase": div.phase,
-                                 "op": div.op, "source": div.source})
-        return report
-    report.verdict = "nondeterministic"
-    report.exit_code = ExitCode.NONDETERMINISTIC
-    report.first_divergence = div
-    report.growth = growth(a, b, step_div.step if step_div else (div.step or 0))
-    return report
+            "difference never reached training")], contained=[
+            {"kind": "contained", "step": div.step, "phase": div.phase, "op": div.op,
+             "source": div.source}])
+    return replace(deterministic, verdict="nondeterministic",
+                   exit_code=ExitCode.NONDETERMINISTIC, first_divergence=div,
+                   growth=growth(a, b, step_div.step if step_div else (div.step or 0)))
 
 
 #: Step-row fields that make up the training state: the verdict follows these.
@@ -184,9 +234,9 @@ def _data_entry_divergence(a: Capture, b: Capture,
             op=what, module="", source=source or None,
             entry_kind=entry_kind if entry_kind in ENTRY_KINDS else "external",
             numel=int(ra["numel"]) if int(ra["numel"]) >= 0 else None,
+            source_text=source_text(a, source or None),
             notes=["named from the step-level record of the data that entered; the op-level "
                    "records do not cover this step"])
-        div.source_text = source_text(a, div.source)
         return div
     return None
 
@@ -229,30 +279,24 @@ def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
         entry_kind = entry_kind if entry_kind in ENTRY_KINDS else "external"
     if found.scalar_argument:
         entry_kind = "python_value"
-    div = Divergence(
-        kind=found.kind, step=None if step == INIT_STEP else step,
-        phase=Phase(int(row["phase"])).label if step != INIT_STEP else "init",
-        op=op, node=node, op_index=int(row["index"]), module=capture.string(int(row["module"])),
-        source=capture.string(int(row["source"])) or None, entry_kind=entry_kind,
-        explained=found.explained, reads_uninitialized=found.reads_uninitialized,
-        scalar_argument=found.scalar_argument,
-    )
+    op_a = op_b = None
+    notes = []
     if found.kind == "structure":
-        div.op = split_node(a.string(int(found.row_a["name"])))[0] \
+        op_a = split_node(a.string(int(found.row_a["name"])))[0] \
             if found.row_a is not None else None
-        div.op_b = split_node(b.string(int(found.row_b["name"])))[0] \
+        op_b = split_node(b.string(int(found.row_b["name"])))[0] \
             if found.row_b is not None else None
-        div.notes.append("the runs executed different ops here: control flow (or the number "
-                         "of batches) depends on a value that differs between runs")
+        notes.append("the runs executed different ops here: control flow (or the number "
+                     "of batches) depends on a value that differs between runs")
     if not found.explained:
-        div.notes.append("this op's inputs already differed but no earlier recorded op or entry "
-                         "did: a tensor was changed outside the ops nondet sees (another "
-                         "thread, a NumPy view, a C extension)")
+        notes.append("this op's inputs already differed but no earlier recorded op or entry "
+                     "did: a tensor was changed outside the ops nondet sees (another "
+                     "thread, a NumPy view, a C extension)")
     if found.scalar_argument:
-        div.notes.append("the op's tensor inputs matched but a Python number passed to it "
-                         "differed: that value came from outside the framework")
-    div.source_text = source_text(capture, div.source)
-    div.context = [
+        notes.append("the op's tensor inputs matched but a Python number passed to it "
+                     "differed: that value came from outside the framework")
+    source = capture.string(int(row["source"])) or None
+    context = [
         ContextLine(index=int(ops_a[j]["index"]), op=split_node(a.string(int(ops_a[j]["name"])))[0],
                     module=a.string(int(ops_a[j]["module"])),
                     source=a.string(int(ops_a[j]["source"])), state=state,
@@ -260,12 +304,20 @@ def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
         for j, state in found.context
         if j < len(ops_a) and int(ops_a[j]["step"]) == step  # the finding's step only
     ]
-    if int(row["numel"]) >= 0:  # of the first output; the dump pass may refine it
-        div.numel = int(row["numel"])
     flags = int(row["flags"])
-    div.device = device_of(flags) if int(row["kind"]) == Kind.OP else None
-    div.rng_op = bool(flags & Flag.RNG)
-    return div
+    return Divergence(
+        kind=found.kind, step=None if step == INIT_STEP else step,
+        phase=Phase(int(row["phase"])).label if step != INIT_STEP else "init",
+        op=op_a if found.kind == "structure" else op, node=node, op_index=int(row["index"]),
+        module=capture.string(int(row["module"])), source=source, entry_kind=entry_kind,
+        explained=found.explained, reads_uninitialized=found.reads_uninitialized,
+        scalar_argument=found.scalar_argument, op_b=op_b, notes=notes,
+        source_text=source_text(capture, source), context=context,
+        # of the first output; the dump pass may refine it
+        numel=int(row["numel"]) if int(row["numel"]) >= 0 else None,
+        device=device_of(flags) if int(row["kind"]) == Kind.OP else None,
+        rng_op=bool(flags & Flag.RNG),
+    )
 
 
 def concat(parts: list[np.ndarray]) -> np.ndarray:
@@ -324,20 +376,18 @@ def finding_facts(div: Divergence, capture: Capture,
     return facts
 
 
-def add_suggestions(report: Report, capture: Capture) -> None:
-    """Look the finding up in the recipe table (and name unseeded generators' lines)."""
-    if report.first_divergence is None:
-        return
-    report.suggestions = recipe.suggest(
-        finding_facts(report.first_divergence, capture, report.environment_differences),
+def suggestions_for(found: Comparison, capture: Capture) -> list[Suggestion]:
+    """The recipes that match the finding (and the lines of unseeded generators)."""
+    if found.first_divergence is None:
+        return []
+    return recipe.suggest(
+        finding_facts(found.first_divergence, capture, found.environment_differences),
         sites=capture.facts)
 
 
 def summary_of_capture(c: Capture) -> RunSummary:
     return RunSummary(path=str(c.path), exit_code=c.exit_code, steps=c.n_steps,
                       complete=c.complete, status=c.status, label=c.label)
-
-
 
 
 def _framework_of_old_capture(div: Divergence, capture: Capture) -> str:

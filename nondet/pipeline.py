@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,19 +24,20 @@ import numpy as np
 from nondet import baseline, compare, environment, outdir, schedule
 from nondet.analysis import (
     GROWTH_STEPS,
-    add_suggestions,
-    compare_captures,
+    Comparison,
+    compare_pair,
     concat,
     finding_facts,
     localize,
     measure_from_dumps,
+    suggestions_for,
     summary_of_capture,
+    with_notes,
 )
 from nondet.errors import NondetError, ScriptFailed
 from nondet.launch import CapturedRun, Plan, RunResult, Target
-from nondet.records import (
-    INIT_STEP,
-)
+from nondet.recipe import Suggestion
+from nondet.records import INIT_STEP
 from nondet.report import Divergence, RepeatRow, Report, RunSummary
 from nondet.schedule import InternalChildError  # noqa: F401 - re-exported
 from nondet.store import Capture, open_capture
@@ -164,17 +165,17 @@ def repeat(target: Target, options: Options, progress: ProgressSink, count: int)
                       if rows[i].outcome != rows[0].outcome
                       or compare.first_step_divergence(captures[0].steps, captures[i].steps)),
                      None)
+    suggestions: list[Suggestion] = []
+    extra: list[str] = []
     if differing is None:
-        report = compare_captures(captures[0], captures[1])
-        report.runs = [_summary(r) for r in results]
-        report.command = target.describe()
+        found = compare_pair(captures[0], captures[1])
     else:
         progress.stage(f"run {differing + 1} differs from run 1: explaining")
-        report = explain(target, options, progress, results[0], results[differing])
-        report.runs = [_summary(r) for r in results]
-    report.repeatability = rows
-    report.captures = [str(c.path) for c in captures] + report.captures[2:]
-    return report
+        found, suggestions, extra = _explain(target, options, progress, captures[0],
+                                             captures[differing])
+    return found.report(runs=[_summary(r) for r in results], command=target.describe(),
+                        captures=[str(c.path) for c in captures] + extra,
+                        suggestions=suggestions, repeatability=rows)
 
 
 def _repeat_rows(results: list[RunResult], captures: list[Capture]) -> list[RepeatRow]:
@@ -222,22 +223,23 @@ def against_baseline(target: Target, options: Options, progress: ProgressSink,
             f"the environment differs from the baseline in ways that void a bitwise "
             f"comparison: {baseline.describe_drift(drift)}; run where the baseline was made, "
             f"update it with --update-baseline, or compare anyway with --allow-env-drift")
-    report = compare_captures(base, current)
-    report.command = target.describe()
-    report.baseline = str(path)
-    report.runs = [summary_of_capture(base), _summary(result)]
-    report.environment_drift = drift
+    found = compare_pair(base, current)
+    notes: list[str] = []
     if base.attrs.get("script_sha256") != current.attrs.get("script_sha256"):
-        report.notes.append("the script has changed since the baseline was written")
-    if report.first_divergence is not None:
-        report.first_divergence.notes.append(
+        notes.append("the script has changed since the baseline was written")
+    suggestions: list[Suggestion] = []
+    if found.first_divergence is not None:
+        found = replace(found, first_divergence=with_notes(
+            found.first_divergence,
             f"compared with the baseline {path}; run `nondet run` on the script to see "
-            "whether it is nondeterministic here and where")
-        if drift:
-            report.first_divergence.notes.append(
-                "possibly caused by the environment drift: " + baseline.describe_drift(drift))
-        add_suggestions(report, current)
-    return report
+            "whether it is nondeterministic here and where",
+            *(["possibly caused by the environment drift: " + baseline.describe_drift(drift)]
+              if drift else [])))
+        suggestions = suggestions_for(found, current)
+    return found.report(runs=[summary_of_capture(base), _summary(result)],
+                        captures=[str(base.path), str(current.path)],
+                        command=target.describe(), notes=notes, suggestions=suggestions,
+                        baseline=str(path), environment_drift=drift)
 
 
 def _run_single(target: Target, plan: Plan, options: Options,
@@ -263,41 +265,59 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
             result_b: RunResult) -> Report:
     """Compare two finished runs; narrow down, measure and explain what differs."""
     a, b = open_capture(result_a.path), open_capture(result_b.path)
-    report = compare_captures(a, b)
-    report.command = target.describe()
-    report.runs = [_summary(r) for r in (result_a, result_b)]
-    report.captures = [str(a.path), str(b.path)]
-    div = report.first_divergence
-    if div is None or (div.kind == "structure" and not div.localized):
-        return report
+    found, suggestions, extra = _explain(target, options, progress, a, b)
+    return found.report(runs=[_summary(r) for r in (result_a, result_b)],
+                        captures=[str(a.path), str(b.path), *extra],
+                        command=target.describe(), suggestions=suggestions)
 
+
+def _explain(target: Target, options: Options, progress: ProgressSink, a: Capture,
+             b: Capture) -> tuple[Comparison, list[Suggestion], list[str]]:
+    """The comparison of two captures with its finding narrowed down and measured, the
+    recipes for it, and the captures the extra runs wrote."""
+    found = compare_pair(a, b)
+    div = found.first_divergence
+    if div is None or (div.kind == "structure" and not div.localized):
+        return found, [], []
+
+    extra: list[str] = []
     op_capture, op_capture_b = a, b
     step_div = compare.first_step_divergence(a.steps, b.steps)
     if not div.localized and step_div is not None and step_div.step >= 1:
-        narrowed = _narrow(target, options, progress, step_div.step, report)
+        narrowed, written = _narrow(target, options, progress, step_div.step)
+        extra += written
         if narrowed is None:
-            div.notes.append(
-                f"the difference at step {step_div.step} did not recur in the op-level "
+            div = with_notes(
+                div, f"the difference at step {step_div.step} did not recur in the op-level "
                 "re-runs: it is rare or timing-dependent; try `nondet run --ops all` to capture "
                 "every op in the first two runs")
         else:
             div, op_capture, op_capture_b = narrowed
-            report.first_divergence = div
 
-    if div.localized and div.kind in ("op", "entry") and div.op_index is not None \
-            and not measure_from_dumps(div, op_capture, op_capture_b):
-        if finding_facts(div, op_capture)["framework"] == "tensorflow":
-            # graph ops are hashed inside the graph; their outputs are not saved
-            div.notes.append("sizes are not measured for TensorFlow ops")
-        else:
-            _measure(target, options, progress, div, op_capture, report)
-    add_suggestions(report, a)
-    return report
+    if div.localized and div.kind in ("op", "entry") and div.op_index is not None:
+        div, written = _measured(target, options, progress, div, op_capture, op_capture_b)
+        extra += written
+    found = replace(found, first_divergence=div)
+    return found, suggestions_for(found, a), extra
+
+
+def _measured(target: Target, options: Options, progress: ProgressSink, div: Divergence,
+              op_capture: Capture, op_capture_b: Capture) -> tuple[Divergence, list[str]]:
+    """The finding with the sizes of its difference: from the outputs the runs kept, else
+    from two more runs (not for TensorFlow graph ops, which are hashed inside the graph and
+    whose outputs are not saved)."""
+    measured = measure_from_dumps(div, op_capture, op_capture_b)
+    if measured is not None:
+        return measured, []
+    if finding_facts(div, op_capture)["framework"] == "tensorflow":
+        return with_notes(div, "sizes are not measured for TensorFlow ops"), []
+    return _measure(target, options, progress, div, op_capture)
 
 
 def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
-            report: Report) -> tuple[Divergence, Capture, Capture] | None:
-    """Re-run both with op-level capture for ``step`` and the one before.
+            ) -> tuple[tuple[Divergence, Capture, Capture] | None, list[str]]:
+    """Re-run both with op-level capture for ``step`` and the one before: the finding with
+    the captures it is in (None if the re-runs did not part there), and every capture written.
 
     A timing-dependent cause may strike at another step in the re-runs. If they part
     elsewhere (or not at all by ``step``), the second attempt captures every op and runs
@@ -307,6 +327,7 @@ def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
         (f"steps {step - 1} and {step}", [step - 1, step], lambda k, _a, _b: k < step),
         ("every step until the runs differ", None, _until_different),
     ]
+    written: list[str] = []
     for number, (scope, window, judge) in enumerate(attempts, start=1):
         again = " (second try)" if number == 2 else ""
         progress.stage(f"narrowing down: op-level capture of {scope}, in two new runs{again}")
@@ -317,17 +338,17 @@ def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
                                     Plan("b-ops", window, stop_after=stop_after)),
                            options, progress, judge=judge)
         oa, ob = open_capture(ra.path), open_capture(rb.path)
-        report.captures += [str(oa.path), str(ob.path)]
+        written += [str(oa.path), str(ob.path)]
         parted = compare.first_step_divergence(oa.steps, ob.steps)
         steps = window if window is not None else oa.op_steps()
         if parted is None or not steps or parted.step < steps[0]:
             continue  # these runs did not part inside the window
         found = localize(oa, ob, [s for s in steps if s <= parted.step])
         if found is not None:
-            found.notes.append(f"the first difference was at step {step} in the first two runs; "
-                               "op-level capture was re-run to find the op")
-            return found, oa, ob
-    return None
+            return (with_notes(found, f"the first difference was at step {step} in the first "
+                               "two runs; op-level capture was re-run to find the op"),
+                    oa, ob), written
+    return None, written
 
 
 def _until_different(step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
@@ -335,25 +356,27 @@ def _until_different(step: int, row_a: np.void | None, row_b: np.void | None) ->
 
 
 def _measure(target: Target, options: Options, progress: ProgressSink, div: Divergence,
-             capture: Capture, report: Report) -> None:
+             capture: Capture) -> tuple[Divergence, list[str]]:
     """The dump pass: save the finding's outputs in two more runs and compare them."""
     op_steps = _op_steps_of(capture)
     step = INIT_STEP if div.step is None else div.step
     progress.stage(f"measuring the difference: two short runs up to op #{div.op_index}")
-    plans = tuple(Plan(f"{label}-dump", op_steps, stop_after=max(step, 0),
-                       dump=(step, int(div.op_index or 0))) for label in ("a", "b"))
+    plans = (Plan("a-dump", op_steps, stop_after=max(step, 0), dump=(step, div.op_index or 0)),
+             Plan("b-dump", op_steps, stop_after=max(step, 0), dump=(step, div.op_index or 0)))
     try:
-        ra, rb = _run_pair(target, plans, options, progress)  # type: ignore[arg-type]
+        ra, rb = _run_pair(target, plans, options, progress)
     except ScriptFailed as exc:
-        div.notes.append(f"could not measure the difference: {exc}")
-        return
+        return with_notes(div, f"could not measure the difference: {exc}"), []
     da, db = open_capture(ra.path), open_capture(rb.path)
-    report.captures += [str(da.path), str(db.path)]
-    if not measure_from_dumps(div, da, db):
-        div.notes.append("the measuring runs did not reach the op again; sizes not measured")
-    elif div.mismatched_elements == 0:
-        div.notes.append("in the measuring runs this op happened to give identical outputs; "
-                         "the difference is intermittent")
+    written = [str(da.path), str(db.path)]
+    measured = measure_from_dumps(div, da, db)
+    if measured is None:
+        return with_notes(div, "the measuring runs did not reach the op again; sizes not "
+                          "measured"), written
+    if measured.mismatched_elements == 0:
+        return with_notes(measured, "in the measuring runs this op happened to give identical "
+                          "outputs; the difference is intermittent"), written
+    return measured, written
 
 
 def _op_steps_of(capture: Capture) -> list[int] | None:

@@ -25,17 +25,17 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) 
     a, b = open_capture(capture_a), open_capture(capture_b)
     a.verify()  # damage anywhere is exit 2, never a verdict (checksums checked as read)
     b.verify()
-    report = analysis.compare_captures(a, b)
-    report.command = f"diff {capture_a} {capture_b}"
+    notes: list[str] = []
     if a.attrs.get("script_sha256") != b.attrs.get("script_sha256"):
         what = (f"{a.attrs.get('script') or a.attrs.get('module')} vs "
                 f"{b.attrs.get('script') or b.attrs.get('module')}")
         message = (f"the captures are of different scripts or script versions ({what}): "
                    "differences may come from the code, not from nondeterminism")
-        report.notes.append(message)
+        notes.append(message)
         app.err.print(f"nondet: warning: {text.printable(message)}", highlight=False,
                       markup=False)
-    analysis.add_suggestions(report, a)
+    report = analysis.compare_captures(a, b, command=f"diff {capture_a} {capture_b}",
+                                       notes=notes, suggest=True)
     if json_path is not None:
         json_file.write(report, json_path)
     text.render(report, app.out)

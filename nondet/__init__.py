@@ -20,17 +20,17 @@ def step() -> None:
     Once a script calls this, nondet stops detecting steps from optimizer updates and uses
     only these calls.
     """
-    from nondet import capture
+    from nondet import session as session_module
 
-    session = capture.current()
+    session = session_module.current()
     if session is not None:
         session.explicit_step()
 
 
 def probe(tensor: Any, name: str) -> None:
     """Fingerprint ``tensor`` under ``name`` in the current step (shown in the report)."""
-    from nondet import capture
+    from nondet import session as session_module
 
-    session = capture.current()
+    session = session_module.current()
     if session is not None:
         session.probe(tensor, name)

@@ -215,7 +215,7 @@ def _data_entry_divergence(a: Capture, b: Capture,
                            step_div: compare.StepDivergence) -> Divergence | None:
     """When the first thing that differs in a step is the data that entered, the step rows
     name each entry (batch, NumPy-made tensor): the first differing one is the finding,
-    even without op-level capture of that step."""
+    even without op-level recording of that step."""
     if not step_div.fields or step_div.fields[0] != "data_fp":
         return None
     rows_a = [r for r in a.tensor_rows(step_div.step) if int(r["group"]) == Group.DATA]
@@ -254,7 +254,7 @@ def _step_level_divergence(step_div: compare.StepDivergence, a: Capture,
     return Divergence(
         kind=kind, step=None if step_div.step == INIT_STEP else step_div.step,
         phase=step_div.phase.label, localized=False, step_fields=fields,
-        notes=[f"step-level state differs ({', '.join(fields)}) but no op-level capture "
+        notes=[f"step-level state differs ({', '.join(fields)}) but no op-level recording "
                "covers this step in both files"],
     )
 

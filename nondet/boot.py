@@ -1,4 +1,4 @@
-"""Entry point of a captured run: ``python -m nondet.boot`` (started by nondet, not by users).
+"""Entry point of a recorded run: ``python -m nondet.boot`` (started by nondet, not by users).
 
 Seeds every RNG nondet knows, installs framework hooks for when a framework is imported,
 runs the user's script or module as ``__main__`` with its own ``sys.argv``, and always ends
@@ -14,8 +14,9 @@ import signal
 import sys
 import traceback
 
-from nondet import capture, environment, frameworks, pyhooks
-from nondet.capture import ChildConfig, Session, StopRun
+from nondet import environment, frameworks, pyhooks
+from nondet import session as session_module
+from nondet.session import ChildConfig, Session, StopRun
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -34,7 +35,7 @@ def main() -> int:
         # SIGINT to end a run cleanly (on SIGTERM), so it must raise KeyboardInterrupt here.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     session = Session(config)
-    capture._CURRENT = session
+    session_module._CURRENT = session
     os.register_at_fork(after_in_child=_forget_session)
 
     random.seed(config.seed)
@@ -79,7 +80,7 @@ def main() -> int:
 
 def _forget_session() -> None:
     # Forked children (DataLoader workers, multiprocessing) must not write to our pipe.
-    capture._CURRENT = None
+    session_module._CURRENT = None
     frameworks.disable_after_fork()
 
 

@@ -1,4 +1,4 @@
-"""The pipe between a captured run (child) and nondet (parent).
+"""The pipe between a recorded run (child) and nondet (parent).
 
 The child never writes the HDF5 file itself: it streams framed messages and the parent
 writes them. A child that crashes or is killed therefore cannot corrupt its capture; the

@@ -1,4 +1,4 @@
-"""Parent side of a captured run: the child process, its environment, and its capture file.
+"""Parent side of a recorded run: the child process, its environment, and its capture file.
 
 ``CapturedRun`` starts ``python -m nondet.boot`` with the seed and plan in its environment,
 stores everything the child streams into the run's HDF5 file, keeps the step rows in memory
@@ -25,8 +25,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from nondet import channel, environment
-from nondet.capture import CONFIG_ENV, ChildConfig
 from nondet.errors import NondetError, Terminated
+from nondet.session import CONFIG_ENV, ChildConfig
 from nondet.store import CaptureWriter
 from nondet.stream import RunStream, ensure_space, write_failure
 
@@ -63,7 +63,7 @@ class Plan:
     """What one run captures and when it stops."""
 
     label: str  # "a", "b", "a-ops", ...
-    op_steps: list[int] | None  # steps with op-level capture (None: every step)
+    op_steps: list[int] | None  # steps with op-level recording (None: every step)
     stop_after: int | None = None  # last step to run
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
     lockstep: bool = False  # take turns with another run (schedule.Lockstep)

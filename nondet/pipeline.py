@@ -1,10 +1,10 @@
 """From a script to a report: launch, capture, compare, localize, explain.
 
-1. Run A and B with step-level capture (op-level for init and step 0, where most
+1. Run A and B with step-level recording (op-level for init and step 0, where most
    divergences start), taking turns step by step (``schedule.Lockstep``; one after the other
    on GPU machines), comparing each step as soon as both have it, and stopping both a few
    steps after the first difference.
-2. If that step had no op-level capture, re-run both with op-level capture for it and the
+2. If that step had no op-level recording, re-run both with op-level recording for it and the
    step before, stopping right after it.
 3. Apply the injection rule to the op records; then re-run both once more up to the
    finding and save its outputs, to count how many elements differ and by how much.
@@ -43,7 +43,7 @@ from nondet.schedule import InternalChildError  # noqa: F401 - re-exported
 from nondet.store import Capture, open_capture
 
 #: How many steps run B continues past the first difference (for the growth view).
-#: Steps with op-level capture in the first two runs (unless --ops all).
+#: Steps with op-level recording in the first two runs (unless --ops all).
 DEFAULT_OP_STEPS = [INIT_STEP, 0]
 
 
@@ -316,7 +316,7 @@ def _measured(target: Target, options: Options, progress: ProgressSink, div: Div
 
 def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
             ) -> tuple[tuple[Divergence, Capture, Capture] | None, list[str]]:
-    """Re-run both with op-level capture for ``step`` and the one before: the finding with
+    """Re-run both with op-level recording for ``step`` and the one before: the finding with
     the captures it is in (None if the re-runs did not part there), and every capture written.
 
     A timing-dependent cause may strike at another step in the re-runs. If they part
@@ -330,7 +330,7 @@ def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
     written: list[str] = []
     for number, (scope, window, judge) in enumerate(attempts, start=1):
         again = " (second try)" if number == 2 else ""
-        progress.stage(f"narrowing down: op-level capture of {scope}, in two new runs{again}")
+        progress.stage(f"narrowing down: op-level recording of {scope}, in two new runs{again}")
         # In lockstep the judge stops both runs (held, so they can be asked for the outputs
         # they kept); one after the other, the first attempt's runs stop themselves.
         stop_after = step if options.schedule != "lockstep" and window is not None else None
@@ -346,7 +346,7 @@ def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
         found = localize(oa, ob, [s for s in steps if s <= parted.step])
         if found is not None:
             return (with_notes(found, f"the first difference was at step {step} in the first "
-                               "two runs; op-level capture was re-run to find the op"),
+                               "two runs; op-level recording was re-run to find the op"),
                     oa, ob), written
     return None, written
 

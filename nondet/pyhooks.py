@@ -11,7 +11,7 @@ import functools
 import random
 from typing import Any
 
-from nondet.capture import Session
+from nondet.session import Session
 
 
 def install(session: Session) -> None:

@@ -1,4 +1,4 @@
-"""How two captured runs share the machine: in lockstep, or one after the other.
+"""How two recorded runs share the machine: in lockstep, or one after the other.
 
 A schedule starts the runs of a pair (two ``Plan``s of the same script), shows a judge
 each step once both runs have it (the judge returns False to stop them), and returns both
@@ -373,10 +373,10 @@ def check_result(result: RunResult) -> RunResult:
 
 
 class InternalChildError(Exception):
-    """nondet's own hooks failed inside the captured run (a nondet bug: exit 3)."""
+    """nondet's own hooks failed inside the recorded run (a nondet bug: exit 3)."""
 
     def __init__(self, child_traceback: str) -> None:
-        super().__init__("nondet's hooks failed inside the captured run: "
+        super().__init__("nondet's hooks failed inside the recorded run: "
                          + (child_traceback.strip().splitlines() or ["?"])[-1])
         self.child_traceback = child_traceback
 

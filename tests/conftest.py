@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nondet.capture import SourceLocator
 from nondet.records import OP_DTYPE, STEP_DTYPE, Kind, Phase
+from nondet.session import SourceLocator
 from nondet.store import SOURCE_TEXT_MARK, CaptureWriter
 
 REPO = Path(__file__).resolve().parent.parent

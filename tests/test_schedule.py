@@ -1,7 +1,7 @@
 """Schedules driven by fake runs: no subprocess, but the real child side.
 
 A ``FakeRun`` is a ``CapturedRun`` whose child is a thread running a real
-``capture.Session`` (the same step boundaries, lockstep waits and ``Session.finish`` as a
+``session.Session`` (the same step boundaries, lockstep waits and ``Session.finish`` as a
 captured script) over real pipes; the parent side is CapturedRun's own frame handling.
 Every test runs the schedule under a time bound, so a run left waiting fails the test
 instead of hanging the suite.
@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from nondet import channel
-from nondet.capture import ChildConfig, Session, StopRun
 from nondet.errors import ScriptFailed
 from nondet.launch import CapturedRun, Plan, RunResult, Target
 from nondet.records import OP_DTYPE, TENSOR_DTYPE
 from nondet.schedule import Lockstep, Run, Sequential, never_stop
+from nondet.session import ChildConfig, Session, StopRun
 
 BOUND = 30.0  # seconds any schedule below may take; they all take well under 5
 

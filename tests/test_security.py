@@ -9,9 +9,9 @@ from xml.etree import ElementTree as ET
 import pytest
 
 from nondet import analysis
-from nondet.capture import SourceLocator
 from nondet.records import Phase
 from nondet.report import Divergence, Report, github, junit
+from nondet.session import SourceLocator
 from nondet.store import SOURCE_TEXT_MARK, open_capture
 from tests.conftest import OpStream, run_cli, step_rows, write_capture
 

@@ -102,7 +102,7 @@ def write_bug_log(text: str, child: str = "") -> Path:
     body = "# nondet bug report\n\n" + "\n".join(f"- {v}" for v in versions)
     body += f"\n- command: {' '.join(sys.argv)}\n\n```\n{text}\n```\n"
     if child:
-        body += f"\nInside the captured run:\n\n```\n{child}\n```\n"
+        body += f"\nInside the recorded run:\n\n```\n{child}\n```\n"
     # Paths and arguments may hold bytes that are not UTF-8 (surrogate escapes): the log
     # shows them as \xNN rather than failing inside the error handler.
     path.write_text(_printable(body), encoding="utf-8")

@@ -119,7 +119,7 @@ def _finding(div: Divergence) -> list[str]:
     else:
         fields = ", ".join(div.step_fields) or "state"
         out += [_row("finding", f"{step}, {escape(div.phase)}: {escape(fields)} differ"),
-                _row("", "no op-level capture covers this step")]
+                _row("", "no op-level recording covers this step")]
     if div.module:
         out.append(_row("module", escape(div.module)))
     if div.source:

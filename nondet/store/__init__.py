@@ -9,7 +9,7 @@ Layout (format 1.x)::
     /facts            attrs: JSON values the recipe matcher uses
     /strings          utf-8 strings; op names, modules and sources are ids into it
     /steps            STEP_DTYPE rows, one per step (step -1 = state when training starts)
-    /tensors          TENSOR_DTYPE rows: per-tensor fingerprints, for steps with op capture
+    /tensors          TENSOR_DTYPE rows: per-tensor fingerprints, for steps with op-level records
     /ops              OP_DTYPE rows (64 bytes each), in execution order
     /op_index         INDEX_DTYPE rows: where each step's ops start in /ops
     /dumps/<name>     full values of one op's outputs (written only to measure a difference)

@@ -25,7 +25,7 @@ TABLES: dict[str, np.dtype] = {"steps": STEP_DTYPE, "tensors": TENSOR_DTYPE, "op
 DIGEST_ATTR = "nondet_digest"
 STRINGS_CRC_ATTR = "nondet_strings_crc"
 #: Strings with this prefix are not names but the text of a source line:
-#: "<mark><file:line>\n<the line's text>" (see capture.SourceLocator).
+#: "<mark><file:line>\n<the line's text>" (see session.SourceLocator).
 SOURCE_TEXT_MARK = "\x1fsource\x1f"
 
 # h5py serializes calls through one global lock anyway; this keeps our own multi-step

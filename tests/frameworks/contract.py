@@ -30,8 +30,8 @@ REQUIRED_FIELDS = ("data_fp", "loss_fp", "grads_fp", "params_fp", "optim_fp", "r
 #: Inserted after the framework import: makes the backend's own step-state hook raise from
 #: step 1 on, inside nondet's code (the same place for every framework: base.StepLifecycle).
 INJECT_HOOK_ERROR = """
-import nondet.capture as _capture
-_session = _capture.current()
+import nondet.session as _session_module
+_session = _session_module.current()
 if _session is not None:
     for _backend in _session.backends:
         _original = _backend._step_state

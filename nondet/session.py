@@ -1,8 +1,8 @@
 """Child side, framework-independent: step numbering, the op window, strings, transport.
 
-A ``Session`` lives in the captured run (started by ``nondet.boot``). Framework backends
+A ``Session`` lives in the recorded run (started by ``nondet.boot``). Framework backends
 detect step boundaries and fingerprint tensors; the session numbers the steps, decides
-which steps get op-level capture, interns strings, streams everything to the parent and
+which steps get op-level recording, interns strings, streams everything to the parent and
 stops the run when asked. It never imports a framework.
 """
 
@@ -39,7 +39,7 @@ def current() -> Session | None:
 
 @dataclass
 class ChildConfig:
-    """What the parent tells a captured run (passed as JSON in an environment variable)."""
+    """What the parent tells a recorded run (passed as JSON in an environment variable)."""
 
     label: str
     seed: int
@@ -48,7 +48,7 @@ class ChildConfig:
     script: str | None = None  # path of the script, or
     module: str | None = None  # name of the module run with -m
     args: list[str] = field(default_factory=list)
-    op_steps: list[int] | None = None  # steps with op-level capture; None = every step
+    op_steps: list[int] | None = None  # steps with op-level recording; None = every step
     stop_after: int | None = None  # end the run after this step
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
     lockstep: bool = False  # wait for the parent's go after every step (see schedule.Lockstep)
@@ -69,7 +69,7 @@ class ChildConfig:
 
 
 class Session:
-    """One captured run's bookkeeping and transport (see module docstring)."""
+    """One recorded run's bookkeeping and transport (see module docstring)."""
 
     def __init__(self, config: ChildConfig) -> None:
         self.config = config

@@ -244,9 +244,9 @@ def test_with_other_threads_alive_the_probe_is_a_fresh_interpreter(tmp_path: Pat
 def test_no_single_read_exceeds_the_cap_whatever_the_compression(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A deflate bomb stores a little and declares a lot; the cap bounds any one read."""
-    from nondet.store import reader
+    from nondet.store import checks
 
     path = write_capture(tmp_path / "run.h5", step_rows(*({"step": s} for s in range(-1, 40))))
-    monkeypatch.setattr(reader, "_MAX_READ_BYTES", 2000)  # 41 step rows are 3,936 bytes
+    monkeypatch.setattr(checks, "MAX_READ_BYTES", 2000)  # 41 step rows are 3,936 bytes
     with pytest.raises(NondetError, match="more than nondet reads at once"):
         open_capture(path)

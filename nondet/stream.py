@@ -96,6 +96,15 @@ class RunStream:
             handler(payload)
         except OSError as exc:  # the capture file cannot be written (disk full, I/O error)
             self._write_failed(exc, self.path)
+        except (ValueError, KeyError, TypeError) as exc:
+            if self.write_error:
+                return  # the capture was closed while this frame was stored
+            # A frame nondet's own child side got wrong (a torn row, bad JSON) is a nondet
+            # bug: the run ends as an internal error (exit 3, bug log), never as a verdict
+            # on records with a hole; the rest of the stream is still drained.
+            self.hook_error = self.hook_error or (
+                f"malformed {kind!r} frame from the run ({len(payload)} bytes): "
+                f"{type(exc).__name__}: {exc}")
         except Exception:
             if not self.write_error:
                 raise

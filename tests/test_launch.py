@@ -84,6 +84,22 @@ def test_an_unknown_frame_kind_is_ignored(tmp_path: Path) -> None:
     assert len(run.steps) == 1
 
 
+@pytest.mark.parametrize(("kind", "payload"), [
+    (channel.STEP, _step(0)[:10]),  # a torn step row
+    (channel.OPS, _ops(0)[:70]),  # one op record and a piece of the next
+    (channel.META, b'{"env": '),  # cut-off JSON
+], ids=["step", "ops", "meta"])
+def test_a_truncated_frame_is_nondets_error_and_the_stream_goes_on(
+        tmp_path: Path, kind: bytes, payload: bytes) -> None:
+    run, _ = _run(tmp_path)
+    run._handle(kind, payload)  # never raises into the pump thread
+    run._handle(channel.STEP, _step(0))
+    assert len(run.steps) == 1  # later frames are still stored
+    run._handle(channel.END, json.dumps(channel.End(channel.COMPLETE, 0).encode()).encode())
+    with pytest.raises(schedule.InternalChildError, match="malformed"):
+        schedule.check_result(run._result(0))  # exit 3, not a verdict or "the script failed"
+
+
 def _full_disk_after(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     """Make the capture writer fail as a full disk does once ops of ``step`` arrive."""
     original = CaptureWriter.add_ops

@@ -16,7 +16,8 @@ import traceback
 
 from nondet import environment, frameworks, pyhooks
 from nondet import session as session_module
-from nondet.session import ChildConfig, Session, StopRun
+from nondet.frameworks.base import StopRun
+from nondet.session import ChildConfig, Session
 
 
 def _exit_code(exc: SystemExit) -> int:

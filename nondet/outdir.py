@@ -108,7 +108,7 @@ def is_own(path: Path) -> bool:
         data = json.loads((path / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return data.get("pid") == os.getpid() and data.get("host") == socket.gethostname()
+    return bool(data.get("pid") == os.getpid() and data.get("host") == socket.gethostname())
 
 
 def _in_use(path: Path) -> bool:

@@ -214,4 +214,4 @@ def _fact_holds(value: Any, want: Any) -> bool:
                 "==": number == target, ">": number > target, "<": number < target}[op]
     if isinstance(want, bool):
         return isinstance(value, bool) and value == want
-    return value == want
+    return bool(value == want)

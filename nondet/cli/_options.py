@@ -6,13 +6,15 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from nondet import outdir
 from nondet.errors import NondetError
-from nondet.launch import Target
+
+if TYPE_CHECKING:  # launch (subprocesses, the capture writer) loads only for run and check
+    from nondet.launch import Target
 
 F = Callable[..., Any]
 
@@ -70,6 +72,8 @@ def target_options(command: F) -> F:
 def make_target(module: str | None, script_and_args: tuple[str, ...]) -> Target:
     """The script (or module) and its arguments; unknown options and paths nondet cannot
     store are usage errors (exit 2), found before anything runs."""
+    from nondet.launch import Target
+
     _refuse_unknown_option(module, script_and_args)
     if module:
         target = Target(script=None, module=module, args=tuple(script_and_args))

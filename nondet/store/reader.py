@@ -133,7 +133,8 @@ class Capture:
         return int(self._op_index["count"][self._op_index["step"] == step].sum())
 
     def tensor_rows(self, step: int) -> np.ndarray:
-        return self.tensors[self.tensors["step"] == step]
+        rows: np.ndarray = self.tensors[self.tensors["step"] == step]
+        return rows
 
     def verify(self) -> None:
         """Read every op record and dump once, in bounded pieces, so that damage anywhere in

@@ -283,7 +283,10 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
     extra: list[str] = []
     op_capture, op_capture_b = a, b
     step_div = compare.first_step_divergence(a.steps, b.steps)
-    if not div.localized and step_div is not None and step_div.step >= 1:
+    # Data named from the step rows alone (it entered at a step the op window did not cover)
+    # may not say where it entered; the op records of that step always do.
+    unplaced_entry = div.kind == "entry" and div.op_index is None and not div.source
+    if (not div.localized or unplaced_entry) and step_div is not None and step_div.step >= 1:
         narrowed, written = _narrow(target, options, progress, step_div.step)
         extra += written
         if narrowed is None:

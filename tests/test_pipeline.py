@@ -261,3 +261,18 @@ def test_a_run_that_matches_its_baseline_passes(
         allow_drift=False))
     assert report.verdict == "deterministic" and report.first_divergence is None
     assert report.notes == [] and report.suggestions == []
+
+
+def test_data_that_enters_at_a_later_step_is_narrowed_down_to_its_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step rows name the batch but not where it entered (no user frame when the loop
+    is in a library); the op records of a re-run with that step in the window do."""
+    report, fake = _diagnose(tmp_path, monkeypatch, Script(differ_at=3, data=True))
+    div = report.first_divergence
+    assert report.verdict == "nondeterministic" and div is not None
+    assert (div.kind, div.step, div.phase, div.entry_kind, div.op) == (
+        "entry", 3, "data", "dataloader", "batch from DataLoader#0")
+    assert [(p.label, p.op_steps) for p in fake.plans[2:4]] == [("a-ops", [2, 3]),
+                                                                ("b-ops", [2, 3])]
+    assert div.source == "train.py:5" and div.source_text.startswith("for batch in loader")
+    assert report.suggestions and report.suggestions[0].recipe.id.startswith("DATA-")

@@ -1,14 +1,14 @@
-"""From a script to a report: launch, capture, compare, localize, explain.
+"""From a script to a report: launch, record, compare, localize, explain.
 
 1. Run A and B with step-level recording (op-level for init and step 0, where most
    divergences start), taking turns step by step (``schedule.Lockstep``; one after the other
    on GPU machines), comparing each step as soon as both have it, and stopping both a few
    steps after the first difference.
-2. If that step had no op-level recording, re-run both with op-level recording for it and the
-   step before, stopping right after it.
+2. If that step had no op-level recording (or only its step rows name the data that
+   differs, without a line), re-run both recording the ops of it and the step before.
 3. Apply the injection rule to the op records; then re-run both once more up to the
    finding and save its outputs, to count how many elements differ and by how much.
-4. Look the finding up in the recipe table.
+4. Look the finding up in the recipe table, and build the report once from these parts.
 """
 
 from __future__ import annotations

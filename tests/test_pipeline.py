@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from nondet import pipeline, schedule
-from nondet.errors import ScriptFailed
+from nondet.errors import NondetError, ScriptFailed
 from nondet.exitcodes import ExitCode
 from nondet.launch import Plan, RunResult, Target
 from nondet.records import INIT_STEP, TENSOR_DTYPE, Group, Kind, Phase
@@ -51,6 +51,7 @@ class Script:
     differ_at: int | None = None
     data: bool = False
     differs_in: str = "b"  # the runs whose label starts with this differ
+    env: dict[str, str] = field(default_factory=dict)  # their environment differs so
 
 
 @dataclass
@@ -101,7 +102,9 @@ class FakeSchedule:
         writer = CaptureWriter(path, {"label": plan.label, "cwd": str(self.root), "seed": 0,
                                       "op_steps": "all" if plan.op_steps is None
                                       else plan.op_steps})
-        writer.add_env({"torch_version": "2.13.0", "python_version": "3.11.7"})
+        writer.add_env({"torch_version": "2.13.0", "python_version": "3.11.7",
+                        **(self.script.env if plan.label.startswith(self.script.differs_in)
+                           else {})})
         writer.add_facts({"framework": "torch"})
         writer.add_strings(ops.strings + source_texts(ops.strings, self.root))
         for s in sorted({r[0] for r in ops.rows}):
@@ -276,3 +279,27 @@ def test_data_that_enters_at_a_later_step_is_narrowed_down_to_its_line(
                                                                 ("b-ops", [2, 3])]
     assert div.source == "train.py:5" and div.source_text.startswith("for batch in loader")
     assert report.suggestions and report.suggestions[0].recipe.id.startswith("DATA-")
+
+
+def test_environment_drift_from_the_baseline_is_refused_then_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "train.py").write_text(TRAIN)
+    monkeypatch.chdir(tmp_path)
+    fake = FakeSchedule(tmp_path, Script(differ_at=1, differs_in="a",
+                                         env={"torch_version": "2.14.0"}))
+    monkeypatch.setattr(pipeline, "_schedule", lambda *_args: fake)
+    target, stored = Target("train.py", None), tmp_path / "base.h5"
+    pipeline.write_baseline(target, pipeline.Options(out_dir=tmp_path / ".nondet"),
+                            Progress(), stored)
+    with pytest.raises(NondetError, match=r"torch_version \(baseline 2\.13\.0, now 2\.14\.0\)"
+                       r".*--allow-env-drift"):
+        pipeline.against_baseline(target, pipeline.Options(out_dir=tmp_path / ".nondet"),
+                                  Progress(), stored, allow_drift=False)
+    report = _bounded(lambda: pipeline.against_baseline(
+        target, pipeline.Options(out_dir=tmp_path / ".nondet"), Progress(), stored,
+        allow_drift=True))
+    div = report.first_divergence
+    assert div is not None and div.step == 1
+    assert report.environment_drift == [{"key": "torch_version", "a": "2.13.0", "b": "2.14.0"}]
+    assert div.notes[-1] == ("possibly caused by the environment drift: torch_version "
+                             "(baseline 2.13.0, now 2.14.0)")

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, replace
@@ -42,10 +43,8 @@ from nondet.report import Divergence, RepeatRow, Report, RunSummary
 from nondet.schedule import InternalChildError  # noqa: F401 - re-exported
 from nondet.store import Capture, open_capture
 
-#: How many steps run B continues past the first difference (for the growth view).
 #: Steps with op-level recording in the first two runs (unless --ops all).
 DEFAULT_OP_STEPS = [INIT_STEP, 0]
-
 
 
 class ProgressSink(Protocol):
@@ -386,8 +385,6 @@ def _op_steps_of(capture: Capture) -> list[int] | None:
     value = capture.attrs.get("op_steps", "all")
     if value == "all":
         return None
-    import json
-
     return list(json.loads(value)) if isinstance(value, str) else list(value)
 
 

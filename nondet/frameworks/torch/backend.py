@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,11 +35,11 @@ from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import compiled
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.kept import KeptOutputs
 from nondet.frameworks.torch.ops import CaptureMode, OpRecorder, tensors_in
 from nondet.frameworks.torch.state import (
     module_paths,
     named_state,
-    to_numpy,
     torch_environment,
     torch_facts,
 )
@@ -60,8 +59,6 @@ class TorchBackend(StepLifecycle):
         self.optimizer_made = False  # boundaries then come from optimizer steps
         self.update_pending = False  # hand-written update: step ends at the next forward
         self.verified_step: int | None = None  # last step whose parameters were re-checked
-        self._kept: dict[tuple[int, int], list[np.ndarray]] = {}  # see keep()
-        self.kept_bytes = 0
         self.module_stack: list[int] = []  # string ids of module paths
         self.module_ids: dict[int, int] = {}  # id(module) -> string id of its path
         self.roots: list[torch.nn.Module] = []
@@ -69,6 +66,7 @@ class TorchBackend(StepLifecycle):
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         super().__init__(session)
         self.recorder = OpRecorder(self)
+        self.outputs = KeptOutputs(session, self.paused_capture)
         self.entries = DataEntries(self)
         torch.manual_seed(session.config.seed)
         self._install_hooks()
@@ -377,31 +375,15 @@ class TorchBackend(StepLifecycle):
     def facts(self) -> dict[str, Any]:
         return torch_facts()
 
-    # -- kept outputs and dumps ------------------------------------------------------------------
+    # -- kept outputs and dumps (kept.py) -------------------------------------------------------
     def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None:
-        """Keep a host copy of a record's outputs while the budget lasts (lockstep runs), so
-        the parent can measure a difference without re-running the script."""
-        budget = self.session.config.keep_bytes
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        if not tensors or self.kept_bytes + size > budget:
-            return
-        with self.paused_capture():
-            self._kept[(step, index)] = [to_numpy(t) for t in tensors]
-        self.kept_bytes += size
+        self.outputs.keep(step, index, tensors)
 
     def kept(self, step: int, index: int) -> list[np.ndarray]:
-        return self._kept.get((step, index), [])
+        return self.outputs.kept(step, index)
 
     def dump_and_exit(self, tensors: list[torch.Tensor]) -> None:
-        """Save one op's outputs (the dump pass) and end the run right here."""
-        with self.paused_capture():
-            for i, t in enumerate(tensors):
-                session_step, index = self.session.config.dump  # type: ignore[misc]
-                self.session.send_dump(f"out{i}", to_numpy(t),
-                                       {"step": session_step, "index": index,
-                                        "torch_dtype": str(t.dtype)})
-        self.session.finish("stopped", 0)
-        os._exit(0)
+        self.outputs.dump_and_exit(tensors)
 
     def disable(self) -> None:
         super().disable()

@@ -227,7 +227,7 @@ class TorchBackend(StepLifecycle):
 
     def node_origin(self, node: Any) -> tuple[int, int]:
         """(module, source) of the forward op that created an autograd node."""
-        origin = node.metadata.get("nondet")
+        origin: tuple[int, int] | None = node.metadata.get("nondet")
         if origin is not None:
             return origin
         variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter
@@ -250,13 +250,13 @@ class TorchBackend(StepLifecycle):
         if want:
             if self.mode is None:
                 self.mode = CaptureMode(self.recorder)
-                self.mode.__enter__()
+                self.mode.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
             if not self.recorder.window:
                 self.recorder.open_window()
             return
         self.recorder.close_window()
         if self.mode is not None and _get_current_dispatch_mode() is self.mode:
-            self.mode.__exit__(None, None, None)
+            self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             self.mode = None
         # Otherwise another mode was pushed above ours: leave ours in place, inactive.
 
@@ -307,7 +307,7 @@ class TorchBackend(StepLifecycle):
                 (Group.OPTIM, self._fps(optim, detailed)),
             ]
             rng = [self._fp_of(torch.get_rng_state())]
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
                 rng.extend(self._fp_of(s) for s in torch.cuda.get_rng_state_all())
             sums = [p.detach().sum(dtype=torch.float64) for _, p in params
                     if p.is_floating_point()]

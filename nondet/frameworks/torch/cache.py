@@ -256,7 +256,7 @@ class FingerprintCache:
             if isinstance(fp.content, torch.Tensor):
                 by_device.setdefault(fp.content.device, []).append(fp)
         for fps in by_device.values():
-            values = torch.stack([fp.content for fp in fps]).tolist()  # type: ignore[misc]
+            values = torch.stack([fp.content for fp in fps]).tolist()
             for fp, value in zip(fps, values, strict=True):
                 fp.content = value
         for fp in self.pending:

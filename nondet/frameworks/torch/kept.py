@@ -43,7 +43,7 @@ class KeptOutputs:
         """Save one op's outputs (the dump pass) and end the run right here."""
         with self.paused():
             for i, t in enumerate(tensors):
-                session_step, index = self.session.config.dump  # type: ignore[misc]
+                session_step, index = self.session.config.dump
                 self.session.send_dump(f"out{i}", to_numpy(t),
                                        {"step": session_step, "index": index,
                                         "torch_dtype": str(t.dtype)})

@@ -241,7 +241,7 @@ class OpRecorder(FingerprintCache):
         for t in outputs:
             node = safe.grad_fn(t)  # Note [Reading user tensors] in tensors.py
             if node is not None:
-                meta: dict[str, Any] = node.metadata  # type: ignore[assignment]
+                meta: dict[str, Any] = node.metadata
                 if "nondet" not in meta:
                     meta["nondet"] = (module, source)
 
@@ -256,7 +256,7 @@ def _extend_unique(outputs: list[torch.Tensor], value: Any) -> None:
 _PASS_THROUGH = frozenset({"profiler"})
 
 
-class CaptureMode(TorchDispatchMode):
+class CaptureMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
     """Records every dispatched op while op-level capture is on (see the module docstring).
 
     The recorder decides what is recorded; when it is inactive (outside the op window, or
@@ -264,7 +264,7 @@ class CaptureMode(TorchDispatchMode):
     """
 
     def __init__(self, recorder: OpRecorder) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.recorder = recorder
 
     @classmethod

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.base import Session, StepLifecycle, StepState, TensorRow, group_fp
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.torch import compiled
+from nondet.frameworks.torch import compiled, cuda
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.kept import KeptOutputs
@@ -89,6 +89,8 @@ class TorchBackend(StepLifecycle):
         optim_module.register_optimizer_step_post_hook(self._optimizer_post)
         self.entries.install()
         compiled.install(self)
+        cuda.install_replay_hook(self.recorder.graph_outputs,
+                                 lambda: not self.disabled and self.recorder.window, self.guarded)
 
         original_opt_init = torch.optim.Optimizer.__init__
 
@@ -108,7 +110,7 @@ class TorchBackend(StepLifecycle):
 
         @functools.wraps(original_backward)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.disabled or self.paused:
+            if self.disabled or self.paused or cuda.capturing():
                 return original_backward(tensors, *args, **kwargs)
             with self.guarded():
                 self._before_backward(tensors)
@@ -138,7 +140,7 @@ class TorchBackend(StepLifecycle):
         if self.disabled or self.paused:
             return
         with self.guarded():
-            if not self.module_stack:
+            if not self.module_stack and not cuda.capturing():
                 self._root_call(module)
             mid = self.module_ids.get(id(module))
             if mid is None:
@@ -176,7 +178,7 @@ class TorchBackend(StepLifecycle):
                 self.param_names.setdefault(id(obj), path)
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.disabled or self.paused:
+        if self.disabled or self.paused or cuda.capturing():  # Note [CUDA graphs]
             return
         self.phase = Phase.OPTIMIZER
         if not self.explicit:
@@ -184,7 +186,7 @@ class TorchBackend(StepLifecycle):
                 self.grads = self._grad_snapshot()
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.disabled or self.paused or self.explicit:
+        if self.disabled or self.paused or self.explicit or cuda.capturing():
             return
         with self.guarded():
             self.boundary()
@@ -209,6 +211,7 @@ class TorchBackend(StepLifecycle):
         self.phase = Phase.BACKWARD
 
     def _after_backward(self) -> None:
+        self.recorder.merge_threads()  # Note [Autograd worker threads] in threads.py
         self.phase = Phase.OPTIMIZER
         if not self.optimizer_made and not self.explicit:
             self.grads = self._grad_snapshot()
@@ -315,22 +318,27 @@ class TorchBackend(StepLifecycle):
             stats = {(group, name): self.hasher.stats(t)
                      for group, items in (groups if detailed else []) for name, _, t in items
                      if t is not None}
-            self.recorder.resolve()  # every pending Fp of this step, data and losses too
+            # Every pending Fp of this step (data and losses too) and these float64 scalars
+            # come back in one transfer per device (readback.py), never one per tensor.
+            floats = [x for x in (params_sum, self.loss_scalar) if x is not None]
+            floats += [x for pair in stats.values() if pair for x in pair]
+            values = iter(self.recorder.resolve(floats))
+            params_value = next(values) if params_sum is not None else math.nan
             if self.loss_scalar is not None:
-                self.loss_value = float(self.loss_scalar)
+                self.loss_value = next(values)
+            host_stats = {key: (next(values), next(values)) for key, pair in stats.items()
+                          if pair}
             state = StepState(
                 params=group_fp([fp.value or 0 for _, fp, _ in groups[0][1]]),
                 buffers=group_fp([fp.value or 0 for _, fp, _ in groups[1][1]]),
                 grads=group_fp([fp.value or 0 for _, fp, _ in groups[2][1]]),
                 optim=group_fp([fp.value or 0 for _, fp, _ in groups[3][1]]),
-                params_sum=float(params_sum) if params_sum is not None else math.nan,
+                params_sum=params_value,
                 rng=[fp.value or 0 for fp in rng],
             )
             for group, items in groups if detailed else []:
                 for name, fp, t in items:
-                    pair = stats.get((group, name))
-                    total, maxabs = (float(pair[0]), float(pair[1])) if pair else (math.nan,
-                                                                                   math.nan)
+                    total, maxabs = host_stats.get((group, name), (math.nan, math.nan))
                     state.tensors.append(TensorRow(group, name, fp.value or 0, total, maxabs,
                                                    t.numel() if t is not None else 0))
         return state

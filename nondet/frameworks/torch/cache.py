@@ -31,6 +31,7 @@ never hashed: see ``Fp``.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,10 +40,13 @@ import torch
 from nondet.fingerprint import combine, scalar_value
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp, combined
+from nondet.frameworks.torch import cuda
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.optable import OpInfo
+from nondet.frameworks.torch.readback import read_back
 from nondet.frameworks.torch.tensors import Storages, StorageState
+from nondet.frameworks.torch.threads import ThreadRecords
 from nondet.records import OP_DTYPE, Kind
 
 
@@ -77,6 +81,8 @@ class FingerprintCache:
         self.storages = Storages()  # Note [Storage identity]
         self.pending: list[Fp] = []
         self.records: list[tuple[Any, ...]] = []
+        self.threads = ThreadRecords()  # records of autograd worker threads
+        self.graph_outputs = cuda.GraphOutputs(self.forget)  # written by captured ops
         self.infos: dict[Any, OpInfo] = {}
         self.stamp: tuple[list[torch.Tensor], int, int] | None = None
         self.creating: tuple[str, str] | None = None  # entry label while a wrapper runs
@@ -134,6 +140,7 @@ class FingerprintCache:
     # -- the cache (see Note [Fingerprint cache]) -------------------------------------------
     def open_window(self) -> None:
         self.close_window()
+        self.threads.claim()
         self.window = self.active = True
 
     def close_window(self) -> None:
@@ -246,22 +253,18 @@ class FingerprintCache:
             what = name or f"tensor {str(t.dtype).removeprefix('torch.')}{dims}"
         return self.session.intern(f"{kind}:{what}")
 
-    def resolve(self) -> None:
-        """Copy pending device sums to the host (one transfer per device), then combine
-        each fingerprint with its description. Bases precede their views in the list."""
-        if not self.pending:
-            return
-        by_device: dict[torch.device, list[Fp]] = {}
-        for fp in self.pending:
-            if isinstance(fp.content, torch.Tensor):
-                by_device.setdefault(fp.content.device, []).append(fp)
-        for fps in by_device.values():
-            values = torch.stack([fp.content for fp in fps]).tolist()
-            for fp, value in zip(fps, values, strict=True):
-                fp.content = value
+    def resolve(self, floats: Sequence[torch.Tensor] = ()) -> list[float]:
+        """Copy pending device sums (and ``floats``, float64 device scalars) to the host in
+        one transfer per device (readback.py), then combine each fingerprint with its
+        description. Bases precede their views in the list. Returns ``floats``' values."""
+        on_device = [fp for fp in self.pending if isinstance(fp.content, torch.Tensor)]
+        sums, values = read_back([fp.content for fp in on_device], floats)
+        for fp, value in zip(on_device, sums, strict=True):
+            fp.content = value
         for fp in self.pending:
             fp.finalize()
         self.pending = []
+        return values
 
     # -- records ----------------------------------------------------------------------------
     def add(
@@ -269,9 +272,22 @@ class FingerprintCache:
         outs: list[Fp], ins: list[Fp], taints: list[Fp], scalars: tuple[Any, ...],
         numel: int, tensors: list[torch.Tensor],
     ) -> None:
+        record = (kind, phase, flags, name_id, module, source, outs, ins, taints, scalars,
+                  numel)
+        if not self.threads.on_owner():  # an autograd worker thread: merged later
+            self.threads.buffer(record, tensors,
+                                hold=self.keep_outputs or self.dump_at is not None)
+            return
+        self._append(record, tensors)
+
+    def merge_threads(self) -> None:
+        """Append records buffered on other threads (Note [Autograd worker threads])."""
+        for record, tensors in self.threads.drain():
+            self._append(record, tensors)
+
+    def _append(self, record: tuple[Any, ...], tensors: list[torch.Tensor]) -> None:
         index = len(self.records)
-        self.records.append((kind, phase, flags, name_id, module, source, outs, ins, taints,
-                             scalars, numel))
+        self.records.append(record)
         if self.dump_at is not None and self.dump_at == (self.session.step, index):
             self.backend.dump_and_exit(tensors)
         if self.keep_outputs and tensors and all(safe.keepable(t) for t in tensors):
@@ -279,6 +295,7 @@ class FingerprintCache:
 
     def take_rows(self, step: int) -> np.ndarray:
         """The current step's records as OP_DTYPE rows (call after ``resolve``)."""
+        self.merge_threads()
         rows = [
             (step, i, kind, phase, flags, name, module, source, combined(outs),
              combined(ins), combined(taints),

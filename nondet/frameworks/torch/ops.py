@@ -53,10 +53,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.torch import cuda
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.cache import FingerprintCache, TorchHost
 from nondet.frameworks.torch.compiled import in_region
-from nondet.frameworks.torch.optable import OpInfo, op_info
+from nondet.frameworks.torch.optable import OpInfo, aux_tensors, op_info
 from nondet.frameworks.torch.tensors import StorageState
 from nondet.records import Flag, Kind, Phase
 
@@ -145,6 +146,11 @@ class OpRecorder(FingerprintCache):
             # (set_ changes which memory a tensor shows, not the memory's bytes)
             for t in outputs:
                 self.note_write(t)
+        if info.aux:  # never hashed nor compared (optable.AUX_OUTPUTS)
+            aux = aux_tensors(out, info.aux)
+            outputs = [t for t in outputs if not any(t is a for a in aux)]
+            for t in aux:
+                self.remember(t, Fp(value=0))
         out_fps: list[Fp] = []
         if info.uninit_output or garbage_moved:
             for t in outputs:
@@ -152,7 +158,7 @@ class OpRecorder(FingerprintCache):
         elif info.from_storage:
             self._wrapped_storage(outputs, None if info.storage_handle else known_source,
                                   None if info.storage_handle else ctx)
-        elif info.pointwise:
+        elif info.pointwise and not (info.move and cuda.crosses_devices(args, outputs)):
             for t in outputs:
                 out_fps.append(self.remember(t, self.derive_output(info, ins + taints,
                                                                    scalars, t)))
@@ -278,4 +284,6 @@ class CaptureMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
         kwargs = kwargs or {}
         if not self.recorder.active or func.namespace in _PASS_THROUGH or in_region():
             return func(*args, **kwargs)
+        if cuda.capturing():  # Note [CUDA graphs] in cuda.py
+            return cuda.pass_captured(self.recorder, func, args, kwargs)
         return self.recorder.dispatch(func, args, kwargs)

@@ -117,8 +117,10 @@ def pass_captured(recorder: Any, func: Any, args: tuple[Any, ...],
     if info.view:  # an alias: what is known about its base still holds
         return out
     written = _tensors(out)
+    inputs = [t for value in (*args, *kwargs.values()) for t in _tensors(value)]
     for t in written:
-        recorder.remember(t, Fp(uninit=True))
+        if not any(t is x for x in inputs):  # an in-place op returns its input: not new
+            recorder.remember(t, Fp(uninit=True))
     for position in info.mutated_args:
         if position < len(args):
             written += _tensors(args[position])

@@ -27,19 +27,28 @@ def read_back(ints: Sequence[torch.Tensor],
     """The values of 0-dim int64 tensors ``ints`` and float64 tensors ``floats``, in order,
     with one device-to-host transfer per device."""
     global READBACKS
-    tensors = [t.reshape(()) for t in ints] + [t.reshape(()).view(torch.int64) for t in floats]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
+    values: list[int | float] = [0] * (len(ints) + len(floats))
+    plain: list[tuple[int, torch.Tensor]] = []
+    for i, t in enumerate((*ints, *floats)):
+        if type(t) is torch.Tensor:
+            t = t.reshape(())
+            plain.append((i, t if i < len(ints) else t.view(torch.int64)))
+        else:
+            # A wrapper subclass (a DTensor's loss or parameter sum): its own ``item`` may
+            # have to combine shards, so it is read on its own.
+            values[i] = t.item()
+            READBACKS += 1
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in plain:
+        by_device.setdefault(t.device, []).append((i, t))
     cuda.synchronize(by_device)
-    words = [0] * len(tensors)
-    for positions in by_device.values():
-        group = [tensors[i] for i in positions]
-        cuda.hand_over(group)
-        values = torch.stack(group).tolist()
+    for group in by_device.values():
+        tensors = [t for _, t in group]
+        cuda.hand_over(tensors)
+        words = torch.stack(tensors).tolist()
         READBACKS += 1
-        for i, value in zip(positions, values, strict=True):
-            words[i] = value
+        for (i, _), word in zip(group, words, strict=True):
+            # floats travelled as their bit patterns
+            values[i] = word if i < len(ints) else float(np.int64(word).view(np.float64))
     n = len(ints)
-    as_floats = np.array(words[n:], dtype=np.int64).view(np.float64).tolist()
-    return words[:n], as_floats
+    return [int(v) for v in values[:n]], [float(v) for v in values[n:]]

@@ -32,7 +32,10 @@ class _Buffer:
     def __init__(self, order: int) -> None:
         self.device: tuple[str, int] | None = None
         self.entries: list[Entry] = []
-        self.order = order  # creation order: only breaks ties that nothing else breaks
+        # Creation order: breaks ties between threads on one device, which the autograd
+        # engine does not make (one worker per device); then it is as timing-dependent
+        # as the records were.
+        self.order = order
 
     def key(self) -> tuple[Any, ...]:
         device = self.device or ("~", -1)  # threads that produced no tensor: last

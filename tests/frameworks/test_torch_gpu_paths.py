@@ -317,3 +317,14 @@ def test_host_read_backs_per_step_do_not_grow_with_the_model(tmp_path: Path) -> 
     # 24 parameters, 24 gradients, 48 optimizer tensors: a read per tensor would be > 100.
     for calls, counted in per_step:  # each iteration includes its step's end
         assert calls <= 3 and counted <= 3, per_step
+
+
+def test_compiled_regions_are_not_recorded_during_graph_capture(fake: SimpleNamespace) -> None:
+    from nondet.frameworks.torch.compiled import Regions
+
+    recorder = _recorder()
+    backend = SimpleNamespace(recorder=recorder, paused=False, disabled=False)
+    regions = Regions(backend)
+    assert regions.recording()
+    fake.capturing[0] = True  # reduce-overhead / torch.cuda.graph around a compiled call
+    assert not regions.recording()

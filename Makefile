@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 EXTRAS ?= torch,tensorflow,dev
 
-.PHONY: install demo test lint typecheck unit e2e bench goldens clean
+.PHONY: install demo test lint typecheck unit e2e bench goldens gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,14 @@ goldens: install
 
 bench: install
 	$(BIN)/python bench/bench.py --write docs/benchmarks.md
+
+# The CUDA paths (docs/architecture.md, "GPU: written, not yet run") on a real GPU: the GPU
+# test file, then the benchmark. Without a CUDA device it says so and succeeds. Run after
+# `make install` (it does not install anything itself).
+gpu-check:
+	@if $(BIN)/python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; \
+	then $(BIN)/python -m pytest -q tests/gpu && $(BIN)/python bench/bench.py --framework torch; \
+	else echo "gpu-check: no CUDA device on this machine; nothing was run (run it on a GPU machine)"; fi
 
 clean:
 	rm -rf .nondet build *.egg-info .pytest_cache .ruff_cache .mypy_cache

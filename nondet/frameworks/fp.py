@@ -11,7 +11,7 @@ class Fp:
     """One tensor's fingerprint: its content sum (pending on the device, or already on the
     host) plus its description, combined into the final 64-bit ``value`` by ``finalize``.
 
-    See Note [Derived fingerprints] (torch/ops.py): a fingerprint can instead be *derived*
+    See Note [Derived fingerprints] (torch/cache.py): a fingerprint can instead be *derived*
     from other fingerprints (``parents``) and a description, without reading the tensor. ``lazy``
     fingerprints (uninitialized outputs, views of them) are computed only if read.
     """

@@ -18,9 +18,9 @@ from __future__ import annotations
 import functools
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import tensorflow as tf
@@ -40,6 +40,13 @@ from nondet.frameworks.tensorflow.state import (
     variable_group,
 )
 from nondet.records import Group, Kind, Phase
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _not_converted(function: _F) -> _F:
+    """AutoGraph leaves ``function`` alone (a typed ``do_not_convert``: TF's is untyped)."""
+    return cast(_F, tf.autograph.experimental.do_not_convert(function))
 
 
 class TFBackend(StepLifecycle):
@@ -86,7 +93,7 @@ class TFBackend(StepLifecycle):
         original_gradient = tf.GradientTape.gradient
 
         @functools.wraps(original_gradient)
-        @tf.autograph.experimental.do_not_convert
+        @_not_converted
         def gradient(tape: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
             if backend.disabled:
                 return original_gradient(tape, target, *args, **kwargs)
@@ -98,14 +105,14 @@ class TFBackend(StepLifecycle):
             finally:
                 backend.phase = previous
 
-        tf.GradientTape.gradient = gradient  # type: ignore[method-assign]
+        tf.GradientTape.gradient = gradient
 
         from tensorflow.python.data.ops import iterator_ops
 
         original_next = iterator_ops.OwnedIterator.__next__
 
         @functools.wraps(original_next)
-        @tf.autograph.experimental.do_not_convert
+        @_not_converted
         def iterator_next(iterator: Any) -> Any:
             if backend.disabled or backend.evaluating or not tf.executing_eagerly():
                 return original_next(iterator)
@@ -122,7 +129,7 @@ class TFBackend(StepLifecycle):
                     backend.add_data("tf_data:iterator next", fps, numel)
             return element
 
-        iterator_ops.OwnedIterator.__next__ = iterator_next  # type: ignore[method-assign]
+        iterator_ops.OwnedIterator.__next__ = iterator_next
 
     def _install_keras_hooks(self) -> None:
         import keras
@@ -135,7 +142,7 @@ class TFBackend(StepLifecycle):
         original_call = Layer.__call__
 
         @functools.wraps(original_call)
-        @tf.autograph.experimental.do_not_convert
+        @_not_converted
         def layer_call(layer: Any, *args: Any, **kwargs: Any) -> Any:
             if backend.disabled:
                 return original_call(layer, *args, **kwargs)
@@ -148,24 +155,24 @@ class TFBackend(StepLifecycle):
             finally:
                 backend.layer_stack.pop()
 
-        Layer.__call__ = layer_call  # type: ignore[method-assign]
+        Layer.__call__ = layer_call
 
         original_init = BaseOptimizer.__init__
 
         @functools.wraps(original_init)
-        @tf.autograph.experimental.do_not_convert
+        @_not_converted
         def optimizer_init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             original_init(optimizer, *args, **kwargs)
             if not backend.disabled and not backend.started:
                 with backend.guarded(), tf.init_scope():
                     backend.start_training()
 
-        BaseOptimizer.__init__ = optimizer_init  # type: ignore[method-assign]
+        BaseOptimizer.__init__ = optimizer_init
 
         original_apply = BaseOptimizer.apply
 
         @functools.wraps(original_apply)
-        @tf.autograph.experimental.do_not_convert
+        @_not_converted
         def apply(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             if backend.disabled:
                 return original_apply(optimizer, *args, **kwargs)
@@ -183,7 +190,7 @@ class TFBackend(StepLifecycle):
                     backend.recorder.count_update()  # in a graph: counted when it runs
             return result
 
-        BaseOptimizer.apply = apply  # type: ignore[method-assign]
+        BaseOptimizer.apply = apply
         self._mark_evaluation()
 
     def _mark_evaluation(self) -> None:

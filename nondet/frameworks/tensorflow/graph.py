@@ -1,7 +1,7 @@
 """What the TensorFlow op recorder knows about graphs: which op types are derived, skipped,
 control flow or data; the record of one graph op (``GraphOp``); nondet's own variables
 (``RecorderVariables``: the slot buffer, the window flag and the guard functions); and which
-graphs are instrumented. See Note [Graph instrumentation] in ops.py."""
+graphs are instrumented. See Note [Graph instrumentation] in traced.py."""
 
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,14 +32,14 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.base import Session, StepLifecycle, StepState, TensorRow, group_fp
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.torch import compiled
+from nondet.frameworks.torch import compiled, cuda
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.kept import KeptOutputs
 from nondet.frameworks.torch.ops import CaptureMode, OpRecorder, tensors_in
 from nondet.frameworks.torch.state import (
     module_paths,
     named_state,
-    to_numpy,
     torch_environment,
     torch_facts,
 )
@@ -60,8 +59,6 @@ class TorchBackend(StepLifecycle):
         self.optimizer_made = False  # boundaries then come from optimizer steps
         self.update_pending = False  # hand-written update: step ends at the next forward
         self.verified_step: int | None = None  # last step whose parameters were re-checked
-        self._kept: dict[tuple[int, int], list[np.ndarray]] = {}  # see keep()
-        self.kept_bytes = 0
         self.module_stack: list[int] = []  # string ids of module paths
         self.module_ids: dict[int, int] = {}  # id(module) -> string id of its path
         self.roots: list[torch.nn.Module] = []
@@ -69,6 +66,7 @@ class TorchBackend(StepLifecycle):
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         super().__init__(session)
         self.recorder = OpRecorder(self)
+        self.outputs = KeptOutputs(session, self.paused_capture)
         self.entries = DataEntries(self)
         torch.manual_seed(session.config.seed)
         self._install_hooks()
@@ -91,6 +89,8 @@ class TorchBackend(StepLifecycle):
         optim_module.register_optimizer_step_post_hook(self._optimizer_post)
         self.entries.install()
         compiled.install(self)
+        cuda.install_replay_hook(self.recorder.graph_outputs,
+                                 lambda: not self.disabled and self.recorder.window, self.guarded)
 
         original_opt_init = torch.optim.Optimizer.__init__
 
@@ -110,7 +110,7 @@ class TorchBackend(StepLifecycle):
 
         @functools.wraps(original_backward)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.disabled or self.paused:
+            if self.disabled or self.paused or cuda.capturing():
                 return original_backward(tensors, *args, **kwargs)
             with self.guarded():
                 self._before_backward(tensors)
@@ -140,7 +140,7 @@ class TorchBackend(StepLifecycle):
         if self.disabled or self.paused:
             return
         with self.guarded():
-            if not self.module_stack:
+            if not self.module_stack and not cuda.capturing():
                 self._root_call(module)
             mid = self.module_ids.get(id(module))
             if mid is None:
@@ -178,7 +178,7 @@ class TorchBackend(StepLifecycle):
                 self.param_names.setdefault(id(obj), path)
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.disabled or self.paused:
+        if self.disabled or self.paused or cuda.capturing():  # Note [CUDA graphs]
             return
         self.phase = Phase.OPTIMIZER
         if not self.explicit:
@@ -186,7 +186,7 @@ class TorchBackend(StepLifecycle):
                 self.grads = self._grad_snapshot()
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.disabled or self.paused or self.explicit:
+        if self.disabled or self.paused or self.explicit or cuda.capturing():
             return
         with self.guarded():
             self.boundary()
@@ -211,6 +211,7 @@ class TorchBackend(StepLifecycle):
         self.phase = Phase.BACKWARD
 
     def _after_backward(self) -> None:
+        self.recorder.merge_threads()  # Note [Autograd worker threads] in threads.py
         self.phase = Phase.OPTIMIZER
         if not self.optimizer_made and not self.explicit:
             self.grads = self._grad_snapshot()
@@ -229,7 +230,7 @@ class TorchBackend(StepLifecycle):
 
     def node_origin(self, node: Any) -> tuple[int, int]:
         """(module, source) of the forward op that created an autograd node."""
-        origin = node.metadata.get("nondet")
+        origin: tuple[int, int] | None = node.metadata.get("nondet")
         if origin is not None:
             return origin
         variable = getattr(node, "variable", None)  # AccumulateGrad: the parameter
@@ -252,13 +253,13 @@ class TorchBackend(StepLifecycle):
         if want:
             if self.mode is None:
                 self.mode = CaptureMode(self.recorder)
-                self.mode.__enter__()
+                self.mode.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
             if not self.recorder.window:
                 self.recorder.open_window()
             return
         self.recorder.close_window()
         if self.mode is not None and _get_current_dispatch_mode() is self.mode:
-            self.mode.__exit__(None, None, None)
+            self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             self.mode = None
         # Otherwise another mode was pushed above ours: leave ours in place, inactive.
 
@@ -309,7 +310,7 @@ class TorchBackend(StepLifecycle):
                 (Group.OPTIM, self._fps(optim, detailed)),
             ]
             rng = [self._fp_of(torch.get_rng_state())]
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
+            if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
                 rng.extend(self._fp_of(s) for s in torch.cuda.get_rng_state_all())
             sums = [p.detach().sum(dtype=torch.float64) for _, p in params
                     if p.is_floating_point()]
@@ -317,22 +318,27 @@ class TorchBackend(StepLifecycle):
             stats = {(group, name): self.hasher.stats(t)
                      for group, items in (groups if detailed else []) for name, _, t in items
                      if t is not None}
-            self.recorder.resolve()  # every pending Fp of this step, data and losses too
+            # Every pending Fp of this step (data and losses too) and these float64 scalars
+            # come back in one transfer per device (readback.py), never one per tensor.
+            floats = [x for x in (params_sum, self.loss_scalar) if x is not None]
+            floats += [x for pair in stats.values() if pair for x in pair]
+            values = iter(self.recorder.resolve(floats))
+            params_value = next(values) if params_sum is not None else math.nan
             if self.loss_scalar is not None:
-                self.loss_value = float(self.loss_scalar)
+                self.loss_value = next(values)
+            host_stats = {key: (next(values), next(values)) for key, pair in stats.items()
+                          if pair}
             state = StepState(
                 params=group_fp([fp.value or 0 for _, fp, _ in groups[0][1]]),
                 buffers=group_fp([fp.value or 0 for _, fp, _ in groups[1][1]]),
                 grads=group_fp([fp.value or 0 for _, fp, _ in groups[2][1]]),
                 optim=group_fp([fp.value or 0 for _, fp, _ in groups[3][1]]),
-                params_sum=float(params_sum) if params_sum is not None else math.nan,
+                params_sum=params_value,
                 rng=[fp.value or 0 for fp in rng],
             )
             for group, items in groups if detailed else []:
                 for name, fp, t in items:
-                    pair = stats.get((group, name))
-                    total, maxabs = (float(pair[0]), float(pair[1])) if pair else (math.nan,
-                                                                                   math.nan)
+                    total, maxabs = host_stats.get((group, name), (math.nan, math.nan))
                     state.tensors.append(TensorRow(group, name, fp.value or 0, total, maxabs,
                                                    t.numel() if t is not None else 0))
         return state
@@ -377,31 +383,15 @@ class TorchBackend(StepLifecycle):
     def facts(self) -> dict[str, Any]:
         return torch_facts()
 
-    # -- kept outputs and dumps ------------------------------------------------------------------
+    # -- kept outputs and dumps (kept.py) -------------------------------------------------------
     def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None:
-        """Keep a host copy of a record's outputs while the budget lasts (lockstep runs), so
-        the parent can measure a difference without re-running the script."""
-        budget = self.session.config.keep_bytes
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        if not tensors or self.kept_bytes + size > budget:
-            return
-        with self.paused_capture():
-            self._kept[(step, index)] = [to_numpy(t) for t in tensors]
-        self.kept_bytes += size
+        self.outputs.keep(step, index, tensors)
 
     def kept(self, step: int, index: int) -> list[np.ndarray]:
-        return self._kept.get((step, index), [])
+        return self.outputs.kept(step, index)
 
     def dump_and_exit(self, tensors: list[torch.Tensor]) -> None:
-        """Save one op's outputs (the dump pass) and end the run right here."""
-        with self.paused_capture():
-            for i, t in enumerate(tensors):
-                session_step, index = self.session.config.dump  # type: ignore[misc]
-                self.session.send_dump(f"out{i}", to_numpy(t),
-                                       {"step": session_step, "index": index,
-                                        "torch_dtype": str(t.dtype)})
-        self.session.finish("stopped", 0)
-        os._exit(0)
+        self.outputs.dump_and_exit(tensors)
 
     def disable(self) -> None:
         super().disable()

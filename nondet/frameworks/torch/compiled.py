@@ -42,6 +42,7 @@ import torch
 
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.torch import cuda
 from nondet.records import Flag, Kind, Phase
 
 
@@ -94,7 +95,8 @@ class Regions:
     def recording(self) -> bool:
         backend, recorder = self.backend, self.backend.recorder
         return (recorder.active and recorder.window and not backend.paused
-                and not backend.disabled and recorder.depth == 0 and not self.inside())
+                and not backend.disabled and recorder.depth == 0 and not self.inside()
+                and not cuda.capturing())  # Note [CUDA graphs] in cuda.py
 
     def failed(self) -> None:
         """Trouble in nondet's own code: report it as nondet's bug, let the script run on."""

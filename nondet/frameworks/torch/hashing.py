@@ -30,6 +30,7 @@ from nondet.fingerprint import (
     position_keys,
     word_size,
 )
+from nondet.frameworks.torch import cuda
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
 _NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
@@ -124,7 +125,8 @@ class TorchHasher:
             return partial[0]
         weights = self._chunk_keys.get(device)
         if weights is None or weights.numel() < len(partial):
-            weights = _from_numpy(chunk_keys(max(len(partial), 64))).to(device)
+            cuda.retire(weights)  # another stream may still read it (Note [Streams])
+            weights = _from_numpy(chunk_keys(max(len(partial), 4096))).to(device)
             self._chunk_keys[device] = weights
         return (torch.stack(partial) * weights[: len(partial)]).sum()
 
@@ -132,27 +134,37 @@ class TorchHasher:
         keys = self._keys.get(device)
         if keys is None or keys.numel() < n:
             size = min(CHUNK_WORDS, max(n, 4096, 2 * (0 if keys is None else keys.numel())))
+            if device.type == "cuda":
+                # Full size at once: growing would allocate inside a CUDA graph capture
+                # and free a buffer other streams may still read (cuda.py).
+                size = CHUNK_WORDS
+            cuda.retire(keys)
             keys = _from_numpy(position_keys(size)).to(device)
             self._keys[device] = keys
         return keys
 
     def _scratch_for(self, device: Any, n: int) -> torch.Tensor:
+        # Per thread and, on CUDA, per stream: hashes on two streams must not share it.
         scratch: dict[Any, torch.Tensor] = self._local.__dict__.setdefault("s", {})
-        buf = scratch.get(device)
+        key = cuda.stream_key(device)
+        buf = scratch.get(key)
         if buf is None or buf.numel() < n:
+            cuda.retire(buf)
             buf = torch.empty(min(CHUNK_WORDS, max(n, 4096)), dtype=torch.int64, device=device)
-            scratch[device] = buf
+            scratch[key] = buf
         return buf
 
     def _stage(self, device: Any) -> Stage:
-        """Staging byte buffers of this thread and device, made when first needed."""
+        """Staging byte buffers of this thread and device (and CUDA stream), made when first
+        needed."""
         buffers: dict[Any, torch.Tensor] = self._local.__dict__.setdefault("b", {})
+        key = cuda.stream_key(device)
 
         def get(i: int) -> torch.Tensor:
-            buf = buffers.get((device, i))
+            buf = buffers.get((key, i))
             if buf is None:  # one block plus a carried word
-                buf = buffers[(device, i)] = torch.empty(_BLOCK_BYTES + 8, dtype=torch.uint8,
-                                                         device=device)
+                buf = buffers[(key, i)] = torch.empty(_BLOCK_BYTES + 8, dtype=torch.uint8,
+                                                      device=device)
             return buf
 
         return get

@@ -56,7 +56,30 @@ RNG_OPS = frozenset(
         "_sample_dirichlet", "rrelu_with_noise", "_fused_dropout",
     }
 )
+#: Auxiliary outputs that real kernels leave uninitialized or fill with bookkeeping, by op
+#: and position in the schema's returns: never hashed nor compared. Flash and
+#: memory-efficient attention return their philox seed/offset (``rng_state``/``unused``)
+#: as ``empty`` when dropout_p == 0 and a debug mask that is ``empty`` unless asked for;
+#: cuDNN/MIOpen RNNs return a reserve buffer (workspace for backward, padding included).
+#: A seed that matters (dropout_p > 0) comes from the generator, whose state is compared at
+#: every step, and its effect shows in the op's output anyway.
+AUX_OUTPUTS: dict[str, tuple[int, ...]] = {
+    "_scaled_dot_product_flash_attention": (6, 7, 8),
+    "_scaled_dot_product_cudnn_attention": (6, 7, 8),
+    "_scaled_dot_product_fused_attention_overrideable": (6, 7, 8),
+    "_scaled_dot_product_efficient_attention": (2, 3),
+    "_flash_attention_forward": (2, 3, 4),
+    "_efficient_attention_forward": (2, 3),
+    "_cudnn_rnn": (3,),
+    "miopen_rnn": (3,),
+}
 
+
+def aux_tensors(out: Any, positions: tuple[int, ...]) -> list[Any]:
+    """The auxiliary outputs at ``positions`` of an op's return value (AUX_OUTPUTS)."""
+    if not isinstance(out, (tuple, list)):
+        return []
+    return [out[i] for i in positions if i < len(out) and hasattr(out[i], "device")]
 
 
 @dataclass(frozen=True)
@@ -76,6 +99,7 @@ class OpInfo:
     move: bool = False  # only moves values (MOVE_OPS)
     pointwise: bool = False  # output derived from inputs (Note [Derived fingerprints])
     code: int = 0  # stable code of the op name
+    aux: tuple[int, ...] = ()  # positions of outputs never hashed nor compared (AUX_OUTPUTS)
 
 
 
@@ -112,5 +136,6 @@ def op_info(func: Any, name_id: int) -> OpInfo:
     pointwise = base in POINTWISE_OPS and not uninit and not (flags & Flag.RNG)
     return OpInfo(name_id, view, frozenset(mutated_args), frozenset(mutated_kwargs),
                   frozenset(over_args), frozenset(over_kwargs), uninit, int(flags),
-                  from_storage, handle, base in MOVE_OPS, pointwise, name_code(str(func)))
+                  from_storage, handle, base in MOVE_OPS, pointwise, name_code(str(func)),
+                  AUX_OUTPUTS.get(base, ()))
 

@@ -108,7 +108,8 @@ def torch_environment(initialized: bool) -> dict[str, str]:
         "cuda.matmul.allow_tf32": str(torch.backends.cuda.matmul.allow_tf32),
     }
     try:
-        env["cudnn_version"] = str(torch.backends.cudnn.version() or "(none)")
+        version = torch.backends.cudnn.version()  # type: ignore[no-untyped-call]
+        env["cudnn_version"] = str(version or "(none)")
     except Exception:  # pragma: no cover - depends on the build
         env["cudnn_version"] = "(none)"
     # Device names need CUDA initialized; do not be the one to initialize it at import.
@@ -119,7 +120,8 @@ def torch_environment(initialized: bool) -> dict[str, str]:
         env["cuda_capability"] = ", ".join(
             ".".join(map(str, torch.cuda.get_device_capability(i))) for i in range(len(names)))
         try:
-            env["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+            nccl = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+            env["nccl_version"] = ".".join(map(str, nccl))
         except Exception:
             env["nccl_version"] = "(none)"
     else:

@@ -1,0 +1,322 @@
+"""Graph op capture for TensorFlow: instrumenting ops while a ``tf.function`` is traced,
+and reading what the instrumented graph wrote after each call.
+
+Note [Graph instrumentation]
+At trace time, every graph op whose outputs must be hashed gets, next to it, an in-graph
+fingerprint of each output written into a slot of one int64 buffer variable
+(``content + 1``, so 0 means "did not run"), guarded by an ``If`` op on a boolean
+variable that is true only during steps with op-level capture: graphs are traced once but
+run every step, and outside the op window the guard skips all the work. The guard's two
+branches are functions traced once per dtype and shared by all ops (``tf.cond`` would
+trace two graphs per op: tracing a Keras CNN took 20 s instead of 4). Only the slots
+leave the device. When a traced function has run (its eager call shows up in the eager
+callback), nondet reads the slots, zeroes them, and turns the graph's op table (built at
+trace time, in creation order, which is deterministic unlike execution order) into
+records. Data entering the graph (``IteratorGetNext``) and optimizer updates are recorded
+outside the guard, because step boundaries and the step's data need them every step.
+
+The guard must stay a real ``If`` op, not the ``Switch``/``Merge`` that ``tf.cond`` is
+lowered to by default: lowered, the hashed tensor's buffer is held by the dead branch for a
+timing-dependent while, so whether the next op may reuse that buffer in place varies from
+run to run, and ``AddN`` sums its inputs starting from whichever buffer it reuses. Measured
+on bench/model_tf.py: with lowered guards, two captured runs of the same seeded script
+differed within six steps; with ``If`` ops, they match (as plain runs do). The identity
+that consumers see depends on the guard, so the guard has let go of the tensor before any
+consumer runs. Data ops, hashed every step, are not guarded.
+
+Outputs that are pure functions of their inputs (``DERIVED_OPS``) are not hashed: their
+fingerprints are derived from their inputs' (Note [Derived fingerprints] in
+torch/cache.py), on the host. The inputs of a graph op are known from the graph, so an
+input's fingerprint is its producer's: nothing extra is hashed for inputs.
+
+Limitations
+- Ops inside ``tf.cond``/``tf.while_loop`` bodies are not recorded one by one: the
+  control-flow op that runs them is (``If``, ``While``), so a difference made inside is
+  attributed to it. Running the functions eagerly (``tf.config.run_functions_eagerly(True)``)
+  shows every op. Nested ``tf.function`` graphs are recorded like top-level ones.
+- Graphs compiled with XLA (``jit_compile=True``) are instrumented like others, untested.
+- Ops in graphs traced before nondet's hooks were installed are not seen.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
+
+import tensorflow as tf
+from tensorflow.python.ops import gen_functional_ops
+
+from nondet.fingerprint import MASK64, name_code
+from nondet.frameworks.base import RecorderHost
+from nondet.frameworks.fp import Fp
+from nondet.frameworks.tensorflow.graph import (
+    CAPACITY,
+    DATA_OPS,
+    DERIVED_OPS,
+    ENTRY_KINDS_OF,
+    LATE_OPS,
+    SKIPPED_OPS,
+    SLOT_MARGIN,
+    GraphOp,
+    RecorderVariables,
+    backward_graph,
+    describe,
+    entry_label,
+    numel,
+)
+from nondet.frameworks.tensorflow.hashing import hashable
+from nondet.records import NODE_SEP, Kind, Phase
+
+
+class TFHost(RecorderHost, Protocol):
+    """What the recorder asks of the TensorFlow backend (it never imports the backend)."""
+
+    evaluating: bool
+
+    def own_variables(self) -> AbstractContextManager[None]: ...
+
+    def after_function(self) -> None: ...
+
+    def graph_origin(self, op_name: str, output: Any) -> tuple[int, int]: ...
+
+
+class GraphRecorder:
+    """Graph records: the op table built at trace time and the slots read after each call
+    (module Note). ``ops.TFOpRecorder`` adds the eager side and the callback."""
+
+    def __init__(self, backend: TFHost) -> None:
+        self.backend = backend
+        self.session = backend.session
+        self._vars: RecorderVariables | None = None
+        self.full = False  # no slot left: see _stop_instrumenting
+        self.loss_meta: tuple[int, ...] | None = None  # set once a traced graph carries a loss
+        self.instrument = backend.session.config.op_steps != []
+        self.table: list[GraphOp] = []
+        self.where: dict[tuple[int, str], tuple[int, int]] = {}  # (graph, tensor) -> producer
+        self.next_slot = 0
+        self.records: list[tuple[Any, ...]] = []
+        self.active = False
+        self.updates_seen = 0
+        self.reordering_stage = -1  # source of the last tf.data stage built unordered
+        self._local = threading.local()
+
+    @property
+    def vars(self) -> RecorderVariables:
+        if self._vars is None:
+            with self.backend.own_variables():
+                self._vars = RecorderVariables(self.active)
+        return self._vars
+
+    @contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """Ops made in here are nondet's own: the callback leaves them alone."""
+        was = getattr(self._local, "busy", False)
+        self._local.busy = True
+        try:
+            yield
+        finally:
+            self._local.busy = was
+
+    # -- graph ops (trace time) ----------------------------------------------------------------
+    def _trace(self, op_type: str, inputs: Any, outputs: Any, op_name: str,
+               graph: Any) -> list[Any] | None:
+        """Record a graph op being traced; returns its outputs with the hashed ones replaced
+        by identities that depend on their fingerprint's write, so the write always runs
+        (ops nothing depends on may be pruned from a function)."""
+        outputs = list(outputs or ())
+        if op_type in SKIPPED_OPS or op_type in LATE_OPS:
+            return None
+        if self.next_slot + len(outputs) + SLOT_MARGIN > CAPACITY:
+            self._stop_instrumenting()
+            return None
+        backend = self.backend
+        numeric = [t for t in outputs if hashable(t)]
+        gid = id(graph)
+        late: list[Any] = []
+        producers = [self._producer(gid, t, late) for t in (inputs or ()) if hashable(t)]
+        module, source = backend.graph_origin(op_name, outputs[0] if outputs else None)
+        index = len(self.table)
+        data = op_type in DATA_OPS
+        if data and self.reordering_stage >= 0:
+            source = self.reordering_stage
+        entry = op_type in ENTRY_KINDS_OF or data
+        node = getattr(getattr(outputs[0], "op", None), "name", op_name) if outputs else op_name
+        name = (f"tf_data:{op_type}" if data else
+                f"{ENTRY_KINDS_OF[op_type]}:{entry_label(op_type)}" if entry else
+                f"{op_type}{NODE_SEP}{node}")
+        op = GraphOp(
+            kind=Kind.ENTRY if entry else Kind.OP,
+            phase=int(Phase.DATA if data else
+                      Phase.BACKWARD if backward_graph(graph) else backend.phase),
+            name_id=self.session.intern(name), module=module, source=source, slots=[],
+            meta=[describe(t) for t in numeric], producers=producers,
+            derived=op_type in DERIVED_OPS and not entry, code=name_code(op_type),
+            numel=numel(numeric[0]) if numeric else -1, data=data,
+        )
+        for position, t in enumerate(numeric):  # positions count hashed outputs, as op.fps
+            self.where[(gid, t.name)] = (index, position)
+        if not numeric:
+            return None
+        self.table.append(op)
+        if op.derived and not late:
+            return None
+        replaced = []
+        position = 0
+        for t in outputs:
+            if hashable(t):
+                writes = list(late)
+                if not op.derived:
+                    slot = self._slot()
+                    op.slots.append(slot)
+                    writes.append(self._write(t, slot, always=data))
+                with tf.control_dependencies(writes):
+                    t = tf.identity(t)
+                # consumers see the identity, not the op's own output
+                self.where[(gid, t.name)] = (index, position)
+                position += 1
+            replaced.append(t)
+        return replaced
+
+    def _producer(self, gid: int, t: Any, late: list[Any]) -> tuple[int, int]:
+        """Where an input comes from; the outputs of LATE_OPS are recorded here, the first
+        time something reads them."""
+        known = self.where.get((gid, t.name))
+        if known is not None:
+            return known
+        op = getattr(t, "op", None)
+        if op is None or op.type not in LATE_OPS:
+            return (-1, 0)
+        backend = self.backend
+        module, source = backend.graph_origin(op.name, t)
+        entry = op.type == "Placeholder"
+        record = GraphOp(
+            kind=Kind.ENTRY if entry else Kind.OP, phase=int(backend.phase),
+            name_id=self.session.intern("external:graph input" if entry
+                                        else f"{op.type}{NODE_SEP}{op.name}"),
+            module=module, source=source, slots=[], meta=[],
+            producers=[self.where.get((gid, i.name), (-1, 0)) for i in op.inputs
+                       if hashable(i)], code=name_code(op.type))
+        index = len(self.table)
+        self.table.append(record)
+        for position, output in enumerate(o for o in op.outputs if hashable(o)):
+            slot = self._slot()
+            record.slots.append(slot)
+            record.meta.append(describe(output))
+            late.append(self._write(output, slot, always=False))
+            self.where[(gid, output.name)] = (index, position)
+        record.numel = numel(op.outputs[0]) if op.outputs else -1
+        return self.where.get((gid, t.name), (-1, 0))
+
+    def _slot(self) -> int:
+        if self.next_slot >= CAPACITY:  # SLOT_MARGIN makes this a nondet bug
+            raise RuntimeError(f"more than {CAPACITY} graph outputs traced")
+        slot, self.next_slot = self.next_slot, self.next_slot + 1
+        return slot
+
+    def _stop_instrumenting(self) -> None:
+        """The slot buffer is full (a function retraced again and again, e.g. one called
+        with a new Python number each step): graphs traced from now on run uninstrumented."""
+        self.full = True
+        self.backend.note_once("graph_capacity", (
+            f"op-level capture stopped instrumenting new TensorFlow graphs after {CAPACITY} "
+            "traced outputs: a tf.function is probably retraced on every call (pass tensors, "
+            "not Python numbers, or give it an input_signature)"))
+
+    def _write(self, t: Any, slot: int, always: bool) -> Any:
+        """The in-graph write of ``t``'s fingerprint into ``slot``: an ``If`` op on the
+        window flag over the shared guard functions (module Note); ``always``: unguarded."""
+        if always:
+            value = self.vars.hasher.content(tf.stop_gradient(t)) + 1
+            with tf.control_dependencies([self.vars.buffer.scatter_nd_update([[slot]],
+                                                                             [value])]):
+                return tf.constant(True)
+        then, otherwise = self.vars.guard(t.dtype)
+        inputs = [tf.stop_gradient(t), tf.constant(slot, tf.int32), *then.captured_inputs]
+        return gen_functional_ops._if(self.vars.window_flag, inputs, [tf.bool],
+                                      then_branch=then, else_branch=otherwise)[0]
+
+    def count_update(self) -> None:
+        """In a graph being traced: count an optimizer update when the graph runs."""
+        with self._quiet():
+            self.vars.updates.assign_add(1)
+
+    def carry_loss(self, target: Any) -> None:
+        """In a graph being traced: the loss ``tape.gradient`` differentiates is symbolic, so
+        assignments (which a tf.function always runs) carry its hash and value to the step
+        end, where ``take_loss`` reads them."""
+        if not hashable(target):
+            return
+        with self._quiet():
+            t = tf.stop_gradient(target)
+            self.vars.loss_hash.assign(self.vars.hasher.content(t) + 1)
+            scalar = t.shape.is_fully_defined() and t.shape.num_elements() == 1
+            self.vars.loss_value.assign(tf.cast(tf.reshape(t, []) if scalar else math.nan,
+                                           tf.float64))
+            self.loss_meta = describe(t)
+
+    def take_loss(self) -> tuple[Fp, float] | None:
+        """The loss carried out of the function that just ran, if it computed one."""
+        if self.loss_meta is None:
+            return None
+        stored = int(self.vars.loss_hash.numpy())
+        if not stored:
+            return None
+        self.vars.loss_hash.assign(0)
+        return self._from_slot(stored, self.loss_meta), float(self.vars.loss_value.numpy())
+
+    # -- after a traced function ran -----------------------------------------------------------
+    def collect(self) -> tuple[list[Fp], int]:
+        """Read the slots of the function that just ran: data fingerprints of this call
+        and how many optimizer updates it made. Op records are added if in the window."""
+        updates = int(self.vars.updates.numpy()) if self._vars is not None else 0
+        new_updates, self.updates_seen = updates - self.updates_seen, updates
+        if self.next_slot == 0:
+            return [], new_updates
+        values = self.vars.buffer[: self.next_slot].numpy()
+        self.vars.buffer[: self.next_slot].assign(tf.zeros([self.next_slot], tf.int64))
+        data: list[Fp] = []
+        for op in self.table:
+            op.fps = []
+            if op.derived:
+                parents = [self._produced(p) for p in op.producers]
+                if not any(parents) or not self.active:
+                    continue
+                op.fps = [self._from_parents(op, parents, m) for m in op.meta]
+            else:
+                stored = [int(values[s]) for s in op.slots]
+                if not any(stored):
+                    continue  # did not run
+                op.fps = [self._from_slot(v, m) for v, m in zip(stored, op.meta, strict=True)]
+            if op.data:
+                data.extend(op.fps)
+            if self.active:
+                ins = [fp for fp in (self._produced(p) for p in op.producers) if fp is not None]
+                self.records.append((op.kind, op.phase, 0, op.name_id, op.module, op.source,
+                                     op.fps, ins, op.numel))
+        return data, new_updates
+
+    def _produced(self, producer: tuple[int, int]) -> Fp | None:
+        index, position = producer
+        if index < 0 or index >= len(self.table):
+            return None
+        fps = self.table[index].fps
+        return fps[position] if position < len(fps) else None
+
+    @staticmethod
+    def _from_slot(stored: int, meta: tuple[int, ...]) -> Fp:
+        fp = Fp()
+        fp.content, fp.meta = (stored - 1) & MASK64, meta
+        fp.finalize()
+        return fp
+
+    @staticmethod
+    def _from_parents(op: GraphOp, parents: list[Fp | None], meta: tuple[int, ...]) -> Fp:
+        fp = Fp()
+        fp.parents = tuple(p for p in parents if p is not None)
+        fp.meta = (op.code, *meta)
+        fp.finalize()
+        return fp
+

@@ -1,0 +1,307 @@
+"""What the PyTorch op recorder remembers during a captured step: the fingerprint of
+every tensor it has seen (the cache), fingerprints still on their device (resolved once
+per step), and the step's records. The per-op logic that fills them is ``ops.py``.
+
+Note [Derived fingerprints]
+A view's values are fixed by its base's values and its geometry (dtype, shape, strides,
+offset), and a pointwise op's output (``POINTWISE_OPS``: elementwise, no reduction, no RNG)
+is fixed by its inputs, its scalar arguments and its output's shape and dtype. Their
+fingerprints are therefore *derived* from those, without reading the tensor: that skips
+most of the memory traffic of hashing (activations of ReLU, optimizer arithmetic). It
+cannot hide an injection: a derived fingerprint differs only if an input's does, and the
+input that differs was recorded earlier. An op on the list that read uninitialized memory
+still shows as such, because its uninitialized inputs are among the parents.
+
+Note [Fingerprint cache]
+Each tensor is fingerprinted once, when an op produces it; consumers look the fingerprint up
+by tensor identity: a dict keyed by ``id`` whose weak reference must still point at the same
+tensor (no effect on lifetimes; nothing is attached to user tensors, so checkpoints stay
+clean; dead entries are pruned at step ends, and a recycled ``id`` never matches). An entry
+is current only if both the tensor's version counter and its storage's write count (bumped
+by every recorded op that mutates any tensor on that storage) are unchanged:
+``p.data.sub_(...)`` does not bump ``p``'s version counter, but it does bump the storage's
+write count. Inference tensors have no version counter: the write count alone decides
+(their writes in other threads are not seen, as for any op there). The cache lives only
+while the op window is open, because writes outside it are not seen. A tensor never
+produced by a recorded op, over a storage never seen, is an entry point; storages are
+known by identity, never by address (Note [Storage identity] in tensors.py). Views are
+never hashed: see ``Fp``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from nondet.fingerprint import combine, scalar_value
+from nondet.frameworks.base import RecorderHost
+from nondet.frameworks.fp import Fp, combined
+from nondet.frameworks.torch import cuda
+from nondet.frameworks.torch import tensors as safe
+from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.optable import OpInfo
+from nondet.frameworks.torch.readback import read_back
+from nondet.frameworks.torch.tensors import Storages, StorageState
+from nondet.frameworks.torch.threads import ThreadRecords
+from nondet.records import OP_DTYPE, Kind
+
+
+class TorchHost(RecorderHost, Protocol):
+    """What the recorder asks of the torch backend (it never imports the backend)."""
+
+    hasher: TorchHasher
+
+    def tensor_name(self, t: torch.Tensor) -> str | None: ...
+
+    def node_origin(self, node: Any) -> tuple[int, int]: ...
+
+    def dump_and_exit(self, tensors: list[torch.Tensor]) -> None: ...
+
+    def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None: ...
+
+_VIEW_TAG = 0x71E3_5EED
+_describe = safe.describe
+
+
+class FingerprintCache:
+    """Fingerprint cache, pending device values and the current step's records (the
+    state ``ops.OpRecorder`` works on)."""
+
+    def __init__(self, backend: TorchHost) -> None:
+        self.backend = backend
+        self.session = backend.session
+        self.hasher = backend.hasher
+        self.window = False  # op-level capture is on for the current step
+        self.active = False  # ... and nondet is not running its own ops right now
+        self.cache: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int], Fp]] = {}
+        self.storages = Storages()  # Note [Storage identity]
+        self.pending: list[Fp] = []
+        self.records: list[tuple[Any, ...]] = []
+        self.threads = ThreadRecords()  # records of autograd worker threads
+        self.graph_outputs = cuda.GraphOutputs(self.forget)  # written by captured ops
+        self.infos: dict[Any, OpInfo] = {}
+        self.stamp: tuple[list[torch.Tensor], int, int] | None = None
+        self.creating: tuple[str, str] | None = None  # entry label while a wrapper runs
+        self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
+        self.dump_at = self.session.config.dump
+        self.keep_outputs = self.session.config.keep_bytes > 0
+
+    # -- fingerprints -----------------------------------------------------------------------
+    def fingerprint(self, t: torch.Tensor, fp: Fp | None = None) -> Fp:
+        """Start fingerprinting ``t`` (into ``fp`` if given, e.g. a lazy one)."""
+        fp = fp or Fp()
+        content = self.hasher.content(t) if safe.readable(t) else None
+        if content is None:
+            fp.value = 0  # unhashable: compared as "no information"
+            return fp
+        fp.content = content
+        fp.meta = _describe(t)
+        self.pending.append(fp)
+        return fp
+
+    def fingerprint_many(self, tensors: list[torch.Tensor]) -> list[Fp]:
+        """One fingerprint for a group of tensors (per device): their words concatenated."""
+        meta = tuple(x for t in tensors for x in _describe(t))
+        fps = []
+        for content in self.hasher.content_of_many(tensors).values():  # one per device
+            fp = Fp()
+            fp.content, fp.meta = content, meta
+            self.pending.append(fp)
+            fps.append(fp)
+        return fps
+
+    def derive(self, base: Fp, base_tensor: torch.Tensor, view: torch.Tensor,
+               uninit: bool) -> Fp:
+        """A view's fingerprint from its base's (see ``Fp``); lazy if the base is lazy."""
+        fp = Fp(uninit=uninit)
+        if base.lazy:
+            return fp
+        where = safe.geometry(view, base_tensor)
+        if where is None:  # no strides (sparse, nested): read the view itself
+            return self.fingerprint(view, fp)
+        fp.parents = (base,)
+        fp.meta = (_VIEW_TAG, *_describe(view), *where)
+        self.pending.append(fp)
+        return fp
+
+    def derive_output(self, info: OpInfo, inputs: list[Fp], scalars: list[Any],
+                      out: torch.Tensor) -> Fp:
+        """A pointwise op's output fingerprint from its inputs' (Note [Derived fingerprints])."""
+        fp = Fp()
+        fp.parents = tuple(inputs)
+        fp.meta = (info.code, *_describe(out), *(scalar_value(x) for x in scalars))
+        self.pending.append(fp)
+        return fp
+
+    # -- the cache (see Note [Fingerprint cache]) -------------------------------------------
+    def open_window(self) -> None:
+        self.close_window()
+        self.threads.claim()
+        self.window = self.active = True
+
+    def close_window(self) -> None:
+        self.window = self.active = False
+        self.cache = {}
+        self.storages.clear()
+        self.stamp = None
+
+    def _stamp_of(self, t: torch.Tensor) -> tuple[int, int]:
+        state = self.storages.get(t)
+        version = safe.version(t)
+        return -1 if version is None else version, 0 if state is None else state.writes
+
+    def note_write(self, t: torch.Tensor) -> None:
+        state = self.storages.state(t)
+        state.writes += 1
+        state.origin = None  # written by a recorded op: no longer an unknown storage
+
+    def remember(self, t: torch.Tensor, fp: Fp) -> Fp:
+        if self.window:
+            state = self.storages.state(t)
+            version = safe.version(t)
+            self.cache[id(t)] = (weakref.ref(t), (-1 if version is None else version,
+                                                  state.writes), fp)
+            state.uninit = fp.uninit
+        return fp
+
+    def _hit(self, t: torch.Tensor) -> tuple[tuple[int, int], Fp] | None:
+        entry = self.cache.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1], entry[2]
+
+    def prune(self) -> None:
+        """Drop cache entries of tensors that no longer exist."""
+        self.cache = {k: e for k, e in self.cache.items() if e[0]() is not None}
+
+    def forget(self, t: torch.Tensor) -> None:
+        """Treat ``t`` as never seen: its next use is an entry point with a fresh fingerprint.
+
+        Used for parameters at the start of each captured step, so values changed outside
+        the recorded ops (other processes through shared memory, NumPy views) show up.
+        """
+        self.cache.pop(id(t), None)
+        state = self.storages.get(t)
+        if state is not None:
+            state.uninit = state.origin = None
+
+    def known(self, t: torch.Tensor) -> Fp | None:
+        """The cached fingerprint of ``t`` if it is current (materialized if lazy)."""
+        if not self.window:
+            return None
+        hit = self._hit(t)
+        if hit is None or hit[0] != self._stamp_of(t):
+            return None
+        fp = hit[1]
+        if fp.lazy:
+            self.fingerprint(t, fp)
+        return fp
+
+    def lookup(self, t: torch.Tensor, ctx: tuple[int, int, int], materialize: bool = True) -> Fp:
+        """Fingerprint of an op input; records an entry point for a tensor never seen."""
+        hit = self._hit(t)
+        if hit is not None:
+            stamp, fp = hit
+            if stamp == self._stamp_of(t):
+                if fp.lazy and materialize:
+                    self.fingerprint(t, fp)
+                return fp
+            # Changed since we saw it, by something outside the recorded ops: fingerprint
+            # again quietly (same in both runs) and keep its uninitialized mark.
+            fresh = self.fingerprint(t)
+            fresh.uninit = fp.uninit
+            return self.remember(t, fresh)
+        state = self.storages.get(t)
+        if state is not None and state.uninit is not None and self.creating is None:
+            # A new tensor object over a storage we already track (``nn.Parameter(data)``,
+            # ``.data``): not an entry point; it inherits the uninitialized mark.
+            fp = Fp(uninit=state.uninit)
+            if materialize:
+                self.fingerprint(t, fp)
+            return self.remember(t, fp)
+        fp = self.remember(t, self.fingerprint(t))
+        self.add(Kind.ENTRY, ctx[0], 0, self.entry_name(t), ctx[1], ctx[2], [fp], [], [], (),
+                 safe.numel(t), [t])
+        return fp
+
+    def read_unknown(self, t: torch.Tensor, state: StorageState) -> Fp:
+        """First read of memory that ``set_`` wrapped before nondet saw its contents: an
+        entry point now, at the ``set_``'s place (Note [Uninitialized memory])."""
+        origin = state.origin
+        assert origin is not None
+        state.origin = None
+        fp = self.fingerprint(t)
+        self.add(Kind.ENTRY, origin[0], 0, self._from_storage_name(), origin[1], origin[2],
+                 [fp], [], [], (), safe.numel(t), [t])
+        return self.remember(t, fp)
+
+    def _from_storage_name(self) -> int:
+        return self.session.intern("external:tensor from a storage (aten.set_)")
+
+    def entry_name(self, t: torch.Tensor) -> int:
+        if self.creating is not None:
+            kind, what = self.creating
+        else:
+            kind = "external"
+            name = self.backend.tensor_name(t)
+            sizes = safe.shape(t)
+            dims = "[nested]" if sizes is None else str(list(sizes))
+            what = name or f"tensor {str(t.dtype).removeprefix('torch.')}{dims}"
+        return self.session.intern(f"{kind}:{what}")
+
+    def resolve(self, floats: Sequence[torch.Tensor] = ()) -> list[float]:
+        """Copy pending device sums (and ``floats``, float64 device scalars) to the host in
+        one transfer per device (readback.py), then combine each fingerprint with its
+        description. Bases precede their views in the list. Returns ``floats``' values."""
+        on_device = [fp for fp in self.pending if isinstance(fp.content, torch.Tensor)]
+        sums, values = read_back([fp.content for fp in on_device], floats)
+        for fp, value in zip(on_device, sums, strict=True):
+            fp.content = value
+        for fp in self.pending:
+            fp.finalize()
+        self.pending = []
+        return values
+
+    # -- records ----------------------------------------------------------------------------
+    def add(
+        self, kind: Kind, phase: int, flags: int, name_id: int, module: int, source: int,
+        outs: list[Fp], ins: list[Fp], taints: list[Fp], scalars: tuple[Any, ...],
+        numel: int, tensors: list[torch.Tensor],
+    ) -> None:
+        record = (kind, phase, flags, name_id, module, source, outs, ins, taints, scalars,
+                  numel)
+        if not self.threads.on_owner():  # an autograd worker thread: merged later
+            self.threads.buffer(record, tensors,
+                                hold=self.keep_outputs or self.dump_at is not None)
+            return
+        self._append(record, tensors)
+
+    def merge_threads(self) -> None:
+        """Append records buffered on other threads (Note [Autograd worker threads])."""
+        for record, tensors in self.threads.drain():
+            self._append(record, tensors)
+
+    def _append(self, record: tuple[Any, ...], tensors: list[torch.Tensor]) -> None:
+        index = len(self.records)
+        self.records.append(record)
+        if self.dump_at is not None and self.dump_at == (self.session.step, index):
+            self.backend.dump_and_exit(tensors)
+        if self.keep_outputs and tensors and all(safe.keepable(t) for t in tensors):
+            self.backend.keep(self.session.step, index, tensors)
+
+    def take_rows(self, step: int) -> np.ndarray:
+        """The current step's records as OP_DTYPE rows (call after ``resolve``)."""
+        self.merge_threads()
+        rows = [
+            (step, i, kind, phase, flags, name, module, source, combined(outs),
+             combined(ins), combined(taints),
+             combine(scalar_value(s) for s in scalars) if scalars else 0, numel)
+            for i, (kind, phase, flags, name, module, source, outs, ins, taints, scalars, numel)
+            in enumerate(self.records)
+        ]
+        self.records = []
+        return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)

@@ -42,7 +42,7 @@ class StopRun(BaseException):
 
 
 class Sources(Protocol):
-    """Where in the user's files something happens (``capture.SourceLocator``)."""
+    """Where in the user's files something happens (``session.SourceLocator``)."""
 
     def here(self, depth: int = 2) -> int: ...
 
@@ -54,10 +54,10 @@ class Sources(Protocol):
 
 
 class Session(Protocol):
-    """What a backend may ask of the captured run's session (``capture.Session``): the
+    """What a backend may ask of the captured run's session (``session.Session``): the
     narrow interface that keeps frameworks from importing the session module."""
 
-    config: Any  # capture.ChildConfig: seed, op_steps, dump, keep_bytes
+    config: Any  # session.ChildConfig: seed, op_steps, dump, keep_bytes
     step: int
     final: dict[str, Any]  # sent with the run's end: final weights digest
     backends: list[Backend]

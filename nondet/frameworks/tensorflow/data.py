@@ -76,7 +76,7 @@ class PipelineSettings:
                 with watch.backend.guarded():
                     watch._note_setting(opts, value)
 
-        options.Options.__setattr__ = setattr_  # type: ignore[method-assign]
+        options.Options.__setattr__ = setattr_
 
         original_with_options = dataset_ops.DatasetV2.with_options
 
@@ -88,7 +88,7 @@ class PipelineSettings:
                     watch._note_applied(opts)
             return result
 
-        dataset_ops.DatasetV2.with_options = with_options  # type: ignore[method-assign]
+        dataset_ops.DatasetV2.with_options = with_options
 
     def _note_setting(self, opts: Any, value: Any) -> None:
         # The innermost user frame above the wrapper: the assignment in the user's file.
@@ -125,7 +125,7 @@ class PipelineSettings:
                 with watch.backend.guarded():
                     watch._note_pydataset(x)
 
-        PyDatasetAdapter.__init__ = adapter_init  # type: ignore[method-assign]
+        PyDatasetAdapter.__init__ = adapter_init
 
     def _note_pydataset(self, dataset: Any) -> None:
         workers = int(getattr(dataset, "workers", 1) or 0)

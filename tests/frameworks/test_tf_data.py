@@ -4,6 +4,7 @@ runs one small captured script (no CLI) and reads what the capture says."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from textwrap import dedent
 
@@ -11,6 +12,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+from nondet import recipe
 from nondet.records import Kind
 from nondet.store import Capture
 from tests.frameworks.test_tf_capture import line_of, records, run_script
@@ -107,3 +109,33 @@ def test_a_pydataset_with_one_worker_says_nothing(tmp_path: Path) -> None:
     c, _ = run_script(tmp_path, PYDATASET.replace("WORKERS", "1"), op_steps=[1])
     assert "keras.pydataset_workers" not in c.facts
     assert line_of(tmp_path, "# GETITEM") not in _data_lines(c, 1)
+
+
+# -- the recipes these facts select (no run needed) ----------------------------------------
+def _suggestions(**facts: object) -> list[recipe.Suggestion]:
+    base = {"framework": "tensorflow", "kind": "entry", "entry_kind": "tf_data",
+            "phase": "data", "op": "IteratorGetNext", "tensorflow_version": "2.21.0",
+            "keras_version": "3.15.1"}
+    return recipe.suggest({**base, **facts})
+
+
+def test_relaxed_options_are_fixed_by_setting_them_back() -> None:
+    first = _suggestions(**{"tf.data.deterministic": False})[0]
+    assert (first.recipe.id, first.fix, first.applies_here) == (
+        "TF-DATA-OPTIONS", "options.deterministic = True", True)
+
+
+def test_a_pydataset_with_workers_is_fixed_in_getitem() -> None:
+    first = _suggestions(**{"keras.pydataset_workers": 4})[0]
+    assert first.recipe.id == "KERAS-PYDATASET-WORKERS"
+    assert "default_rng(seed + index)" in first.fix and "workers=1" in first.recipe.note
+
+
+@pytest.mark.parametrize("facts", [{}, {"keras.pydataset_workers": 4},
+                                   {"tf.data.deterministic": False}])
+def test_no_fix_for_keras_3_passes_workers_to_fit(facts: dict[str, object]) -> None:
+    # Keras 3's fit() has no workers/use_multiprocessing: they are PyDataset arguments.
+    for suggestion in recipe.suggest({**{"framework": "tensorflow", "kind": "entry",
+                                         "entry_kind": "tf_data", "keras_version": "3.15.1",
+                                         "tensorflow_version": "2.21.0"}, **facts}, limit=99):
+        assert not re.search(r"\bfit\(.*workers", suggestion.fix), suggestion.recipe.id

@@ -102,10 +102,14 @@ class PipelineSettings:
     def _note_applied(self, opts: Any) -> None:
         if getattr(opts, "deterministic", None) is not False:
             return
+        sources = self.backend.session.sources
         hit = self._set_at.get(id(opts))
-        source = hit[1] if hit is not None and hit[0]() is opts else -1
-        if source < 0:  # options made elsewhere: the with_options call is the place
-            source = self.backend.session.sources.here(3)
+        if hit is not None and hit[0]() is opts:
+            source = hit[1]
+        elif sources.direct_caller(3) is not None:  # options made elsewhere: this call
+            source = sources.here(3)
+        else:  # a library re-applying merged options: the user's own call was seen before
+            return
         self.backend.recorder.reordering_stage = source
         self.backend.session.send_facts({"tf.data.deterministic": False})
 
@@ -128,8 +132,10 @@ class PipelineSettings:
         PyDatasetAdapter.__init__ = adapter_init
 
     def _note_pydataset(self, dataset: Any) -> None:
-        workers = int(getattr(dataset, "workers", 1) or 0)
-        processes = bool(getattr(dataset, "use_multiprocessing", False))
+        workers = getattr(dataset, "workers", 1)
+        processes = getattr(dataset, "use_multiprocessing", False) is True
+        if not isinstance(workers, int):  # a subclass's own attribute: not Keras' setting
+            return
         # Keras' own rule (PyDatasetAdapter): an enqueuer with a pool only then
         if not (workers > 1 or (workers > 0 and processes)):
             return

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from nondet import frameworks
@@ -44,7 +45,7 @@ class DataHost(Protocol):
     @property
     def disabled(self) -> bool: ...
 
-    def guarded(self) -> Any: ...
+    def guarded(self) -> AbstractContextManager[None]: ...
 
 
 def install(backend: DataHost) -> None:

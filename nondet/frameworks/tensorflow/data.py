@@ -32,15 +32,11 @@ from nondet.frameworks.base import Session
 _ORDER_OPTIONS = ("deterministic", "experimental_deterministic")
 
 
-class _Recorder(Protocol):
-    reordering_stage: int
-
-
 class DataHost(Protocol):
     """What the hooks need from the backend (``TFBackend``)."""
 
     session: Session
-    recorder: _Recorder
+    recorder: Any  # TFOpRecorder: its ``reordering_stage`` (a source id, -1 for none)
 
     @property
     def disabled(self) -> bool: ...

@@ -1,0 +1,146 @@
+"""Input-pipeline settings that let a seeded pipeline's batches vary, with the user's line.
+
+Two settings make the batches of a TensorFlow/Keras input pipeline differ between runs
+without any op saying so:
+
+- ``tf.data.Options().deterministic = False`` (or its deprecated alias
+  ``experimental_deterministic``) applied with ``Dataset.with_options``: every parallel
+  stage may hand out elements in completion order. The op callback only sees a stage's
+  own ``deterministic`` attribute, which stays ``"default"`` here.
+- a Keras 3 ``keras.utils.PyDataset`` read by several workers: ``__getitem__`` runs in
+  several threads (or processes) at once, so whatever the calls share (an RNG, a counter)
+  is consumed in an order that depends on scheduling. Its batches reach the graph through
+  ``Dataset.from_generator``, which says nothing about workers.
+
+The hooks below remember the line to fix (the line that set the option; the
+``__getitem__`` definition) as the recorder's ``reordering_stage``, so that batches that
+differ are reported there, and send a fact the recipes match on (``tf.data.deterministic``,
+``keras.pydataset_workers``). A hook never raises into the script (``guarded``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from nondet import frameworks
+from nondet.frameworks.base import Session
+
+#: The names ``tf.data.Options`` accepts for the ordering setting (TF 2.21: both).
+_ORDER_OPTIONS = ("deterministic", "experimental_deterministic")
+
+
+class DataHost(Protocol):
+    """What the hooks need from the backend (``TFBackend``)."""
+
+    session: Session
+    recorder: Any  # TFOpRecorder: its ``reordering_stage`` (a source id, -1 for none)
+
+    @property
+    def disabled(self) -> bool: ...
+
+    def guarded(self) -> AbstractContextManager[None]: ...
+
+
+def install(backend: DataHost) -> None:
+    """Hook ``tf.data.Options``/``Dataset.with_options`` now and Keras' PyDataset adapter
+    once ``keras`` has finished importing."""
+    watch = PipelineSettings(backend)
+    watch.hook_options()
+    frameworks.after_import("keras", watch.hook_pydataset)
+
+
+class PipelineSettings:
+    def __init__(self, backend: DataHost) -> None:
+        self.backend = backend
+        # Options object (by id, checked by weak reference) -> line that set it to False.
+        # Options compare by value and are unhashable: no WeakKeyDictionary.
+        self._set_at: dict[int, tuple[weakref.ref[Any], int]] = {}
+
+    # -- tf.data.Options -------------------------------------------------------------------
+    def hook_options(self) -> None:
+        from tensorflow.python.data.ops import dataset_ops, options
+
+        watch = self
+        original_setattr = options.Options.__setattr__
+
+        @functools.wraps(original_setattr)
+        def setattr_(opts: Any, name: str, value: Any) -> None:
+            original_setattr(opts, name, value)  # the user's errors pass through untouched
+            if name in _ORDER_OPTIONS and not watch.backend.disabled:
+                with watch.backend.guarded():
+                    watch._note_setting(opts, value)
+
+        options.Options.__setattr__ = setattr_
+
+        original_with_options = dataset_ops.DatasetV2.with_options
+
+        @functools.wraps(original_with_options)
+        def with_options(dataset: Any, opts: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original_with_options(dataset, opts, *args, **kwargs)
+            if not watch.backend.disabled:
+                with watch.backend.guarded():
+                    watch._note_applied(opts)
+            return result
+
+        dataset_ops.DatasetV2.with_options = with_options
+
+    def _note_setting(self, opts: Any, value: Any) -> None:
+        # The innermost user frame above the wrapper: the assignment in the user's file.
+        key = id(opts)
+        if value is False:
+            ref = weakref.ref(opts, lambda _: self._set_at.pop(key, None))
+            self._set_at[key] = (ref, self.backend.session.sources.here(3))
+        else:
+            self._set_at.pop(key, None)
+
+    def _note_applied(self, opts: Any) -> None:
+        if getattr(opts, "deterministic", None) is not False:
+            return
+        sources = self.backend.session.sources
+        hit = self._set_at.get(id(opts))
+        if hit is not None and hit[0]() is opts:
+            source = hit[1]
+        elif sources.direct_caller(3) is not None:  # options made elsewhere: this call
+            source = sources.here(3)
+        else:  # a library re-applying merged options: the user's own call was seen before
+            return
+        self.backend.recorder.reordering_stage = source
+        self.backend.session.send_facts({"tf.data.deterministic": False})
+
+    # -- Keras PyDataset -------------------------------------------------------------------
+    def hook_pydataset(self) -> None:
+        try:
+            from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+        except ImportError:  # another Keras layout: no PyDataset to watch
+            return
+        watch = self
+        original_init = PyDatasetAdapter.__init__
+
+        @functools.wraps(original_init)
+        def adapter_init(adapter: Any, x: Any, *args: Any, **kwargs: Any) -> None:
+            original_init(adapter, x, *args, **kwargs)
+            if not watch.backend.disabled:
+                with watch.backend.guarded():
+                    watch._note_pydataset(x)
+
+        PyDatasetAdapter.__init__ = adapter_init
+
+    def _note_pydataset(self, dataset: Any) -> None:
+        workers = getattr(dataset, "workers", 1)
+        processes = getattr(dataset, "use_multiprocessing", False) is True
+        if not isinstance(workers, int):  # a subclass's own attribute: not Keras' setting
+            return
+        # Keras' own rule (PyDatasetAdapter): an enqueuer with a pool only then
+        if not (workers > 1 or (workers > 0 and processes)):
+            return
+        code = getattr(getattr(type(dataset), "__getitem__", None), "__code__", None)
+        sources = self.backend.session.sources
+        if code is None or not sources.user_file(code.co_filename):
+            return  # a library's dataset: its line is not the user's to change
+        self.backend.recorder.reordering_stage = sources.intern_location(
+            code.co_filename, code.co_firstlineno)
+        self.backend.session.send_facts({"keras.pydataset_workers": workers,
+                                         "keras.pydataset_processes": processes})

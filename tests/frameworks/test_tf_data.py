@@ -1,0 +1,141 @@
+"""Input-pipeline settings the TensorFlow backend notices (frameworks/tensorflow/data.py):
+tf.data options that relax the order, Keras PyDatasets read by several workers. Each test
+runs one small captured script (no CLI) and reads what the capture says."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from textwrap import dedent
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from nondet import recipe
+from nondet.records import Kind
+from nondet.store import Capture
+from tests.frameworks.test_tf_capture import line_of, records, run_script
+
+# An eager loop over the dataset with an optimizer: every batch is a tf_data entry record.
+EAGER_LOOP = """
+w = tf.Variable(tf.ones((4, 1)))
+opt = tf.keras.optimizers.SGD(0.1)
+for x in ds:
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((x @ w) ** 2)
+    opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+"""
+
+
+def _data_lines(capture: Capture, step: int) -> set[str]:
+    return {str(r["line"]) for r in records(capture, step)
+            if r["kind"] == Kind.ENTRY and str(r["name"]).startswith("tf_data")}
+
+
+@pytest.mark.parametrize("name", ["deterministic", "experimental_deterministic"])
+def test_options_that_relax_the_order_point_at_the_line_that_set_them(
+        tmp_path: Path, name: str) -> None:
+    body = f"""
+    ds = tf.data.Dataset.range(16).map(lambda i: tf.fill((2, 4), tf.cast(i, tf.float32)),
+                                       num_parallel_calls=2)
+    options = tf.data.Options()
+    options.{name} = False  # SET
+    ds = ds.with_options(options)
+    """
+    c, _ = run_script(tmp_path, dedent(body) + EAGER_LOOP, op_steps=[1])
+    assert c.facts.get("tf.data.deterministic") is False
+    assert _data_lines(c, 1) == {line_of(tmp_path, "# SET")}
+
+
+def test_options_set_back_to_true_or_never_applied_say_nothing(tmp_path: Path) -> None:
+    body = """
+    ds = tf.data.Dataset.range(16).map(lambda i: tf.fill((2, 4), tf.cast(i, tf.float32)))
+    options = tf.data.Options()
+    options.deterministic = False
+    options.deterministic = True
+    ds = ds.with_options(options)
+    unused = tf.data.Options()
+    unused.deterministic = False  # made, never applied to a dataset
+    """
+    c, _ = run_script(tmp_path, dedent(body) + EAGER_LOOP, op_steps=[1])
+    assert "tf.data.deterministic" not in c.facts
+    assert _data_lines(c, 1) == {line_of(tmp_path, "for x in ds:")}
+
+
+def test_a_users_invalid_option_value_raises_as_without_nondet(tmp_path: Path) -> None:
+    body = """
+    options = tf.data.Options()
+    try:
+        options.deterministic = "no"
+    except TypeError as e:
+        print("user error:", e)
+    ds = tf.data.Dataset.range(4).map(lambda i: tf.fill((2, 4), tf.cast(i, tf.float32)))
+    """
+    c, result = run_script(tmp_path, dedent(body) + EAGER_LOOP, op_steps=[1])
+    assert "user error:" in result.log_tail()
+    assert "tf.data.deterministic" not in c.facts
+
+
+PYDATASET = """
+import keras
+import numpy as np
+
+class Rows(keras.utils.PyDataset):
+    def __init__(self, workers):
+        super().__init__(workers=workers, use_multiprocessing=False)
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):  # GETITEM
+        x = np.full((8, 4), index, np.float32)
+        return x, x[:, :1]
+
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+model.fit(Rows(WORKERS), epochs=1, verbose=0)  # FIT
+"""
+
+
+def test_a_pydataset_with_workers_points_at_its_getitem(tmp_path: Path) -> None:
+    c, _ = run_script(tmp_path, PYDATASET.replace("WORKERS", "3"), op_steps=[1])
+    assert c.facts.get("keras.pydataset_workers") == 3
+    assert c.facts.get("keras.pydataset_processes") is False
+    assert _data_lines(c, 1) == {line_of(tmp_path, "# GETITEM")}
+
+
+def test_a_pydataset_with_one_worker_says_nothing(tmp_path: Path) -> None:
+    c, _ = run_script(tmp_path, PYDATASET.replace("WORKERS", "1"), op_steps=[1])
+    assert "keras.pydataset_workers" not in c.facts
+    assert line_of(tmp_path, "# GETITEM") not in _data_lines(c, 1)
+
+
+# -- the recipes these facts select (no run needed) ----------------------------------------
+def _suggestions(**facts: object) -> list[recipe.Suggestion]:
+    base = {"framework": "tensorflow", "kind": "entry", "entry_kind": "tf_data",
+            "phase": "data", "op": "IteratorGetNext", "tensorflow_version": "2.21.0",
+            "keras_version": "3.15.1"}
+    return recipe.suggest({**base, **facts})
+
+
+def test_relaxed_options_are_fixed_by_setting_them_back() -> None:
+    first = _suggestions(**{"tf.data.deterministic": False})[0]
+    assert (first.recipe.id, first.fix, first.applies_here) == (
+        "TF-DATA-OPTIONS", "options.deterministic = True", True)
+
+
+def test_a_pydataset_with_workers_is_fixed_in_getitem() -> None:
+    first = _suggestions(**{"keras.pydataset_workers": 4})[0]
+    assert first.recipe.id == "KERAS-PYDATASET-WORKERS"
+    assert "default_rng(seed + index)" in first.fix and "workers=1" in first.recipe.note
+
+
+@pytest.mark.parametrize("facts", [{}, {"keras.pydataset_workers": 4},
+                                   {"tf.data.deterministic": False}])
+def test_no_fix_for_keras_3_passes_workers_to_fit(facts: dict[str, object]) -> None:
+    # Keras 3's fit() has no workers/use_multiprocessing: they are PyDataset arguments.
+    for suggestion in recipe.suggest({**{"framework": "tensorflow", "kind": "entry",
+                                         "entry_kind": "tf_data", "keras_version": "3.15.1",
+                                         "tensorflow_version": "2.21.0"}, **facts}, limit=99):
+        assert not re.search(r"\bfit\(.*workers", suggestion.fix), suggestion.recipe.id

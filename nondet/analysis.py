@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import compare, environment, recipe
+from nondet import compare, environment, recipe, seed_diff
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.records import (
@@ -108,6 +108,7 @@ def compare_captures(a: Capture, b: Capture) -> Report:
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
             div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(
                 step_div, a, b)
+    div = seed_diff.seed_divergence(a, b, div) or div  # a differing seed is the cause
     if not final_differs and not _training_state_differs(a, b, both_ended):
         # The verdict follows the training state: a difference that never reached loss,
         # parameters, gradients, optimizer state or data (a logged metric, a discarded
@@ -317,7 +318,8 @@ def finding_facts(div: Divergence, capture: Capture,
     if div.entry_kind == "dataloader" and div.op:
         index = div.op.rsplit("#", 1)[-1]
         facts.update(capture.facts.get(f"dataloader#{index}", {}))
-    for kind in ("numpy.unseeded_generator", "python.unseeded_random"):
+    for kind in ("numpy.unseeded_generator", "python.unseeded_random",
+                 "library.unseeded_generator"):
         facts[kind] = bool(capture.facts.get(kind))
     for d in env_differences or ():
         facts[f"env_differs.{d['key'].removeprefix('env.')}"] = True
@@ -328,6 +330,8 @@ def add_suggestions(report: Report, capture: Capture) -> None:
     """Look the finding up in the recipe table (and name unseeded generators' lines)."""
     if report.first_divergence is None:
         return
+    report.first_divergence.notes.extend(
+        seed_diff.library_generator_notes(report.first_divergence, capture))
     report.suggestions = recipe.suggest(
         finding_facts(report.first_divergence, capture, report.environment_differences),
         sites=capture.facts)

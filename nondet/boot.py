@@ -14,8 +14,9 @@ import signal
 import sys
 import traceback
 
-from nondet import capture, environment, frameworks, pyhooks
-from nondet.capture import ChildConfig, Session, StopRun
+from nondet import capture, clock, environment, frameworks, pyhooks
+from nondet.capture import ChildConfig, Session
+from nondet.frameworks.base import StopRun
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -44,6 +45,9 @@ def main() -> int:
         np.random.seed(config.seed % 2**32)
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
+    offset = clock.offset_for(config.label)
+    clock.shift(offset)  # run b's wall clock runs ahead: a seed read from it differs
+    session.send_facts({clock.CLOCK_FACT: offset})
     pyhooks.install(session)
     frameworks.install_import_hooks(session)
     session.send_meta({"env": environment.base()})

@@ -28,6 +28,7 @@ import tensorflow as tf
 from nondet import frameworks
 from nondet.frameworks.base import Session, StepLifecycle, StepState, group_fp
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.tensorflow import seeding as tf_seeding
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.frameworks.tensorflow.state import (
@@ -56,6 +57,7 @@ class TFBackend(StepLifecycle):
             tf.random.set_seed(session.config.seed)
             self.recorder = TFOpRecorder(self)
             self._install_hooks()
+            tf_seeding.install(session)  # after nondet's own seeding above
             frameworks.after_import("keras", self._install_keras_hooks)
             session.send_meta({"env": tf_environment()})
             self._sync_capture()

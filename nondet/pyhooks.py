@@ -48,6 +48,8 @@ def install(session: Session) -> None:
             where = log.call_site(frame)
             if where is None or not (where.site or where.library):
                 return
+            if where.library and _made_for_someone_else(log, frame):
+                return
             if where.library:
                 fact, text = LIBRARY_UNSEEDED, f"{where.library} in {where.package}"
                 text += f", made from {where.site}" if where.site else ""
@@ -97,6 +99,24 @@ def install(session: Session) -> None:
         original_seed(a, version)
 
     random.seed = log.wrap("random.seed", seed, seeding.first_arg)
+
+
+def _made_for_someone_else(log: seeding.SeedLog, frame: FrameType) -> bool:
+    """A library's generator the user did not ask for: made while a framework's code runs
+    (torch imports sympy, which keeps ``random.Random()`` objects), or while a module that
+    another library imports is executed. Neither feeds the user's data."""
+    importer = None
+    walk: FrameType | None = frame
+    while walk is not None and not log.is_users(walk):
+        name = walk.f_globals.get("__name__", "")
+        if isinstance(name, str) and name.split(".", 1)[0] in seeding.FRAMEWORK_PACKAGES:
+            return True
+        if walk.f_code.co_filename.startswith("<frozen importlib"):
+            importer = walk.f_back  # the outermost import on the way up wins
+        walk = walk.f_back
+    while importer is not None and importer.f_code.co_filename.startswith("<frozen importlib"):
+        importer = importer.f_back
+    return importer is not None and not log.is_users(importer)
 
 
 def _recording_random_state(log: seeding.SeedLog, note: Any) -> type:

@@ -4,7 +4,9 @@ The child records every seeding call (``nondet.seeding``: API, call site, values
 Two runs of one script make the same calls with the same values; a value that differs came
 from the clock, the pid, ``os.urandom`` or a ``uuid``. That call is the finding, at its own
 line, ahead of the first op that consumed the difference, provided it happened no later than
-that op's step (a seed derived from an earlier difference is a consequence, not the cause).
+that op's step (a seed derived from an earlier difference is a consequence, not the cause)
+and that op is not a cause of its own (it differs from equal inputs and draws no random
+numbers: a race; the seed is then a note).
 
 Pure over captures (no frameworks), like ``analysis``.
 """
@@ -80,8 +82,13 @@ def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergenc
         return None
     if div is not None and div.step is not None and diff.step > div.step:
         return None  # the seed came after the difference: it may be derived from it
-    notes = [f"{diff.api} received {_shown(diff.value_a)} in run a and {_shown(diff.value_b)} "
-             "in run b: the seed itself differs between the runs"]
+    values = f"{_shown(diff.value_a)} in run a and {_shown(diff.value_b)} in run b"
+    if div is not None and _independent(div):
+        div.notes.append(f"{diff.api} at {diff.site or diff.library} also received different "
+                         f"seeds ({values}), but this op differs with all its inputs equal "
+                         "and draws no random numbers: a cause of its own")
+        return None
+    notes = [f"{diff.api} received {values}: the seed itself differs between the runs"]
     if diff.library:
         notes.append(f"the call is made by {diff.library}, called from {diff.site or '?'}")
     offset = b.facts.get(CLOCK_FACT)
@@ -93,6 +100,13 @@ def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergenc
         source=diff.site or None, notes=notes)
     found.source_text = a.source_text(diff.site) if diff.site else ""
     return found
+
+
+def _independent(div: Divergence) -> bool:
+    """An op that made a difference from equal inputs without drawing random numbers (a
+    race, a nondeterministic kernel) is not explained by a seed."""
+    return (div.kind == "op" and div.localized and div.explained and not div.rng_op
+            and not div.scalar_argument)
 
 
 def _shown(value: str) -> str:

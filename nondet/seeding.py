@@ -33,7 +33,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, TypeVar
 
 from nondet import capture, channel
@@ -101,6 +101,8 @@ class SeedLog:
         self._sites: dict[tuple[str, str, str], tuple[str, dict[str, Any]]] = {}
         self._seq = 0
         self._local = threading.local()  # nesting depth of recorded calls, per thread
+        self._users: dict[CodeType, bool] = {}  # is_users per code object (a dataset may
+        # seed once per sample: the walk stays a few dict lookups)
         self.disabled = False
         script = getattr(session.config, "script", None)
         self._root = os.path.realpath(os.path.dirname(os.path.abspath(script)) if script
@@ -130,10 +132,13 @@ class SeedLog:
     def is_users(self, frame: FrameType) -> bool:
         """A frame of the user's own code: a user file under the script's directory (a
         package elsewhere, installed or not, is a library the script uses)."""
-        filename = frame.f_code.co_filename
-        if not self._session.sources.user_file(filename):
-            return False
-        return os.path.realpath(filename).startswith(self._root)
+        code = frame.f_code
+        users = self._users.get(code)
+        if users is None:
+            filename = code.co_filename
+            users = self._users[code] = self._session.sources.user_file(filename) and \
+                os.path.realpath(filename).startswith(self._root)
+        return users
 
     @staticmethod
     def _library_frame(frame: FrameType, package: str) -> str:

@@ -17,6 +17,7 @@ import pytest
 
 from nondet import analysis, capture, clock, pyhooks, seed_diff, seeding
 from nondet.capture import SourceLocator
+from nondet.records import Flag
 from nondet.store import open_capture
 from tests.conftest import OpStream, step_rows, write_capture
 
@@ -217,12 +218,15 @@ def _seed_fact(values: list[str], site: str = "train.py:4", step: int = -1,
 
 
 def _report(tmp_path: Path, facts_a: dict[str, Any], facts_b: dict[str, Any],
-            b_params: int = 3) -> Any:
+            b_params: int = 3, rng: bool = True) -> Any:
+    """Two captures whose step-0 op (a random draw, or a plain op if not ``rng``) differs
+    when ``b_params`` != 3."""
     steps_b = step_rows(*STEPS)
     steps_b[1]["params_fp"] = b_params
-    ops = OpStream().add(0, "aten.mm.default", out=10, source="train.py:9")
-    ops_b = OpStream().add(0, "aten.mm.default", out=10 if b_params == 3 else 11,
-                           source="train.py:9")
+    name, flags = ("aten.normal_.default", int(Flag.RNG)) if rng else ("aten.mm.default", 0)
+    ops = OpStream().add(0, name, out=10, source="train.py:9", flags=flags)
+    ops_b = OpStream().add(0, name, out=10 if b_params == 3 else 11, source="train.py:9",
+                           flags=flags)
     a = write_capture(tmp_path / "a.h5", step_rows(*STEPS), ops, facts=facts_a,
                       attrs={"op_steps": [0]})
     b = write_capture(tmp_path / "b.h5", steps_b, ops_b, facts=facts_b,
@@ -241,6 +245,16 @@ def test_a_differing_seed_is_the_finding_at_its_line(tmp_path: Path) -> None:
     assert any("5.5 s ahead" in n for n in found.notes)
     analysis.add_suggestions(report, open_capture(tmp_path / "a.h5"))
     assert report.suggestions[0].recipe.id == "PY-SEED-VARIES"
+
+
+def test_an_op_that_differs_on_its_own_stays_the_finding(tmp_path: Path) -> None:
+    """A race (output differs, inputs equal, no random draw) is a cause of its own: a seed
+    that differs too (say, one used only to name the run) is a note, not the finding."""
+    report = _report(tmp_path, {"seed#0": _seed_fact(["1"])}, {"seed#0": _seed_fact(["2"])},
+                     b_params=4, rng=False)
+    found = report.first_divergence
+    assert found.kind == "op" and found.op == "aten.mm.default"
+    assert any("also received different seeds" in n for n in found.notes)
 
 
 def test_equal_seeds_leave_the_op_finding(tmp_path: Path) -> None:

@@ -40,3 +40,4 @@ for batch in DataLoader(Noisy(), batch_size=8):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+print("weights", [round(float(p.detach().sum()), 8) for p in model.parameters()])

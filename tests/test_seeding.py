@@ -330,3 +330,32 @@ def test_the_shifted_clock_reads_ahead_and_keeps_datetime_working() -> None:
                          timeout=60, check=True).stdout.split()
     assert out == ["6", "6", "6", "True", "True", "True", "True",
                    "datetime.datetime(2020,", "1,", "2,", "0,", "0)", "True"]
+
+
+def test_tensorflow_and_keras_seeding_calls_are_recorded(session: FakeSession,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    from tensorflow.python.ops import stateful_random_ops
+
+    from nondet.frameworks.tensorflow import seeding as tf_seeding
+
+    monkeypatch.setattr(tf.random, "set_seed", tf.random.set_seed)
+    monkeypatch.setattr(tf.compat.v1, "set_random_seed", tf.compat.v1.set_random_seed)
+    monkeypatch.setattr(tf.compat.v1.random, "set_random_seed",
+                        tf.compat.v1.random.set_random_seed)
+    monkeypatch.setattr(stateful_random_ops.Generator, "from_seed",
+                        stateful_random_ops.Generator.__dict__["from_seed"])
+    for name in ("keras.utils", "keras._tf_keras.keras.utils"):
+        if name in sys.modules:
+            monkeypatch.setattr(sys.modules[name], "set_random_seed",
+                                sys.modules[name].set_random_seed)
+    tf_seeding.install(session)  # type: ignore[arg-type]
+    tf.random.set_seed(31)  # tf-seed-here
+    g = tf.random.Generator.from_seed(32)  # tf-generator-here
+    keras.utils.set_random_seed(33)  # keras-seed-here: seeds 4 RNGs, recorded once
+    assert session.seeds() == [
+        ("tf.random.set_seed", _line_of("tf-seed-here"), "", ["31"]),
+        ("tf.random.Generator.from_seed", _line_of("tf-generator-here"), "", ["32"]),
+        ("keras.utils.set_random_seed", _line_of("keras-seed-here"), "", ["33"])]
+    assert int(g.normal([]).shape.rank) == 0 and not session.meta

@@ -98,7 +98,7 @@ def install(session: Session) -> None:
             note("python.unseeded_random", sys._getframe(2))
         original_seed(a, version)
 
-    random.seed = log.wrap("random.seed", seed, seeding.first_arg)
+    random.seed = log.wrap("random.seed", seed, lambda a=None, *_, **__: a)
 
 
 def _made_for_someone_else(log: seeding.SeedLog, frame: FrameType) -> bool:

@@ -93,8 +93,8 @@ def test_python_and_numpy_seeding_calls_are_recorded_with_value_and_line(
 
 
 def test_repeated_calls_at_one_site_keep_their_order(session: FakeSession) -> None:
-    for value in (3, 1, 2):
-        random.seed(value)
+    for args, kwargs in (((3,), {}), ((1,), {}), ((), {"a": 2})):
+        random.seed(*args, **kwargs)
     [(api, _, _, values)] = session.seeds()
     assert api == "random.seed" and values == ["3", "1", "2"]
 

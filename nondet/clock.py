@@ -82,11 +82,17 @@ def _shifted_datetime() -> type:
     base = datetime.datetime
 
     class _Meta(type):
+        # Only the stand-in itself answers for every instance of the original; a class the
+        # user derives from it later (pendulum's DateTime, say) keeps the usual answer.
         def __instancecheck__(cls, obj: Any) -> bool:
-            return isinstance(obj, base)
+            if "_stands_in" in cls.__dict__:
+                return isinstance(obj, base)
+            return super().__instancecheck__(obj)
 
         def __subclasscheck__(cls, other: type) -> bool:
-            return issubclass(other, base)
+            if "_stands_in" in cls.__dict__:
+                return issubclass(other, base)
+            return super().__subclasscheck__(other)
 
     class ShiftedDatetime(base, metaclass=_Meta):  # type: ignore[misc,valid-type]
         # now() and utcnow() read the C clock directly; fromtimestamp(time.time()) is the
@@ -99,6 +105,7 @@ def _shifted_datetime() -> type:
         def utcnow(cls) -> Any:
             return cls.fromtimestamp(time.time(), datetime.UTC).replace(tzinfo=None)
 
+    ShiftedDatetime._stands_in = True
     ShiftedDatetime.__module__ = base.__module__
     ShiftedDatetime.__qualname__ = base.__qualname__
     # a heap type's repr uses __name__: keep "datetime.datetime(2026, ...)" as it was

@@ -129,11 +129,17 @@ def _recording_random_state(log: seeding.SeedLog, note: Any) -> type:
     base = np.random.RandomState
 
     class _Meta(type):
+        # Only the stand-in itself answers for every instance of the original; a class the
+        # user derives from it later (pendulum's DateTime, say) keeps the usual answer.
         def __instancecheck__(cls, obj: Any) -> bool:
-            return isinstance(obj, base)
+            if "_stands_in" in cls.__dict__:
+                return isinstance(obj, base)
+            return super().__instancecheck__(obj)
 
         def __subclasscheck__(cls, other: type) -> bool:
-            return issubclass(other, base)
+            if "_stands_in" in cls.__dict__:
+                return issubclass(other, base)
+            return super().__subclasscheck__(other)
 
     class RandomState(base, metaclass=_Meta):  # type: ignore[misc,valid-type]
         def __init__(self, seed: Any = None) -> None:
@@ -145,6 +151,7 @@ def _recording_random_state(log: seeding.SeedLog, note: Any) -> type:
                     log.record("np.random.RandomState", seed, caller)
             super().__init__(seed)
 
+    RandomState._stands_in = True
     RandomState.__module__ = base.__module__
     RandomState.__qualname__ = base.__qualname__
     return RandomState

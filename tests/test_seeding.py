@@ -359,3 +359,21 @@ def test_tensorflow_and_keras_seeding_calls_are_recorded(session: FakeSession,
         ("tf.random.Generator.from_seed", _line_of("tf-generator-here"), "", ["32"]),
         ("keras.utils.set_random_seed", _line_of("keras-seed-here"), "", ["33"])]
     assert int(g.normal([]).shape.rank) == 0 and not session.meta
+
+
+def test_a_class_derived_from_a_stand_in_keeps_its_own_isinstance() -> None:
+    code = textwrap.dedent("""
+        import datetime
+        from nondet import clock
+        plain = datetime.datetime(2020, 1, 1)
+        clock.shift(0.0)
+
+        class Mine(datetime.datetime):
+            pass
+
+        print(isinstance(plain, datetime.datetime), isinstance(plain, Mine),
+              isinstance(Mine(2020, 1, 1), Mine), issubclass(datetime.datetime, Mine))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["True", "False", "True", "False"]

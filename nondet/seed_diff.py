@@ -80,7 +80,7 @@ def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergenc
     diff = first_seed_difference(a, b)
     if diff is None:
         return None
-    if div is not None and div.step is not None and diff.step > div.step:
+    if div is not None and diff.step > (INIT_STEP if div.step is None else div.step):
         return None  # the seed came after the difference: it may be derived from it
     values = f"{_shown(diff.value_a)} in run a and {_shown(diff.value_b)} in run b"
     if div is not None and _independent(div):

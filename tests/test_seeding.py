@@ -280,6 +280,17 @@ def test_a_seed_after_the_first_difference_is_not_blamed(tmp_path: Path) -> None
     assert report.first_divergence.kind == "op" and report.first_divergence.step == 0
 
 
+def test_a_seed_made_during_training_does_not_explain_a_difference_at_init(
+        tmp_path: Path) -> None:
+    steps_b = step_rows(*STEPS)
+    steps_b[0]["params_fp"] = 2  # the initial weights already differ
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS),
+                      facts={"seed#0": _seed_fact(["1"], step=0)})
+    b = write_capture(tmp_path / "b.h5", steps_b, facts={"seed#0": _seed_fact(["2"], step=0)})
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    assert report.first_divergence.kind == "init"
+
+
 def test_malformed_seed_facts_are_ignored(tmp_path: Path) -> None:
     bad = {"seed#0": {"api": 3, "calls": "x"}, "seed#1": {**_seed_fact(["1"]),
                                                           "calls": [["a", 1, 2]]}}

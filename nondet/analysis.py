@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import compare, environment, recipe
+from nondet import compare, environment, recipe, seed_diff
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.recipe import Suggestion
@@ -120,11 +120,13 @@ def compare_captures(a: Capture, b: Capture, *, command: str = "", notes: Sequen
                      suggest: bool = False) -> Report:
     """The report on two captures already on disk (``nondet diff``); with ``suggest``, the
     recipes that match its finding."""
-    found = compare_pair(a, b)
+    found, suggestions = compare_pair(a, b), list[Suggestion]()
+    if suggest:
+        found, suggestions = with_suggestions(found, a)
     return found.report(
         runs=[summary_of_capture(a), summary_of_capture(b)],
         captures=[str(a.path), str(b.path)], command=command, notes=notes,
-        suggestions=suggestions_for(found, a) if suggest else ())
+        suggestions=suggestions)
 
 
 def compare_pair(a: Capture, b: Capture) -> Comparison:
@@ -161,6 +163,7 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
             div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(
                 step_div, a, b)
+    div = seed_diff.seed_divergence(a, b, div) or div  # a differing seed is the cause
     if not final_differs and not _training_state_differs(a, b, both_ended):
         # The verdict follows the training state: a difference that never reached loss,
         # parameters, gradients, optimizer state or data (a logged metric, a discarded
@@ -369,19 +372,23 @@ def finding_facts(div: Divergence, capture: Capture,
     if div.entry_kind == "dataloader" and div.op:
         index = div.op.rsplit("#", 1)[-1]
         facts.update(capture.facts.get(f"dataloader#{index}", {}))
-    for kind in ("numpy.unseeded_generator", "python.unseeded_random"):
+    for kind in ("numpy.unseeded_generator", "python.unseeded_random",
+                 "library.unseeded_generator"):
         facts[kind] = bool(capture.facts.get(kind))
     for d in env_differences or ():
         facts[f"env_differs.{d['key'].removeprefix('env.')}"] = True
     return facts
 
 
-def suggestions_for(found: Comparison, capture: Capture) -> list[Suggestion]:
-    """The recipes that match the finding (and the lines of unseeded generators)."""
-    if found.first_divergence is None:
-        return []
-    return recipe.suggest(
-        finding_facts(found.first_divergence, capture, found.environment_differences),
+def with_suggestions(found: Comparison, capture: Capture) -> tuple[Comparison, list[Suggestion]]:
+    """The finding with the library generators that may feed it named, and the recipes that
+    match it (unseeded generators' lines are recipe sites)."""
+    div = found.first_divergence
+    if div is None:
+        return found, []
+    div = with_notes(div, *seed_diff.library_generator_notes(div, capture))
+    return replace(found, first_divergence=div), recipe.suggest(
+        finding_facts(div, capture, found.environment_differences),
         sites=capture.facts)
 
 

@@ -14,7 +14,7 @@ import signal
 import sys
 import traceback
 
-from nondet import environment, frameworks, pyhooks
+from nondet import clock, environment, frameworks, pyhooks
 from nondet import session as session_module
 from nondet.frameworks.base import StopRun
 from nondet.session import ChildConfig, Session
@@ -46,6 +46,9 @@ def main() -> int:
         np.random.seed(config.seed % 2**32)
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
+    offset = clock.offset_for(config.label)
+    clock.shift(offset)  # run b's wall clock runs ahead: a seed read from it differs
+    session.send_facts({clock.CLOCK_FACT: offset})
     pyhooks.install(session)
     frameworks.install_import_hooks(session)
     session.send_meta({"env": environment.base()})

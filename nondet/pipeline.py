@@ -31,9 +31,9 @@ from nondet.analysis import (
     finding_facts,
     localize,
     measure_from_dumps,
-    suggestions_for,
     summary_of_capture,
     with_notes,
+    with_suggestions,
 )
 from nondet.errors import NondetError, ScriptFailed
 from nondet.launch import CapturedRun, Plan, RunResult, Target
@@ -234,7 +234,7 @@ def against_baseline(target: Target, options: Options, progress: ProgressSink,
             "whether it is nondeterministic here and where",
             *(["possibly caused by the environment drift: " + baseline.describe_drift(drift)]
               if drift else [])))
-        suggestions = suggestions_for(found, current)
+        found, suggestions = with_suggestions(found, current)
     return found.report(runs=[summary_of_capture(base), _summary(result)],
                         captures=[str(base.path), str(current.path)],
                         command=target.describe(), notes=notes, suggestions=suggestions,
@@ -300,7 +300,7 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
         div, written = _measured(target, options, progress, div, op_capture, op_capture_b)
         extra += written
     found = replace(found, first_divergence=div)
-    return found, suggestions_for(found, a), extra
+    return (*with_suggestions(found, a), extra)
 
 
 def _measured(target: Target, options: Options, progress: ProgressSink, div: Divergence,

@@ -1,58 +1,164 @@
 """Python- and NumPy-level sources of nondeterminism that no framework hook can see.
 
-Records where user code creates a NumPy ``Generator`` or a ``random.Random`` without a seed
-(such objects ignore the global seeds nondet sets), so an entry point that carries their
-values can name the line that created them. Only calls made directly from user files count.
+Two things are recorded here (torch and TensorFlow have their own ``seeding`` modules):
+
+- where a NumPy ``Generator``/``RandomState`` or a ``random.Random`` is created without a
+  seed (such objects ignore the global seeds nondet sets), so that an entry point carrying
+  their values can name the line that created them. Made from the user's own code, the
+  place goes to ``numpy.unseeded_generator`` / ``python.unseeded_random``; made inside a
+  library (Albumentations' ``Compose`` keeps its own), to ``library.unseeded_generator`` as
+  "library frame, from user frame", with ``library.unseeded_generator.<package>`` set so a
+  recipe can name that library's own seed parameter;
+- every seeding call (``random.seed``, ``random.Random(x)``, ``np.random.seed``,
+  ``np.random.default_rng(x)``, ``np.random.RandomState(x)``) with its value
+  (``nondet.seeding``).
 """
 
 from __future__ import annotations
 
-import functools
 import random
+import sys
+from types import FrameType
 from typing import Any
 
+from nondet import seeding
 from nondet.session import Session
+
+#: Fact listing unseeded generators made inside libraries ("lib frame, from user frame").
+LIBRARY_UNSEEDED = "library.unseeded_generator"
+#: Libraries whose standard-library or framework generators are not the user's concern:
+#: ``tempfile`` names files with a ``random.Random()``, frameworks seed from their own RNGs.
+_IGNORED_PACKAGES = seeding.FRAMEWORK_PACKAGES | {
+    "tempfile", "uuid", "random", "secrets", "multiprocessing", "concurrent", "asyncio",
+    "email", "http", "urllib", "logging", "importlib", "_pytest", "pytest", "hypothesis",
+}
 
 
 def install(session: Session) -> None:
+    log = seeding.for_session(session)
     sites: dict[str, list[str]] = {}
+    stdlib = _stdlib_prefix()
 
-    def note(kind: str) -> None:
-        where = session.sources.direct_caller(depth=3)
-        if where is None:
-            return
-        seen = sites.setdefault(kind, [])
-        if where not in seen:
-            seen.append(where)
-            session.send_facts({kind: seen})
+    def note(kind: str, frame: FrameType) -> None:
+        """An unseeded generator was made by the code of ``frame``."""
+        try:
+            package = frame.f_globals.get("__name__", "").split(".", 1)[0]
+            if package in _IGNORED_PACKAGES or frame.f_code.co_filename.startswith(stdlib):
+                return
+            where = log.call_site(frame)
+            if where is None or not (where.site or where.library):
+                return
+            if where.library and _made_for_someone_else(log, frame):
+                return
+            if where.library:
+                fact, text = LIBRARY_UNSEEDED, f"{where.library} in {where.package}"
+                text += f", made from {where.site}" if where.site else ""
+            else:
+                fact, text = kind, where.site
+            seen = sites.setdefault(fact, [])
+            if text not in seen and len(seen) < 64:
+                seen.append(text)
+                facts: dict[str, Any] = {fact: seen}
+                if where.library:
+                    facts[f"{LIBRARY_UNSEEDED}.{where.package}"] = True
+                session.send_facts(facts)
+        except Exception:
+            log.failed()
 
     import numpy as np
 
     original_default_rng = np.random.default_rng
 
-    @functools.wraps(original_default_rng)
     def default_rng(seed: Any = None) -> Any:
         if seed is None:
-            note("numpy.unseeded_generator")
+            note("numpy.unseeded_generator", sys._getframe(2))
         return original_default_rng(seed)
 
-    np.random.default_rng = default_rng
+    np.random.default_rng = log.wrap("np.random.default_rng", default_rng, seeding.first_arg)
+    np.random.seed = log.wrap("np.random.seed", np.random.seed, seeding.first_arg)
+    np.random.RandomState = _recording_random_state(log, note)  # type: ignore[misc,assignment]
 
     original_random_init = random.Random.__init__
 
     def random_init(self: random.Random, x: Any = None) -> None:
-        if x is None:
-            note("python.unseeded_random")
+        if not log.nested():
+            caller = sys._getframe(1)
+            if x is None:
+                note("python.unseeded_random", caller)
+            elif type(self) is not random.SystemRandom:
+                log.record("random.Random", x, caller)
         original_random_init(self, x)
 
     random.Random.__init__ = random_init  # type: ignore[method-assign]
 
     original_seed = random.seed
 
-    @functools.wraps(original_seed)
     def seed(a: Any = None, version: int = 2) -> None:
         if a is None:
-            note("python.unseeded_random")
+            note("python.unseeded_random", sys._getframe(2))
         original_seed(a, version)
 
-    random.seed = seed
+    random.seed = log.wrap("random.seed", seed, lambda a=None, *_, **__: a)
+
+
+def _made_for_someone_else(log: seeding.SeedLog, frame: FrameType) -> bool:
+    """A library's generator the user did not ask for: made while a framework's code runs
+    (torch imports sympy, which keeps ``random.Random()`` objects), or while a module that
+    another library imports is executed. Neither feeds the user's data."""
+    importer = None
+    walk: FrameType | None = frame
+    while walk is not None and not log.is_users(walk):
+        name = walk.f_globals.get("__name__", "")
+        if isinstance(name, str) and name.split(".", 1)[0] in seeding.FRAMEWORK_PACKAGES:
+            return True
+        if walk.f_code.co_filename.startswith("<frozen importlib"):
+            importer = walk.f_back  # the outermost import on the way up wins
+        walk = walk.f_back
+    while importer is not None and importer.f_code.co_filename.startswith("<frozen importlib"):
+        importer = importer.f_back
+    return importer is not None and not log.is_users(importer)
+
+
+def _recording_random_state(log: seeding.SeedLog, note: Any) -> type:
+    """``np.random.RandomState`` that records its seed. A C type cannot be patched, so this
+    is a subclass; its metaclass keeps ``isinstance(x, np.random.RandomState)`` true for
+    every RandomState, however made (sklearn's ``check_random_state`` relies on it), and
+    pickles name numpy's own constructor."""
+    import numpy as np
+
+    base = np.random.RandomState
+
+    class _Meta(type):
+        # Only the stand-in itself answers for every instance of the original; a class the
+        # user derives from it later (pendulum's DateTime, say) keeps the usual answer.
+        def __instancecheck__(cls, obj: Any) -> bool:
+            if "_stands_in" in cls.__dict__:
+                return isinstance(obj, base)
+            return super().__instancecheck__(obj)
+
+        def __subclasscheck__(cls, other: type) -> bool:
+            if "_stands_in" in cls.__dict__:
+                return issubclass(other, base)
+            return super().__subclasscheck__(other)
+
+    class RandomState(base, metaclass=_Meta):  # type: ignore[misc,valid-type]
+        def __init__(self, seed: Any = None) -> None:
+            if not log.nested():
+                caller = sys._getframe(1)
+                if seed is None:
+                    note("numpy.unseeded_generator", caller)
+                else:
+                    log.record("np.random.RandomState", seed, caller)
+            super().__init__(seed)
+
+    RandomState._stands_in = True
+    RandomState.__module__ = base.__module__
+    RandomState.__qualname__ = base.__qualname__
+    return RandomState
+
+
+def _stdlib_prefix() -> str:
+    import os
+    import sysconfig
+
+    return os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep

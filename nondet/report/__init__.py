@@ -49,7 +49,7 @@ class ContextLine:
 class Divergence:
     """The first divergence (``first_divergence`` in the JSON)."""
 
-    kind: str  # op | entry | init | structure
+    kind: str  # op | entry | init | structure | seed
     step: int | None  # None: the init phase
     phase: str
     op: str | None = None

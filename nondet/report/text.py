@@ -78,7 +78,8 @@ def _verdict(report: Report) -> str:
         "entry": f"{escape(_entry_label(div))} enters with different values",
         "structure": "the runs execute different ops",
         "init": "the initial state already differs",
-    }[div.kind]
+        "seed": f"{escape(div.op or 'a seeding call')} received a different seed",
+    }.get(div.kind, "the runs differ")
     if not div.localized:
         what = f"runs diverge ({escape(div.phase)})"
     return f"[bold red]nondet: nondeterministic[/] — {where}, {escape(div.phase)}: {what}"
@@ -113,6 +114,10 @@ def _finding(div: Divergence) -> list[str]:
                                 f"[bold]{escape(_entry_label(div))}[/]"),
                 _row("", "this value came from outside the recorded ops and differs between "
                          "runs")]
+    elif div.kind == "seed":
+        out += [_row("finding", f"{step}: [bold]{escape(div.op or '')}[/] was called with "
+                                "a different seed in each run"),
+                _row("", "every value drawn from what it seeds differs from here on")]
     elif div.kind == "structure":
         out += [_row("finding", f"{step}, record #{div.op_index}: run a executed "
                                 f"{escape(str(div.op))}, run b {escape(str(div.op_b))}")]

@@ -110,7 +110,8 @@ def typed_facts(raw: dict[str, Any]) -> dict[str, Any]:
     for key, value in facts.items():
         if key.startswith("dataloader#") and not isinstance(value, dict):
             raise Damaged(f"fact {key!r} is not a table")
-        if key in ("numpy.unseeded_generator", "python.unseeded_random") and not (
+        if key in ("numpy.unseeded_generator", "python.unseeded_random",
+                   "library.unseeded_generator") and not (
                 isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise Damaged(f"fact {key!r} is not a list of places")
     return facts

@@ -26,8 +26,8 @@ def test_every_fixture_declares_its_expectation() -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_fixture(case: Case, tmp_path: Path) -> None:
     found = check_finding(case, *run_case(case, tmp_path))
-    if found is None:
-        return
+    if found is None or found["kind"] == "seed":
+        return  # a seed finding is a call, not a tensor: nothing to measure
     assert found["numel"] and found["numel"] > 0
     if found["op_index"] is not None:
         # How much differs was measured (an intermittent race may give 0 this time).

@@ -29,6 +29,7 @@ from nondet import frameworks
 from nondet.frameworks.base import Session, StepLifecycle, StepState, group_fp
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.tensorflow import data
+from nondet.frameworks.tensorflow import seeding as tf_seeding
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.frameworks.tensorflow.state import (
@@ -65,6 +66,7 @@ class TFBackend(StepLifecycle):
             self.recorder = TFOpRecorder(self)
             self._install_hooks()
             data.install(self)  # tf.data options, Keras PyDataset workers
+            tf_seeding.install(session)  # after nondet's own seeding above
             frameworks.after_import("keras", self._install_keras_hooks)
             session.send_meta({"env": tf_environment()})
             self._sync_capture()

@@ -33,6 +33,7 @@ from nondet.fingerprint import scalar_value
 from nondet.frameworks.base import Session, StepLifecycle, StepState, TensorRow, group_fp
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import compiled, cuda
+from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.kept import KeptOutputs
@@ -70,6 +71,7 @@ class TorchBackend(StepLifecycle):
         self.entries = DataEntries(self)
         torch.manual_seed(session.config.seed)
         self._install_hooks()
+        torch_seeding.install(session)  # after nondet's own seeding above
         session.send_meta({"env": torch_environment(initialized=False)})
         self._sync_capture()
 

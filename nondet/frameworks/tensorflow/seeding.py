@@ -1,0 +1,50 @@
+"""TensorFlow's and Keras' seeding calls, recorded with their values (``nondet.seeding``).
+
+``tf.random.set_seed`` (and its ``tf.compat.v1`` names), ``tf.random.Generator.from_seed``
+and, once Keras is imported, ``keras.utils.set_random_seed`` (which seeds Python, NumPy,
+TensorFlow and torch itself: those inner calls are not recorded again).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import tensorflow as tf
+
+from nondet import frameworks, seeding
+from nondet.frameworks.base import Session
+
+
+def install(session: Session) -> None:
+    log = seeding.for_session(session)
+    set_seed = log.wrap("tf.random.set_seed", tf.random.set_seed, seeding.first_arg)
+    tf.random.set_seed = set_seed
+    compat = getattr(getattr(tf, "compat", None), "v1", None)
+    for owner, name in ((compat, "set_random_seed"),
+                        (getattr(compat, "random", None), "set_random_seed")):
+        if owner is not None and hasattr(owner, name):
+            setattr(owner, name, log.wrap("tf.random.set_seed", getattr(owner, name),
+                                          seeding.first_arg))
+
+    from tensorflow.python.ops import stateful_random_ops
+
+    generator = stateful_random_ops.Generator
+    original_from_seed = generator.from_seed.__func__
+
+    def from_seed(cls: type, seed: Any, alg: Any = None) -> Any:
+        if not log.nested():
+            log.record("tf.random.Generator.from_seed", seed, sys._getframe(1))
+        return original_from_seed(cls, seed, alg)
+
+    generator.from_seed = classmethod(from_seed)
+    frameworks.after_import("keras", lambda: _install_keras(log))
+
+
+def _install_keras(log: seeding.SeedLog) -> None:
+    for name in ("keras.utils", "keras._tf_keras.keras.utils"):
+        module = sys.modules.get(name)
+        original = getattr(module, "set_random_seed", None)
+        if module is not None and original is not None:
+            module.set_random_seed = log.wrap(  # type: ignore[attr-defined]
+                "keras.utils.set_random_seed", original, seeding.first_arg)

@@ -1,0 +1,58 @@
+"""torch's seeding calls, recorded with their values (``nondet.seeding``).
+
+``torch.manual_seed``, ``torch.cuda.manual_seed(_all)`` (module functions, replaced) and
+``torch.Generator(...).manual_seed``. ``torch.Generator`` is a C type whose methods cannot be
+replaced, so ``torch.Generator`` becomes a subclass that records ``manual_seed``; its
+metaclass keeps ``isinstance(g, torch.Generator)`` true for every generator (the default
+one included), and pickles still name ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from nondet import seeding
+from nondet.frameworks.base import Session
+
+
+def install(session: Session) -> None:
+    log = seeding.for_session(session)
+    for owner, name, api in ((torch, "manual_seed", "torch.manual_seed"),
+                             (torch.random, "manual_seed", "torch.manual_seed"),
+                             (torch.cuda, "manual_seed", "torch.cuda.manual_seed"),
+                             (torch.cuda, "manual_seed_all", "torch.cuda.manual_seed_all")):
+        original = getattr(owner, name, None)
+        if original is not None:
+            setattr(owner, name, log.wrap(api, original, seeding.first_arg))
+    torch.Generator = _recording_generator(log)  # type: ignore[misc,assignment]
+
+
+def _recording_generator(log: seeding.SeedLog) -> type:
+    base = torch.Generator
+
+    class _Meta(type(base)):  # type: ignore[misc]
+        # Only the stand-in itself answers for every instance of the original; a class the
+        # user derives from it later (pendulum's DateTime, say) keeps the usual answer.
+        def __instancecheck__(cls, obj: Any) -> bool:
+            if "_stands_in" in cls.__dict__:
+                return isinstance(obj, base)
+            return bool(super().__instancecheck__(obj))
+
+        def __subclasscheck__(cls, other: type) -> bool:
+            if "_stands_in" in cls.__dict__:
+                return issubclass(other, base)
+            return bool(super().__subclasscheck__(other))
+
+    class Generator(base, metaclass=_Meta):  # type: ignore[misc,valid-type]
+        def manual_seed(self, seed: Any) -> Any:
+            if not log.nested():
+                log.record("torch.Generator.manual_seed", seed, sys._getframe(1))
+            return super().manual_seed(seed)
+
+    Generator._stands_in = True
+    Generator.__module__ = base.__module__
+    Generator.__qualname__ = Generator.__name__ = base.__name__
+    return Generator

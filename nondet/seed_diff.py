@@ -1,0 +1,126 @@
+"""Seeding calls compared between two captures: the ``seed`` finding.
+
+The child records every seeding call (``nondet.seeding``: API, call site, values in order).
+Two runs of one script make the same calls with the same values; a value that differs came
+from the clock, the pid, ``os.urandom`` or a ``uuid``. That call is the finding, at its own
+line, ahead of the first op that consumed the difference, provided it happened no later than
+that op's step (a seed derived from an earlier difference is a consequence, not the cause)
+and that op is not a cause of its own (it differs from equal inputs and draws no random
+numbers: a race; the seed is then a note).
+
+Pure over captures (no frameworks), like ``analysis``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nondet.clock import CLOCK_FACT
+from nondet.records import INIT_STEP
+from nondet.report import Divergence
+from nondet.seeding import SEED_FACT_PREFIX
+from nondet.store import Capture
+
+#: Named in the finding when run b's clock ran ahead (``nondet.clock``).
+CLOCK_NOTE = ("nondet runs run b with its clock {offset:g} s ahead on purpose, so that a seed "
+              "read from the clock differs even when both runs start in the same second")
+
+
+@dataclass(frozen=True)
+class SeedDifference:
+    api: str
+    site: str
+    library: str
+    step: int
+    value_a: str
+    value_b: str
+    seq: int  # position of run a's call among all its seeding calls
+
+
+def seed_calls(capture: Capture) -> dict[tuple[str, str, str], list[tuple[int, int, str]]]:
+    """(api, site, library) -> [(seq, step, value), ...] in call order. Malformed entries
+    (a capture is untrusted input) are left out, never guessed at."""
+    out: dict[tuple[str, str, str], list[tuple[int, int, str]]] = {}
+    for key, value in capture.facts.items():
+        if not key.startswith(SEED_FACT_PREFIX) or not isinstance(value, dict):
+            continue
+        api, site, library = (value.get(k) for k in ("api", "site", "library"))
+        calls = value.get("calls")
+        if not (isinstance(api, str) and isinstance(site, str) and isinstance(library, str)
+                and isinstance(calls, list)):
+            continue
+        rows = [(c[0], c[1], c[2]) for c in calls if _is_call(c)]
+        out.setdefault((api, site, library), []).extend(rows)
+    return out
+
+
+def _is_call(call: Any) -> bool:
+    return (isinstance(call, list) and len(call) == 3 and type(call[0]) is int
+            and type(call[1]) is int and isinstance(call[2], str))
+
+
+def first_seed_difference(a: Capture, b: Capture) -> SeedDifference | None:
+    """The earliest seeding call (in run a's order) whose value differs in run b; calls are
+    matched per API and call site, in order."""
+    calls_a, calls_b = seed_calls(a), seed_calls(b)
+    found: SeedDifference | None = None
+    for key in calls_a.keys() & calls_b.keys():
+        for (seq, step, va), (_, _, vb) in zip(calls_a[key], calls_b[key], strict=False):
+            if va != vb:
+                if found is None or seq < found.seq:
+                    found = SeedDifference(*key, step=step, value_a=va, value_b=vb, seq=seq)
+                break
+    return found
+
+
+def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergence | None:
+    """The seed finding, if a seeding call differs no later than ``div`` (the finding so far,
+    None if none); else None."""
+    diff = first_seed_difference(a, b)
+    if diff is None:
+        return None
+    if div is not None and diff.step > (INIT_STEP if div.step is None else div.step):
+        return None  # the seed came after the difference: it may be derived from it
+    values = f"{_shown(diff.value_a)} in run a and {_shown(diff.value_b)} in run b"
+    if div is not None and _independent(div):
+        div.notes.append(f"{diff.api} at {diff.site or diff.library} also received different "
+                         f"seeds ({values}), but this op differs with all its inputs equal "
+                         "and draws no random numbers: a cause of its own")
+        return None
+    notes = [f"{diff.api} received {values}: the seed itself differs between the runs"]
+    if diff.library:
+        notes.append(f"the call is made by {diff.library}, called from {diff.site or '?'}")
+    offset = b.facts.get(CLOCK_FACT)
+    if isinstance(offset, int | float) and offset > 0:
+        notes.append(CLOCK_NOTE.format(offset=offset))
+    found = Divergence(
+        kind="seed", step=None if diff.step == INIT_STEP else diff.step,
+        phase="init" if diff.step == INIT_STEP else "other", op=diff.api, module="",
+        source=diff.site or None, notes=notes)
+    found.source_text = a.source_text(diff.site) if diff.site else ""
+    return found
+
+
+def _independent(div: Divergence) -> bool:
+    """An op that made a difference from equal inputs without drawing random numbers (a
+    race, a nondeterministic kernel) is not explained by a seed."""
+    return (div.kind == "op" and div.localized and div.explained and not div.rng_op
+            and not div.scalar_argument)
+
+
+def _shown(value: str) -> str:
+    return value if len(value) <= 40 else value[:39] + "…"
+
+
+def library_generator_notes(div: Divergence, capture: Capture) -> list[str]:
+    """For a value that entered with different values: the unseeded generators libraries
+    made (``pyhooks``), named with the library frame and the user's line that led there."""
+    if div.kind not in ("entry", "init"):
+        return []
+    sites = capture.facts.get("library.unseeded_generator")
+    if not isinstance(sites, list) or not sites:
+        return []
+    shown = "; ".join(str(s) for s in sites[:3]) + ("; ..." if len(sites) > 3 else "")
+    return [f"an unseeded random generator was made inside a library ({shown}): it draws "
+            "from fresh OS entropy, so its values differ in every run"]

@@ -1,0 +1,237 @@
+"""Seeding calls, recorded in the captured run so that the parent can compare their values.
+
+A script that seeds from the clock, the pid, ``os.urandom`` or a ``uuid`` seeds each run
+differently. Comparing the values every seeding call received (``seed_diff``, parent side)
+names that call's line, instead of the first op that consumed the difference.
+
+Each call site is one fact, ``seed#N`` (``SEED_FACT_PREFIX``), re-sent as it grows::
+
+    {"api": "torch.manual_seed", "site": "train.py:12", "library": "", "package": "",
+     "calls": [[seq, step, "1795454799"], ...]}
+
+``site`` is the first frame in the user's own files, ``library`` the frame that made the
+call when it is not the user's (a library's ``seed_everything``), ``seq`` a run-wide call
+counter (which difference came first). Values that are not plain numbers are fingerprinted
+(bytes, strings, arrays, a ``SeedSequence``); an object of any other type is recorded by its
+type only, so it never differs: its ``repr`` may hold an address, and a false alarm is worse
+than a miss.
+
+Not recorded: calls made by nondet itself (the run's own seeds), calls made by the
+frameworks' own code (a DataLoader sampler seeding its generator from the torch RNG, Keras'
+seed generators: those values follow RNG state the step records already cover), seeding
+calls nested inside another recorded one (``keras.utils.set_random_seed`` seeds four RNGs),
+and calls in forked children (DataLoader workers cannot write to the run's pipe).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import CodeType, FrameType
+from typing import Any, TypeVar
+
+from nondet import channel
+from nondet import session as session_module
+from nondet.frameworks.base import Session
+
+SEED_FACT_PREFIX = "seed#"
+#: Values kept per call site (a dataset seeding per sample repeats one site many times).
+MAX_CALLS_PER_SITE = 32
+#: Call sites kept per run.
+MAX_SITES = 256
+#: Packages whose own seeding calls derive from framework RNG state (see module docstring).
+FRAMEWORK_PACKAGES = frozenset({"nondet", "torch", "tensorflow", "keras", "tf_keras", "numpy",
+                                "jax", "jaxlib"})
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """Where a call came from: the user's line, and the library frame in between if any."""
+
+    site: str  # first user frame, "train.py:12" ("" if there is none)
+    library: str  # the calling frame when it is not the user's ("" if it is)
+    package: str  # top-level package of ``library`` ("" for the user's own calls)
+
+
+def seed_value(value: Any) -> str:
+    """A seed as comparable text: numbers as themselves, other seeds fingerprinted, objects
+    of unknown types by type name only (never by ``repr``, which may hold an address)."""
+    import numpy as np
+
+    if isinstance(value, bool | int | np.integer):
+        return str(int(value))
+    if isinstance(value, float | np.floating):
+        return repr(float(value))
+    if isinstance(value, str):
+        return f"str:{_digest(value.encode('utf-8', 'surrogatepass'))}"
+    if isinstance(value, bytes | bytearray | memoryview):
+        return f"bytes:{_digest(bytes(value))}"
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        raw = f"{value.dtype.str}{value.shape}".encode() + np.ascontiguousarray(value).tobytes()
+        return f"array:{_digest(raw)}"
+    if isinstance(value, list | tuple) and all(isinstance(v, int | np.integer) for v in value):
+        return f"ints:{_digest(repr([int(v) for v in value]).encode())}"
+    if isinstance(value, np.random.SeedSequence):
+        return f"SeedSequence:{_digest(repr((value.entropy, value.spawn_key)).encode())}"
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
+        # a 0-d tensor: its number (item() of a 0-d tensor is cheap and cannot change it)
+        try:
+            return seed_value(value.item())
+        except Exception:
+            pass
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+class SeedLog:
+    """The run's record of seeding calls (one per session; see ``for_session``)."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self._sites: dict[tuple[str, str, str], tuple[str, dict[str, Any]]] = {}
+        self._seq = 0
+        self._local = threading.local()  # nesting depth of recorded calls, per thread
+        self._users: dict[CodeType, bool] = {}  # is_users per code object (a dataset may
+        # seed once per sample: the walk stays a few dict lookups)
+        self.disabled = False
+        script = getattr(session.config, "script", None)
+        self._root = os.path.realpath(os.path.dirname(os.path.abspath(script)) if script
+                                      else os.getcwd()) + os.sep
+
+    # -- where a call comes from -------------------------------------------------------------
+    def call_site(self, frame: FrameType) -> CallSite | None:
+        """The call site of a call made from ``frame`` (the caller of a hooked function);
+        None when nondet or a framework made the call itself."""
+        package = _package(frame)
+        if package in FRAMEWORK_PACKAGES:
+            return None
+        library = "" if self.is_users(frame) else self._library_frame(frame, package)
+        user: FrameType | None = frame
+        fallback = None
+        while user is not None and not self.is_users(user):
+            if fallback is None and self._session.sources.user_file(user.f_code.co_filename):
+                fallback = user
+            user = user.f_back
+        user = user or fallback
+        site = ""
+        if user is not None:
+            sid = self._session.sources.intern_location(user.f_code.co_filename, user.f_lineno)
+            site = self._session.string(sid)
+        return CallSite(site=site, library=library, package=package if library else "")
+
+    def is_users(self, frame: FrameType) -> bool:
+        """A frame of the user's own code: a user file under the script's directory (a
+        package elsewhere, installed or not, is a library the script uses)."""
+        code = frame.f_code
+        users = self._users.get(code)
+        if users is None:
+            filename = code.co_filename
+            users = self._users[code] = self._session.sources.user_file(filename) and \
+                os.path.realpath(filename).startswith(self._root)
+        return users
+
+    @staticmethod
+    def _library_frame(frame: FrameType, package: str) -> str:
+        """"albumentations/core/composition.py:171": the path from the package's folder."""
+        path = frame.f_code.co_filename
+        marker = f"{os.sep}{package}{os.sep}"
+        cut = path.rfind(marker)
+        shown = path[cut + 1:] if package and cut >= 0 else os.path.basename(path)
+        return f"{shown}:{frame.f_lineno}"
+
+    # -- recording -----------------------------------------------------------------------------
+    def record(self, api: str, value: Any, frame: FrameType) -> None:
+        """One seeding call (``frame`` made it). Never raises into the script."""
+        if self.disabled or value is None or session_module.current() is None:
+            return  # None: no seed (fresh entropy), noted by pyhooks as an unseeded RNG
+        try:
+            where = self.call_site(frame)
+            if where is None:
+                return
+            key = (api, where.site, where.library)
+            entry = self._sites.get(key)
+            if entry is None:
+                if len(self._sites) >= MAX_SITES:
+                    return
+                entry = self._sites[key] = (
+                    f"{SEED_FACT_PREFIX}{len(self._sites)}",
+                    {"api": api, "site": where.site, "library": where.library,
+                     "package": where.package, "calls": []})
+            fact, data = entry
+            if len(data["calls"]) >= MAX_CALLS_PER_SITE:
+                return
+            self._seq += 1
+            data["calls"].append([self._seq, int(self._session.step), seed_value(value)])
+            self._session.send_facts({fact: data})
+        except Exception:
+            self.failed()
+
+    def failed(self) -> None:
+        """nondet's own error: reported once as a nondet bug (exit 3); recording stops and
+        the script runs on."""
+        if not self.disabled:
+            self.disabled = True
+            self._session.send_meta({channel.META_HOOK_ERROR: traceback.format_exc()})
+
+    def wrap(self, api: str, function: F, seed_of: Callable[..., Any]) -> F:
+        """``function`` recording its seed (``seed_of(*args, **kwargs)``) before it runs.
+        Seeding calls it makes itself are not recorded again."""
+        log = self
+
+        @functools.wraps(function)
+        def seeding(*args: Any, **kwargs: Any) -> Any:
+            if not getattr(log._local, "depth", 0):
+                log.record(api, _safe_seed(seed_of, args, kwargs), sys._getframe(1))
+            log._local.depth = getattr(log._local, "depth", 0) + 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                log._local.depth -= 1
+
+        return seeding  # type: ignore[return-value]
+
+    def nested(self) -> bool:
+        """Inside a recorded seeding call (its own seeding calls are not recorded again)."""
+        return bool(getattr(self._local, "depth", 0))
+
+
+def _safe_seed(seed_of: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+    try:
+        return seed_of(*args, **kwargs)
+    except Exception:
+        return None  # arguments the function itself will reject: its error, not ours
+
+
+def _package(frame: FrameType) -> str:
+    name = frame.f_globals.get("__name__")
+    return name.split(".", 1)[0] if isinstance(name, str) else ""
+
+
+def first_arg(*args: Any, **kwargs: Any) -> Any:
+    """The seed is the first argument (or ``seed=``): ``torch.manual_seed(seed)``, ..."""
+    if args:
+        return args[0]
+    return kwargs.get("seed")
+
+
+_LOG: SeedLog | None = None
+
+
+def for_session(session: Session) -> SeedLog:
+    """The run's seed log, shared by the Python, NumPy, torch and TensorFlow hooks."""
+    global _LOG
+    if _LOG is None or _LOG._session is not session:
+        _LOG = SeedLog(session)
+    return _LOG

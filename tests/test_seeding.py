@@ -1,0 +1,392 @@
+"""Seeding calls: recorded in the child with value and line (``seeding``, ``pyhooks``,
+``frameworks/torch/seeding``), compared in the parent (``seed_diff``), and run b's clock
+moved ahead (``clock``). Hooks are installed on a fake session and removed afterwards."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from nondet import analysis, clock, pyhooks, seed_diff, seeding
+from nondet import session as session_module
+from nondet.records import Flag
+from nondet.session import SourceLocator
+from nondet.store import open_capture
+from tests.conftest import OpStream, step_rows, write_capture
+
+
+class FakeSession:
+    """What the hooks use of ``session.Session``: config, step, strings, sources, facts."""
+
+    def __init__(self, script: Path) -> None:
+        self.config = type("Config", (), {"script": str(script), "seed": 0})()
+        self.step = -1
+        self._strings: list[str] = []
+        self.sources = SourceLocator(self)  # type: ignore[arg-type]
+        self.facts: dict[str, Any] = {}
+        self.meta: list[dict[str, Any]] = []
+
+    def intern(self, text: str) -> int:
+        if text not in self._strings:
+            self._strings.append(text)
+        return self._strings.index(text)
+
+    def string(self, sid: int) -> str:
+        return self._strings[sid]
+
+    def send_facts(self, facts: dict[str, Any]) -> None:
+        self.facts.update(json.loads(json.dumps(facts)))  # as the parent receives them
+
+    def send_meta(self, meta: dict[str, Any]) -> None:
+        self.meta.append(meta)
+
+    def seeds(self) -> list[tuple[str, str, str, list[str]]]:
+        return [(v["api"], v["site"], v["library"], [c[2] for c in v["calls"]])
+                for k, v in sorted(self.facts.items()) if k.startswith(seeding.SEED_FACT_PREFIX)]
+
+
+@pytest.fixture
+def session(monkeypatch: pytest.MonkeyPatch) -> FakeSession:
+    """A session whose hooks are all undone after the test (monkeypatch restores)."""
+    for owner, name in ((np.random, "default_rng"), (np.random, "seed"),
+                        (np.random, "RandomState"), (random, "seed")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    monkeypatch.setattr(random.Random, "__init__", random.Random.__init__)
+    fake = FakeSession(Path(__file__))  # the user's "script" lives in tests/
+    monkeypatch.setattr(session_module, "_CURRENT", fake)
+    monkeypatch.setattr(seeding, "_LOG", None)
+    pyhooks.install(fake)  # type: ignore[arg-type]
+    return fake
+
+
+def _line_of(text: str) -> str:
+    """"tests/test_seeding.py:N" of the line in this file that contains ``text``."""
+    lines = Path(__file__).read_text().splitlines()
+    number = next(i for i, line in enumerate(lines, 1) if text in line and "_line_of" not in line)
+    return f"{Path(__file__).relative_to(Path.cwd())}:{number}"
+
+
+def test_python_and_numpy_seeding_calls_are_recorded_with_value_and_line(
+        session: FakeSession) -> None:
+    random.seed(11)  # seed-call-1
+    np.random.seed(12)  # seed-call-2
+    np.random.default_rng(13)  # seed-call-3
+    np.random.RandomState(14)  # seed-call-4
+    random.Random(15)  # seed-call-5
+    random.seed(b"\x01\x02")  # seed-call-6
+    assert session.seeds() == [
+        ("random.seed", _line_of("seed-call-1"), "", ["11"]),
+        ("np.random.seed", _line_of("seed-call-2"), "", ["12"]),
+        ("np.random.default_rng", _line_of("seed-call-3"), "", ["13"]),
+        ("np.random.RandomState", _line_of("seed-call-4"), "", ["14"]),
+        ("random.Random", _line_of("seed-call-5"), "", ["15"]),
+        ("random.seed", _line_of("seed-call-6"), "", [seeding.seed_value(b"\x01\x02")]),
+    ]
+    assert not session.meta  # no hook error
+
+
+def test_repeated_calls_at_one_site_keep_their_order(session: FakeSession) -> None:
+    for args, kwargs in (((3,), {}), ((1,), {}), ((), {"a": 2})):
+        random.seed(*args, **kwargs)
+    [(api, _, _, values)] = session.seeds()
+    assert api == "random.seed" and values == ["3", "1", "2"]
+
+
+def test_odd_arguments_raise_only_the_functions_own_error(session: FakeSession) -> None:
+    with pytest.raises(TypeError):
+        random.seed(object())  # random's own TypeError: the script's to handle
+    with pytest.raises((TypeError, ValueError)):
+        np.random.seed("not a seed")
+    assert not session.meta  # nondet itself did not fail
+    # an object of an unknown type is recorded by type, never by its (address-bearing) repr
+    assert session.seeds()[0][3] == ["<builtins.object>"]
+
+
+def test_a_failing_hook_never_reaches_the_script(session: FakeSession,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(facts: dict[str, Any]) -> None:
+        raise RuntimeError("pipe gone")
+
+    monkeypatch.setattr(session, "send_facts", broken)
+    random.seed(5)  # must not raise
+    assert random.random() == random.Random(5).random()  # and still seeded
+    assert any("pipe gone" in m.get("hook_error", "") for m in session.meta)
+
+
+def test_unseeded_calls_are_notes_not_seeds(session: FakeSession) -> None:
+    np.random.default_rng()  # unseeded-here
+    random.Random()
+    assert session.seeds() == []
+    assert session.facts["numpy.unseeded_generator"] == [_line_of("unseeded-here")]
+
+
+def test_isinstance_still_holds_for_every_random_state(session: FakeSession) -> None:
+    assert isinstance(np.random.mtrand._rand, np.random.RandomState)
+    made = np.random.RandomState(3)
+    assert isinstance(made, np.random.mtrand.RandomState)
+    assert made.randint(1000) == np.random.mtrand.RandomState(3).randint(1000)
+
+
+def _library(tmp_path: Path, body: str) -> Any:
+    """A module outside the script's directory (a library), imported from there."""
+    folder = tmp_path / "somelib"
+    folder.mkdir()
+    (folder / "__init__.py").write_text(textwrap.dedent(body))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import somelib  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("somelib", None)
+    return somelib
+
+
+def test_a_library_generator_names_library_and_user_frames(session: FakeSession,
+                                                           tmp_path: Path) -> None:
+    lib = _library(tmp_path, """
+        import numpy as np
+
+        class Aug:
+            def __init__(self):
+                self.rng = np.random.default_rng()
+
+        def seed_everything(seed):
+            np.random.seed(seed)
+    """)
+    lib.Aug()  # made-from-here
+    lib.seed_everything(4)  # seed-everything-here
+    user = _line_of("made-from-here")
+    assert session.facts[pyhooks.LIBRARY_UNSEEDED] == [
+        f"somelib/__init__.py:6 in somelib, made from {user}"]
+    assert session.facts[f"{pyhooks.LIBRARY_UNSEEDED}.somelib"] is True
+    assert "numpy.unseeded_generator" not in session.facts
+    assert session.seeds() == [("np.random.seed", _line_of("seed-everything-here"),
+                                "somelib/__init__.py:9", ["4"])]
+
+
+def test_calls_by_frameworks_and_nondet_are_not_recorded(session: FakeSession) -> None:
+    for package in ("torch.utils.data.sampler", "nondet.boot"):
+        exec("import random; random.seed(3); import numpy; numpy.random.default_rng()",
+             {"__name__": package})
+    assert session.seeds() == [] and "numpy.unseeded_generator" not in session.facts
+
+
+def test_forked_children_record_nothing(session: FakeSession,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(session_module, "_CURRENT", None)  # as boot._forget_session leaves it
+    random.seed(3)
+    assert session.seeds() == []
+
+
+def test_torch_seeding_calls_are_recorded(session: FakeSession,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from nondet.frameworks.torch import seeding as torch_seeding
+
+    for owner, name in ((torch, "manual_seed"), (torch.random, "manual_seed"),
+                        (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"),
+                        (torch, "Generator")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    torch_seeding.install(session)  # type: ignore[arg-type]
+    torch.manual_seed(21)  # torch-seed-here
+    g = torch.Generator().manual_seed(22)  # generator-seed-here
+    assert session.seeds() == [
+        ("torch.manual_seed", _line_of("torch-seed-here"), "", ["21"]),
+        ("torch.Generator.manual_seed", _line_of("generator-seed-here"), "", ["22"])]
+    assert isinstance(torch.default_generator, torch.Generator) and g.initial_seed() == 22
+    with pytest.raises(ValueError, match="invalid literal"):
+        torch.manual_seed("x")  # torch's own error
+    assert not session.meta
+
+
+# -- the parent: comparing two captures -----------------------------------------------------
+STEPS = [{"step": -1, "params_fp": 1}, {"step": 0, "loss": 0.5, "loss_fp": 7, "params_fp": 3},
+         {"step": 1, "loss": 0.25, "loss_fp": 8, "params_fp": 5}]
+
+
+def _seed_fact(values: list[str], site: str = "train.py:4", step: int = -1,
+               api: str = "torch.manual_seed") -> dict[str, Any]:
+    return {"api": api, "site": site, "library": "", "package": "",
+            "calls": [[i + 1, step, v] for i, v in enumerate(values)]}
+
+
+def _report(tmp_path: Path, facts_a: dict[str, Any], facts_b: dict[str, Any],
+            b_params: int = 3, rng: bool = True) -> Any:
+    """Two captures whose step-0 op (a random draw, or a plain op if not ``rng``) differs
+    when ``b_params`` != 3."""
+    steps_b = step_rows(*STEPS)
+    steps_b[1]["params_fp"] = b_params
+    name, flags = ("aten.normal_.default", int(Flag.RNG)) if rng else ("aten.mm.default", 0)
+    ops = OpStream().add(0, name, out=10, source="train.py:9", flags=flags)
+    ops_b = OpStream().add(0, name, out=10 if b_params == 3 else 11, source="train.py:9",
+                           flags=flags)
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS), ops, facts=facts_a,
+                      attrs={"op_steps": [0]})
+    b = write_capture(tmp_path / "b.h5", steps_b, ops_b, facts=facts_b,
+                      attrs={"op_steps": [0]})
+    return analysis.compare_captures(open_capture(a), open_capture(b))
+
+
+def test_a_differing_seed_is_the_finding_at_its_line(tmp_path: Path) -> None:
+    report = _report(tmp_path, {"seed#0": _seed_fact(["100"])},
+                     {"seed#0": _seed_fact(["105"]), clock.CLOCK_FACT: 5.5}, b_params=4)
+    found = report.first_divergence
+    assert report.verdict == "nondeterministic"
+    assert (found.kind, found.step, found.phase, found.op, found.source) == (
+        "seed", None, "init", "torch.manual_seed", "train.py:4")
+    assert any("100 in run a and 105 in run b" in n for n in found.notes)
+    assert any("5.5 s ahead" in n for n in found.notes)
+    suggested = analysis.compare_captures(open_capture(tmp_path / "a.h5"),
+                                          open_capture(tmp_path / "b.h5"), suggest=True)
+    assert suggested.suggestions[0].recipe.id == "PY-SEED-VARIES"
+
+
+def test_an_op_that_differs_on_its_own_stays_the_finding(tmp_path: Path) -> None:
+    """A race (output differs, inputs equal, no random draw) is a cause of its own: a seed
+    that differs too (say, one used only to name the run) is a note, not the finding."""
+    report = _report(tmp_path, {"seed#0": _seed_fact(["1"])}, {"seed#0": _seed_fact(["2"])},
+                     b_params=4, rng=False)
+    found = report.first_divergence
+    assert found.kind == "op" and found.op == "aten.mm.default"
+    assert any("also received different seeds" in n for n in found.notes)
+
+
+def test_equal_seeds_leave_the_op_finding(tmp_path: Path) -> None:
+    same = {"seed#0": _seed_fact(["100", "7"])}
+    report = _report(tmp_path, same, same, b_params=4)
+    assert report.first_divergence.kind == "op"
+
+
+def test_the_earliest_differing_call_wins(tmp_path: Path) -> None:
+    a = {"seed#0": _seed_fact(["1", "2"], site="train.py:8"),
+         "seed#1": {**_seed_fact(["5"], site="train.py:3", api="random.seed"),
+                    "calls": [[3, -1, "5"]]}}
+    b = {"seed#0": _seed_fact(["1", "9"], site="train.py:8"),
+         "seed#1": {**_seed_fact(["6"], site="train.py:3", api="random.seed"),
+                    "calls": [[3, -1, "6"]]}}
+    report = _report(tmp_path, a, b, b_params=4)
+    assert report.first_divergence.source == "train.py:8"  # seq 2 before seq 3
+
+
+def test_a_seed_after_the_first_difference_is_not_blamed(tmp_path: Path) -> None:
+    report = _report(tmp_path, {"seed#0": _seed_fact(["1"], step=1)},
+                     {"seed#0": _seed_fact(["2"], step=1)}, b_params=4)
+    assert report.first_divergence.kind == "op" and report.first_divergence.step == 0
+
+
+def test_a_seed_made_during_training_does_not_explain_a_difference_at_init(
+        tmp_path: Path) -> None:
+    steps_b = step_rows(*STEPS)
+    steps_b[0]["params_fp"] = 2  # the initial weights already differ
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS),
+                      facts={"seed#0": _seed_fact(["1"], step=0)})
+    b = write_capture(tmp_path / "b.h5", steps_b, facts={"seed#0": _seed_fact(["2"], step=0)})
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    assert report.first_divergence.kind == "init"
+
+
+def test_malformed_seed_facts_are_ignored(tmp_path: Path) -> None:
+    bad = {"seed#0": {"api": 3, "calls": "x"}, "seed#1": {**_seed_fact(["1"]),
+                                                          "calls": [["a", 1, 2]]}}
+    report = _report(tmp_path, bad, {"seed#0": _seed_fact(["9"])}, b_params=4)
+    assert report.first_divergence.kind == "op"
+
+
+def test_a_seed_difference_that_never_reaches_training_is_a_note(tmp_path: Path) -> None:
+    report = _report(tmp_path, {"seed#0": _seed_fact(["1"])}, {"seed#0": _seed_fact(["2"])})
+    assert report.verdict == "deterministic"
+
+
+def test_seed_values() -> None:
+    assert seeding.seed_value(np.int64(7)) == "7" and seeding.seed_value(True) == "1"
+    assert seeding.seed_value(1.5) == "1.5"
+    assert seeding.seed_value(b"ab") != seeding.seed_value(b"ac")
+    assert seeding.seed_value(np.random.SeedSequence(3)) == seeding.seed_value(
+        np.random.SeedSequence(3))
+    assert seeding.seed_value(np.random.SeedSequence()) != seeding.seed_value(
+        np.random.SeedSequence())  # fresh entropy: differs
+    assert seeding.seed_value(object()) == seeding.seed_value(object())
+    assert seed_diff.seed_calls.__doc__  # the parent reads what the child writes
+
+
+# -- run b's clock ------------------------------------------------------------------------------
+def test_clock_offsets_per_run() -> None:
+    assert clock.offset_for("a") == 0 and clock.offset_for("a-ops") == 0
+    assert clock.offset_for("b") == clock.offset_for("b-dump") == clock.OFFSET_SECONDS
+    assert clock.offset_for("r2") == 2 * clock.OFFSET_SECONDS
+    assert clock.offset_for("baseline") == 0
+
+
+def test_the_shifted_clock_reads_ahead_and_keeps_datetime_working() -> None:
+    code = textwrap.dedent("""
+        import datetime, pickle, time
+        real, real_dt = time.time(), datetime.datetime.now()
+        from nondet import clock
+        clock.shift(5.5)
+        ahead = time.time() - real
+        dt = datetime.datetime.now()
+        print(round(ahead), round((dt - real_dt).total_seconds()),
+              round(time.time_ns() / 1e9 - real), 4 < time.mktime(time.localtime()) - real < 6,
+              isinstance(real_dt, datetime.datetime), type(dt) is datetime.datetime,
+              pickle.loads(pickle.dumps(dt)) == dt, repr(datetime.datetime(2020, 1, 2)),
+              5 < (datetime.datetime.utcnow() - real_dt.utcnow()).total_seconds() < 6)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["6", "6", "6", "True", "True", "True", "True",
+                   "datetime.datetime(2020,", "1,", "2,", "0,", "0)", "True"]
+
+
+def test_tensorflow_and_keras_seeding_calls_are_recorded(session: FakeSession,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    from tensorflow.python.ops import stateful_random_ops
+
+    from nondet.frameworks.tensorflow import seeding as tf_seeding
+
+    monkeypatch.setattr(tf.random, "set_seed", tf.random.set_seed)
+    monkeypatch.setattr(tf.compat.v1, "set_random_seed", tf.compat.v1.set_random_seed)
+    monkeypatch.setattr(tf.compat.v1.random, "set_random_seed",
+                        tf.compat.v1.random.set_random_seed)
+    monkeypatch.setattr(stateful_random_ops.Generator, "from_seed",
+                        stateful_random_ops.Generator.__dict__["from_seed"])
+    for name in ("keras.utils", "keras._tf_keras.keras.utils"):
+        if name in sys.modules:
+            monkeypatch.setattr(sys.modules[name], "set_random_seed",
+                                sys.modules[name].set_random_seed)
+    tf_seeding.install(session)  # type: ignore[arg-type]
+    tf.random.set_seed(31)  # tf-seed-here
+    g = tf.random.Generator.from_seed(32)  # tf-generator-here
+    keras.utils.set_random_seed(33)  # keras-seed-here: seeds 4 RNGs, recorded once
+    assert session.seeds() == [
+        ("tf.random.set_seed", _line_of("tf-seed-here"), "", ["31"]),
+        ("tf.random.Generator.from_seed", _line_of("tf-generator-here"), "", ["32"]),
+        ("keras.utils.set_random_seed", _line_of("keras-seed-here"), "", ["33"])]
+    assert int(g.normal([]).shape.rank) == 0 and not session.meta
+
+
+def test_a_class_derived_from_a_stand_in_keeps_its_own_isinstance() -> None:
+    code = textwrap.dedent("""
+        import datetime
+        from nondet import clock
+        plain = datetime.datetime(2020, 1, 1)
+        clock.shift(0.0)
+
+        class Mine(datetime.datetime):
+            pass
+
+        print(isinstance(plain, datetime.datetime), isinstance(plain, Mine),
+              isinstance(Mine(2020, 1, 1), Mine), issubclass(datetime.datetime, Mine))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["True", "False", "True", "False"]

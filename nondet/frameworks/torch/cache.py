@@ -38,7 +38,7 @@ import torch
 
 from nondet.fingerprint import combine, scalar_value
 from nondet.frameworks.base import RecorderHost
-from nondet.frameworks.fp import Fp, combined
+from nondet.frameworks.fp import Fp, combined, resolve
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.optable import OpInfo
@@ -251,16 +251,7 @@ class FingerprintCache:
         each fingerprint with its description. Bases precede their views in the list."""
         if not self.pending:
             return
-        by_device: dict[torch.device, list[Fp]] = {}
-        for fp in self.pending:
-            if isinstance(fp.content, torch.Tensor):
-                by_device.setdefault(fp.content.device, []).append(fp)
-        for fps in by_device.values():
-            values = torch.stack([fp.content for fp in fps]).tolist()
-            for fp, value in zip(fps, values, strict=True):
-                fp.content = value
-        for fp in self.pending:
-            fp.finalize()
+        resolve(self.pending, _device_sums)
         self.pending = []
 
     # -- records ----------------------------------------------------------------------------
@@ -288,3 +279,16 @@ class FingerprintCache:
         ]
         self.records = []
         return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)
+
+
+def _device_sums(contents: list[torch.Tensor]) -> list[int]:
+    """Pending device sums as host integers, in order: one transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, content in enumerate(contents):
+        by_device.setdefault(content.device, []).append(i)
+    out = [0] * len(contents)
+    for positions in by_device.values():
+        values = torch.stack([contents[i] for i in positions]).tolist()
+        for i, value in zip(positions, values, strict=True):
+            out[i] = value
+    return out

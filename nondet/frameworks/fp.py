@@ -1,10 +1,15 @@
-"""A fingerprint being computed: shared by the framework backends."""
+"""A fingerprint being computed, and the host-side helpers both framework backends use."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from nondet.fingerprint import MASK64, combine
+import numpy as np
+
+from nondet.fingerprint import MASK64, combine, host_words, word_size
+
+_NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
 
 
 class Fp:
@@ -37,6 +42,28 @@ class Fp:
         elif self.content is not None:
             self.value = combine((int(self.content) & MASK64, *self.meta))
         self.content = None
+
+
+def narrow_host_words(values: np.ndarray) -> np.ndarray:
+    """``host_words`` without widening to int64: a zero-copy view of a contiguous array in
+    its word type (``host_content`` widens one chunk at a time, like the device paths)."""
+    if not values.flags.c_contiguous:
+        return host_words(values)
+    raw = values.reshape(-1).view(np.uint8)
+    return raw.view(_NP_WORDS[word_size(raw.size)])
+
+
+def resolve(pending: list[Fp], read_back: Callable[[list[Any]], list[int]]) -> None:
+    """Finalize ``pending`` in order (bases before what is derived from them), after bringing
+    every content still on a device to the host with one ``read_back`` call (it gets those
+    contents, returns their integers in the same order)."""
+    waiting = [fp for fp in pending if fp.content is not None and not isinstance(fp.content, int)]
+    if waiting:
+        values = read_back([fp.content for fp in waiting])
+        for fp, value in zip(waiting, values, strict=True):
+            fp.content = value
+    for fp in pending:
+        fp.finalize()
 
 
 def combined(fps: list[Fp]) -> int:

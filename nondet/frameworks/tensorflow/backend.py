@@ -34,13 +34,12 @@ from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.frameworks.tensorflow.state import (
     TrackedVariable,
-    read_variables,
-    state_of,
     tf_environment,
     tf_facts,
     values_fp,
     variable_group,
 )
+from nondet.frameworks.tensorflow.statehash import StateHasher
 from nondet.records import Group, Kind, Phase
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -59,6 +58,7 @@ class TFBackend(StepLifecycle):
         self.scopes: dict[str, tuple[int, int]] = {}  # graph name scope -> (module, source)
         self.variables: list[TrackedVariable] = []
         self._making_own_variables = False
+        self._state_hasher: StateHasher | None = None  # made with the recorder's variables
         self.evaluating = False  # inside Keras evaluate/predict (see _mark_evaluation)
         super().__init__(session)
         try:
@@ -353,8 +353,12 @@ class TFBackend(StepLifecycle):
         return alive
 
     def _step_state(self, step: int, detailed: bool) -> StepState:
-        with self._paused():
-            state = state_of(read_variables(self._live_variables()), detailed)
+        recorder = self.recorder
+        recorder.resolve()  # this step's eager fingerprints: data, losses, gradients, probes
+        if self._state_hasher is None:
+            self._state_hasher = StateHasher(recorder.vars.hasher)
+        with self._paused(), recorder.quiet():
+            state = self._state_hasher.state(self._live_variables(), detailed)
         state.grads = group_fp([fp.value or 0 for fp in self.grads])
         return state
 

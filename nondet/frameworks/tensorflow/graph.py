@@ -56,6 +56,7 @@ _CONTROL_FLOW_GRAPHS = frozenset({
     "CondBranchFuncGraph", "_CondGradFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph",
     "_WhileBodyGradFuncGraph",
 })
+HOST = "/device:CPU:0"
 CAPACITY = 1 << 18  # slots in the buffer variable: outputs of all graphs traced in a run
 SLOT_MARGIN = 4096  # kept free for the graph inputs and control-flow outputs of one op
 
@@ -90,7 +91,11 @@ class RecorderVariables:
         with tf.init_scope():
             self.buffer = tf.Variable(tf.zeros([CAPACITY], tf.int64), trainable=False,
                                       name="nondet_slots")
-            self.window_flag = tf.Variable(window, trainable=False, name="nondet_window")
+            # On the host, whatever device the script's scope names: an ``If``'s predicate
+            # is read on the host, so a flag on a GPU would be copied and waited for by every
+            # guarded op of every step.
+            with tf.device(HOST):
+                self.window_flag = tf.Variable(window, trainable=False, name="nondet_window")
             self.updates = tf.Variable(tf.zeros([], tf.int64), trainable=False,
                                        name="nondet_updates")
             # the loss of a traced step (see carry_loss): its content hash + 1, and its value
@@ -99,6 +104,22 @@ class RecorderVariables:
             self.loss_value = tf.Variable(tf.constant(math.nan, tf.float64), trainable=False,
                                           name="nondet_loss")
         self._guards: dict[Any, tuple[Any, Any]] = {}
+
+    def drain(self, slots: int) -> tuple[int, int, float, np.ndarray]:
+        """After a traced function ran: the update count, the carried loss (hash + 1, value)
+        and the first ``slots`` slots, in one read-back; the slots and the loss hash are
+        then zeroed (the next call writes them afresh)."""
+        parts = [tf.reshape(self.updates, [1]), tf.reshape(self.loss_hash, [1]),
+                 tf.reshape(tf.bitcast(self.loss_value.read_value(), tf.int64), [1])]
+        if slots:
+            parts.append(self.buffer[:slots])
+        values = to_host(tf.concat(parts, 0))
+        if slots:
+            self.buffer[:slots].assign(tf.zeros([slots], tf.int64))
+        if values[1]:
+            self.loss_hash.assign(0)
+        loss_value = float(values[2:3].view(np.float64)[0])
+        return int(values[0]), int(values[1]), loss_value, values[3:]
 
     def guard(self, dtype: Any) -> tuple[Any, Any]:
         """The two branches of the guard for tensors of ``dtype``, traced once per dtype
@@ -126,6 +147,16 @@ class RecorderVariables:
         return self._guards[dtype]
 
 
+#: How many times nondet copied its own values from TensorFlow to the host (``to_host``): on
+#: a GPU each copy waits for the device, so a step should make few (tests count them).
+read_backs = 0
+
+
+def to_host(t: Any) -> np.ndarray:
+    """A host copy of one of nondet's own tensors: the only way they leave the device."""
+    global read_backs
+    read_backs += 1
+    return np.asarray(t.numpy())
 
 
 def backward_graph(graph: Any) -> bool:

@@ -11,21 +11,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from nondet.fingerprint import (
-    CHUNK_WORDS,
-    chunk_keys,
-    host_content,
-    host_words,
-    position_keys,
-    word_size,
-)
+from nondet.fingerprint import CHUNK_WORDS, chunk_keys, host_content, position_keys, word_size
+from nondet.frameworks.fp import narrow_host_words
 
 #: TF dtypes whose values can be fingerprinted (numbers and booleans).
 HASHABLE = frozenset({
     tf.bool, tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32,
     tf.uint64, tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128,
 })
-_NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
 _INT_OF_SIZE = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
 
 
@@ -38,6 +31,13 @@ def hashable(t: Any) -> bool:
 _eager_hasher: GraphHasher | None = None
 
 
+def on_host_and_small(t: Any) -> bool:
+    """An eager tensor that NumPy can hash right away: in host memory, at most a chunk
+    (``.numpy()`` copies the whole tensor)."""
+    return ("CPU" in (getattr(t, "device", "") or "CPU")
+            and t.dtype.size * (t.shape.num_elements() or 0) <= CHUNK_WORDS * 8)
+
+
 def host(t: Any) -> int:
     """Content sum of an eager tensor via NumPy (CPU). ``.numpy()`` copies the whole tensor:
     tensors over a chunk are hashed with TF ops instead, chunk by chunk (the same number)."""
@@ -47,15 +47,6 @@ def host(t: Any) -> int:
             _eager_hasher = GraphHasher()
         return int(_eager_hasher.content(t).numpy())
     return host_content([narrow_host_words(np.asarray(t.numpy()))])
-
-
-def narrow_host_words(values: np.ndarray) -> np.ndarray:
-    """``host_words`` without widening to int64: a zero-copy view of a contiguous array in
-    its word type (``host_content`` widens one chunk at a time, like the graph path)."""
-    if not values.flags.c_contiguous:
-        return host_words(values)
-    raw = values.reshape(-1).view(np.uint8)
-    return raw.view(_NP_WORDS[word_size(raw.size)])
 
 
 class GraphHasher:

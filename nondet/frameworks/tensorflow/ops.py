@@ -11,20 +11,23 @@ import weakref
 from typing import Any
 
 import numpy as np
+import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
 
 from nondet.fingerprint import name_code
-from nondet.frameworks.fp import Fp, combined
+from nondet.frameworks.fp import Fp, combined, resolve
 from nondet.frameworks.tensorflow.graph import (
     DERIVED_OPS,
     ENTRY_KINDS_OF,
     FUNCTION_CALLS,
+    HOST,
     describe,
     entry_label,
     numel,
     recordable_graph,
+    to_host,
 )
-from nondet.frameworks.tensorflow.hashing import hashable, host
+from nondet.frameworks.tensorflow.hashing import hashable, host, on_host_and_small
 from nondet.frameworks.tensorflow.traced import GraphRecorder, TFHost
 from nondet.records import OP_DTYPE, Kind
 
@@ -37,6 +40,7 @@ class TFOpRecorder(GraphRecorder):
     def __init__(self, backend: TFHost) -> None:
         super().__init__(backend)
         self.cache: dict[int, tuple[weakref.ref[Any], Fp]] = {}  # eager tensors
+        self.pending: list[Fp] = []  # eager fingerprints of this step, finalized by resolve
         op_callbacks.add_op_callback(self._callback)
 
     # -- window ----------------------------------------------------------------------------
@@ -131,21 +135,30 @@ class TFOpRecorder(GraphRecorder):
         return fp
 
     def hash_eager(self, t: Any) -> Fp:
+        """Start fingerprinting an eager tensor: small host tensors through NumPy now, others
+        where they live, read back with the step's other fingerprints (``resolve``)."""
         fp = Fp()
         fp.meta = describe(t)
-        if "CPU" in (getattr(t, "device", "") or "CPU"):
+        if on_host_and_small(t):
             fp.content = host(t)
-        else:  # pragma: no cover - no GPU here
-            fp.content = int(self.vars.hasher.content(t).numpy())
-        fp.finalize()
+        else:
+            with self.quiet():
+                fp.content = self.vars.hasher.content(t)
+        self.pending.append(fp)
         return fp
 
     def _derive(self, code: int, parents: list[Fp], t: Any) -> Fp:
         fp = Fp()
         fp.parents = tuple(parents)
         fp.meta = (code, *describe(t))
-        fp.finalize()
+        self.pending.append(fp)
         return fp
+
+    def resolve(self) -> None:
+        """Finalize this step's eager fingerprints: one read-back for all device contents."""
+        with self.quiet():
+            resolve(self.pending, _read_contents)
+        self.pending = []
 
     def remember_eager(self, t: Any) -> Fp:
         """Fingerprint of an eager tensor, remembered so later ops see it as known."""
@@ -172,6 +185,7 @@ class TFOpRecorder(GraphRecorder):
 
     # -- rows ------------------------------------------------------------------------------
     def take_rows(self, step: int) -> np.ndarray:
+        self.resolve()
         rows = [
             (step, i, kind, phase, flags, name, module, source, combined(outs),
              combined(ins), 0, 0, numel)
@@ -180,3 +194,10 @@ class TFOpRecorder(GraphRecorder):
         ]
         self.records = []
         return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)
+
+
+def _read_contents(contents: list[Any]) -> list[int]:
+    """Device content sums (int64 scalars) to the host in one copy."""
+    with tf.device(HOST):
+        stacked = tf.stack(contents)
+    return [int(v) for v in to_host(stacked).tolist()]

@@ -1,11 +1,11 @@
 """What a TensorFlow run's state is made of: every variable the script makes, grouped as
-parameters, buffers, optimizer state and random-generator state; and what its environment
-looks like. Plain functions and records: no hooks."""
+parameters, buffers, optimizer state and random-generator state (hashed each step by
+``statehash.py``); and what its environment looks like. Plain functions and records: no
+hooks."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from nondet.fingerprint import combine, host_content, host_words, name_code
-from nondet.frameworks.base import StepState, TensorRow
+from nondet.fingerprint import combine, host_content, name_code
+from nondet.frameworks.fp import narrow_host_words
 from nondet.records import Group
 
 
@@ -43,49 +43,9 @@ def values_fp(values: list[np.ndarray]) -> int:
     and shapes (0 when the group is empty)."""
     if not values:
         return 0
-    content = host_content([host_words(v) for v in values])
+    content = host_content([narrow_host_words(v) for v in values])
     return combine((content, *(name_code(str(v.dtype)) for v in values),
                     *(d for v in values for d in (v.ndim, *v.shape))))
-
-
-def read_variables(tracked: list[tuple[TrackedVariable, Any]]
-                   ) -> dict[Group, list[tuple[str, np.ndarray]]]:
-    """Host copies of the live tracked variables, by group (unreadable ones are skipped:
-    uninitialized or remote variables have nothing to compare)."""
-    groups: dict[Group, list[tuple[str, np.ndarray]]] = {g: [] for g in Group}
-    for entry, variable in tracked:
-        try:
-            value = np.asarray(variable.numpy())
-        except Exception:
-            continue
-        groups[entry.group].append((entry.name, value))
-    return groups
-
-
-def state_of(groups: dict[Group, list[tuple[str, np.ndarray]]], detailed: bool) -> StepState:
-    """The step-level state from the variables' host copies. TensorFlow's own RNG state is
-    its generators' state variables (``Group.DATA``); gradients are not variables: the TF
-    backend fills them in where it sees them (eager ``apply``)."""
-    params = [v for _, v in groups[Group.PARAM]]
-    floats = [v for v in params if v.dtype.kind == "f"]
-    state = StepState(
-        params=values_fp(params),
-        buffers=values_fp([v for _, v in groups[Group.BUFFER]]),
-        optim=values_fp([v for _, v in groups[Group.OPTIM]]),
-        params_sum=float(sum(np.sum(v, dtype=np.float64) for v in floats))
-        if floats else math.nan,
-        rng=[values_fp([v]) for _, v in groups[Group.DATA]],
-    )
-    if detailed:
-        for group in (Group.PARAM, Group.BUFFER, Group.OPTIM, Group.DATA):
-            for name, value in groups[group]:
-                total = float(np.sum(value, dtype=np.float64)) if value.dtype.kind == "f" \
-                    else math.nan
-                maxabs = float(np.max(np.abs(value))) if value.dtype.kind == "f" and value.size \
-                    else math.nan
-                state.tensors.append(TensorRow(group, f"variable {name}", values_fp([value]),
-                                               total, maxabs, value.size))
-    return state
 
 
 def tf_facts() -> dict[str, Any]:

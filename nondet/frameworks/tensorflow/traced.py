@@ -100,6 +100,7 @@ class GraphRecorder:
         self.records: list[tuple[Any, ...]] = []
         self.active = False
         self.updates_seen = 0
+        self.carried: tuple[int, float] | None = None  # loss hash + 1 and value, see collect
         self.reordering_stage = -1  # source of the last tf.data stage built unordered
         self._local = threading.local()
 
@@ -111,7 +112,7 @@ class GraphRecorder:
         return self._vars
 
     @contextmanager
-    def _quiet(self) -> Iterator[None]:
+    def quiet(self) -> Iterator[None]:
         """Ops made in here are nondet's own: the callback leaves them alone."""
         was = getattr(self._local, "busy", False)
         self._local.busy = True
@@ -240,7 +241,7 @@ class GraphRecorder:
 
     def count_update(self) -> None:
         """In a graph being traced: count an optimizer update when the graph runs."""
-        with self._quiet():
+        with self.quiet():
             self.vars.updates.assign_add(1)
 
     def carry_loss(self, target: Any) -> None:
@@ -249,7 +250,7 @@ class GraphRecorder:
         end, where ``take_loss`` reads them."""
         if not hashable(target):
             return
-        with self._quiet():
+        with self.quiet():
             t = tf.stop_gradient(target)
             self.vars.loss_hash.assign(self.vars.hasher.content(t) + 1)
             scalar = t.shape.is_fully_defined() and t.shape.num_elements() == 1
@@ -258,25 +259,24 @@ class GraphRecorder:
             self.loss_meta = describe(t)
 
     def take_loss(self) -> tuple[Fp, float] | None:
-        """The loss carried out of the function that just ran, if it computed one."""
-        if self.loss_meta is None:
+        """The loss carried out of the function that just ran, if it computed one (read by
+        ``collect``, with everything else the call wrote)."""
+        carried, self.carried = self.carried, None
+        if self.loss_meta is None or carried is None:
             return None
-        stored = int(self.vars.loss_hash.numpy())
-        if not stored:
-            return None
-        self.vars.loss_hash.assign(0)
-        return self._from_slot(stored, self.loss_meta), float(self.vars.loss_value.numpy())
+        return self._from_slot(carried[0], self.loss_meta), carried[1]
 
     # -- after a traced function ran -----------------------------------------------------------
     def collect(self) -> tuple[list[Fp], int]:
         """Read the slots of the function that just ran: data fingerprints of this call
         and how many optimizer updates it made. Op records are added if in the window."""
-        updates = int(self.vars.updates.numpy()) if self._vars is not None else 0
+        if self._vars is None:
+            return [], 0
+        updates, loss_hash, loss_value, values = self._vars.drain(self.next_slot)
         new_updates, self.updates_seen = updates - self.updates_seen, updates
+        self.carried = (loss_hash, loss_value) if loss_hash else None
         if self.next_slot == 0:
             return [], new_updates
-        values = self.vars.buffer[: self.next_slot].numpy()
-        self.vars.buffer[: self.next_slot].assign(tf.zeros([self.next_slot], tf.int64))
         data: list[Fp] = []
         for op in self.table:
             op.fps = []

@@ -305,3 +305,4 @@ class FingerprintCache:
         ]
         self.records = []
         return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)
+

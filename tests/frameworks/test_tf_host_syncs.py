@@ -53,8 +53,8 @@ with tf.device("/CPU:1"):
         train_step(x, y)
         per_step.append(counted[0] - before)
 
-from nondet import capture
-backend = next(b for b in capture.current().backends if b.name == "tensorflow")
+from nondet import session
+backend = next(b for b in session.current().backends if b.name == "tensorflow")
 with open(__file__ + ".json", "w") as f:
     json.dump({"per_step": per_step, "variables": len(model.variables + opt.variables),
                "flag": backend.recorder.vars.window_flag.device}, f)

@@ -59,6 +59,7 @@ def base() -> dict[str, str]:
         "cpu_count": str(os.cpu_count()),
         "hostname": platform.node(),
         "nondet_version": __version__,
+        "fingerprint_scheme": _fingerprint_scheme(),
     }
     try:
         import numpy
@@ -69,6 +70,12 @@ def base() -> dict[str, str]:
     for name in DETERMINISM_VARIABLES:
         env[f"env.{name}"] = os.environ.get(name, "(unset)")
     return env
+
+
+def _fingerprint_scheme() -> str:
+    from nondet.fingerprint import SCHEME  # imports NumPy: only when a run starts
+
+    return SCHEME
 
 
 def cpu_model() -> str:

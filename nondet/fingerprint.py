@@ -26,6 +26,12 @@ from collections.abc import Iterable
 import numpy as np
 
 MASK64 = (1 << 64) - 1
+#: The fingerprint definition's version, written into every capture's environment. A
+#: baseline made under another definition is drift (its values are not comparable), so
+#: `nondet check` asks for a new baseline instead of reporting every step as different.
+#: Raise it whenever any backend's fingerprint of the same tensor changes.
+SCHEME = "2"
+
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device
 _CHUNK_KEY_OFFSET = 1 << 40  # chunk weights come from a disjoint part of the key stream
 

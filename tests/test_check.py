@@ -294,3 +294,21 @@ def test_a_command_line_that_does_not_parse_still_writes_junit(tmp_path: Path) -
     assert result.returncode == 2 and "--seed" in result.stderr
     error = _junit(tmp_path / "j.xml").find(".//testcase/error")
     assert error is not None and "--seed" in error.get("message")
+
+
+def test_a_baseline_from_another_fingerprint_scheme_is_drift() -> None:
+    """A baseline written before the fingerprint definition changed holds values nothing
+    today computes: comparing it would call every step different. It is drift instead
+    (refused, with how to update the baseline)."""
+    from types import SimpleNamespace
+
+    from nondet import baseline, environment
+
+    now = environment.base()
+    old = {k: v for k, v in now.items() if k != "fingerprint_scheme"}
+    older = {**now, "fingerprint_scheme": "1"}
+    current = SimpleNamespace(env=now)
+    for env in (old, older):
+        drift = baseline.drift(SimpleNamespace(env=env), current)  # type: ignore[arg-type]
+        assert [d["key"] for d in drift] == ["fingerprint_scheme"]
+    assert baseline.drift(SimpleNamespace(env=now), current) == []  # type: ignore[arg-type]

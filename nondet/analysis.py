@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import compare, environment, recipe, seed_diff
+from nondet import channel, compare, environment, recipe, seed_diff
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.recipe import Suggestion
@@ -145,6 +145,12 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                                notes=notes, op_records=op_records)
     final_differs = _final_params_differ(a, b)
     if step_div is None and not final_differs and a.n_steps == 0 and b.n_steps == 0:
+        if any(k.startswith(channel.CHILD_PARAMS_PREFIX) for k in a.facts):
+            raise NondetError(
+                "no training step was observed in the main process: training ran in child "
+                "processes, whose steps nondet does not record (their parameters after they "
+                "were joined matched); call the training function in the main process to "
+                "compare it step by step")
         raise NondetError(
             "no training step was observed in either run, so nothing was compared (no "
             "optimizer step, no backward-and-update, no nondet.step()); check that the script "
@@ -154,7 +160,7 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         # reach any step-level fingerprint (e.g. a discarded tensor).
         div = localize(a, b, common_op_steps) if common_op_steps else None
         if div is None and final_differs:
-            div = _final_state_divergence(a)
+            div = _final_state_divergence(a, b)
         if div is None:
             return deterministic
     else:
@@ -198,20 +204,39 @@ def _training_state_differs(a: Capture, b: Capture, count_extra_steps: bool) -> 
 
 
 def _final_params_differ(a: Capture, b: Capture) -> bool:
-    """Both runs ended on their own and their final parameters differ (sent as a fact when
-    the script ends; training in processes nondet did not see shows up here)."""
-    fa, fb = a.facts.get("final_params_fp"), b.facts.get("final_params_fp")
-    return fa is not None and fb is not None and fa != fb
+    """The final parameters differ (sent as a fact when the script ends), or the tensors
+    handed to a child process differ when the parent joined it (``child#K.params_fp``):
+    training in processes nondet did not record shows up here."""
+    return bool(_end_state_differences(a, b))
 
 
-def _final_state_divergence(a: Capture) -> Divergence:
+def _end_state_differences(a: Capture, b: Capture) -> list[str]:
+    """Keys of the end-state facts both runs sent with different values, in key order."""
+    keys = sorted(k for k in a.facts if k == "final_params_fp"
+                  or (k.startswith(channel.CHILD_PARAMS_PREFIX) and k.endswith(".params_fp")))
+    return [k for k in keys
+            if b.facts.get(k) is not None and a.facts[k] is not None and a.facts[k] != b.facts[k]]
+
+
+def _final_state_divergence(a: Capture, b: Capture) -> Divergence:
     last = a.n_steps - 1
-    return Divergence(
-        kind="op", step=last if last >= 0 else None, phase="other", localized=False,
-        step_fields=["final params"],
-        notes=["the final parameters differ although every recorded step was identical: "
-               "they were changed where nondet does not record (child processes, other "
-               "threads, code after the last step)"])
+    differing = _end_state_differences(a, b)
+    children = [k.split(".", 1)[0].removeprefix(channel.CHILD_PARAMS_PREFIX)
+                for k in differing if k.startswith(channel.CHILD_PARAMS_PREFIX)]
+    if children:
+        note = (f"the parameters handed to child process #{children[0]} (creation order) "
+                "differ between the runs when it was joined, although every step recorded "
+                "in the main process was identical: training in child processes is not "
+                "recorded op by op; processes updating shared parameters without a lock "
+                "(Hogwild) race")
+        fields = [f"child #{children[0]} params"]
+    else:
+        note = ("the final parameters differ although every recorded step was identical: "
+                "they were changed where nondet does not record (child processes, other "
+                "threads, code after the last step)")
+        fields = ["final params"]
+    return Divergence(kind="op", step=last if last >= 0 else None, phase="other",
+                      localized=False, step_fields=fields, notes=[note])
 
 
 def _data_entry_divergence(a: Capture, b: Capture,

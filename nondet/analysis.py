@@ -169,6 +169,10 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
             div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(
                 step_div, a, b)
+    if not div.explained and _children_differ(a, b):
+        # A tensor changed outside every op this process ran, and a child process handed
+        # those tensors left them different: the child is the better explanation.
+        div = _final_state_divergence(a, b)
     div = seed_diff.seed_divergence(a, b, div) or div  # a differing seed is the cause
     if not final_differs and not _training_state_differs(a, b, both_ended):
         # The verdict follows the training state: a difference that never reached loss,
@@ -218,6 +222,10 @@ def _end_state_differences(a: Capture, b: Capture) -> list[str]:
             if b.facts.get(k) is not None and a.facts[k] is not None and a.facts[k] != b.facts[k]]
 
 
+def _children_differ(a: Capture, b: Capture) -> bool:
+    return any(k.startswith(channel.CHILD_PARAMS_PREFIX) for k in _end_state_differences(a, b))
+
+
 def _final_state_divergence(a: Capture, b: Capture) -> Divergence:
     last = a.n_steps - 1
     differing = _end_state_differences(a, b)
@@ -226,9 +234,9 @@ def _final_state_divergence(a: Capture, b: Capture) -> Divergence:
     if children:
         note = (f"the parameters handed to child process #{children[0]} (creation order) "
                 "differ between the runs when it was joined, although every step recorded "
-                "in the main process was identical: training in child processes is not "
-                "recorded op by op; processes updating shared parameters without a lock "
-                "(Hogwild) race")
+                "in the main process was identical: what a child does is not recorded op "
+                "by op (processes updating shared parameters without a lock race, as in "
+                "Hogwild; a child may also seed from its pid or the clock)")
         fields = [f"child #{children[0]} params"]
     else:
         note = ("the final parameters differ although every recorded step was identical: "

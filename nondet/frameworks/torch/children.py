@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 
 
 
-def _tensors_in(values: Iterable[Any]) -> list[torch.Tensor]:
-    """Parameters and buffers of the modules, and the tensors, passed to a child (top level
-    of its args and kwargs only: nothing is traversed that the user did not hand over)."""
+def _tensors_in(values: Iterable[Any], depth: int = 2) -> list[torch.Tensor]:
+    """Parameters and buffers of the modules, and the tensors, passed to a child: its args
+    and kwargs, and tuples, lists and dicts in them ``depth`` levels down
+    (``torch.multiprocessing.spawn`` wraps the user's args in a tuple of its own)."""
     found: list[torch.Tensor] = []
     for value in values:
         if isinstance(value, torch.nn.Module):
@@ -40,6 +41,10 @@ def _tensors_in(values: Iterable[Any]) -> list[torch.Tensor]:
             found.extend(value.buffers())
         elif isinstance(value, torch.Tensor):
             found.append(value)
+        elif depth > 0 and isinstance(value, (tuple, list)):
+            found.extend(_tensors_in(value, depth - 1))
+        elif depth > 0 and isinstance(value, dict):
+            found.extend(_tensors_in(value.values(), depth - 1))
     return found
 
 

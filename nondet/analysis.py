@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import channel, compare, environment, recipe, seed_diff
+from nondet import channel, compare, end_state, environment, recipe, seed_diff
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.recipe import Suggestion
@@ -143,7 +143,7 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
     deterministic = Comparison(verdict="deterministic", exit_code=ExitCode.DETERMINISTIC,
                                first_divergence=None, environment_differences=env_diff,
                                notes=notes, op_records=op_records)
-    final_differs = _final_params_differ(a, b)
+    final_differs = end_state.final_params_differ(a, b)
     if step_div is None and not final_differs and a.n_steps == 0 and b.n_steps == 0:
         if any(k.startswith(channel.CHILD_PARAMS_PREFIX) for k in a.facts):
             raise NondetError(
@@ -160,7 +160,7 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         # reach any step-level fingerprint (e.g. a discarded tensor).
         div = localize(a, b, common_op_steps) if common_op_steps else None
         if div is None and final_differs:
-            div = _final_state_divergence(a, b)
+            div = end_state.divergence(a, b)
         if div is None:
             return deterministic
     else:
@@ -169,10 +169,10 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
             div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(
                 step_div, a, b)
-    if not div.explained and _children_differ(a, b):
+    if not div.explained and end_state.children_differ(a, b):
         # A tensor changed outside every op this process ran, and a child process handed
         # those tensors left them different: the child is the better explanation.
-        div = _final_state_divergence(a, b)
+        div = end_state.divergence(a, b)
     div = seed_diff.seed_divergence(a, b, div) or div  # a differing seed is the cause
     if not final_differs and not _training_state_differs(a, b, both_ended):
         # The verdict follows the training state: a difference that never reached loss,
@@ -205,46 +205,6 @@ def _training_state_differs(a: Capture, b: Capture, count_extra_steps: bool) -> 
         return True
     common = set(rows_a) & set(rows_b)
     return any(int(rows_a[s][f]) != int(rows_b[s][f]) for s in common for f in TRAINING_STATE)
-
-
-def _final_params_differ(a: Capture, b: Capture) -> bool:
-    """The final parameters differ (sent as a fact when the script ends), or the tensors
-    handed to a child process differ when the parent joined it (``child#K.params_fp``):
-    training in processes nondet did not record shows up here."""
-    return bool(_end_state_differences(a, b))
-
-
-def _end_state_differences(a: Capture, b: Capture) -> list[str]:
-    """Keys of the end-state facts both runs sent with different values, in key order."""
-    keys = sorted(k for k in a.facts if k == "final_params_fp"
-                  or (k.startswith(channel.CHILD_PARAMS_PREFIX) and k.endswith(".params_fp")))
-    return [k for k in keys
-            if b.facts.get(k) is not None and a.facts[k] is not None and a.facts[k] != b.facts[k]]
-
-
-def _children_differ(a: Capture, b: Capture) -> bool:
-    return any(k.startswith(channel.CHILD_PARAMS_PREFIX) for k in _end_state_differences(a, b))
-
-
-def _final_state_divergence(a: Capture, b: Capture) -> Divergence:
-    last = a.n_steps - 1
-    differing = _end_state_differences(a, b)
-    children = [k.split(".", 1)[0].removeprefix(channel.CHILD_PARAMS_PREFIX)
-                for k in differing if k.startswith(channel.CHILD_PARAMS_PREFIX)]
-    if children:
-        note = (f"the parameters handed to child process #{children[0]} (creation order) "
-                "differ between the runs when it was joined, although every step recorded "
-                "in the main process was identical: what a child does is not recorded op "
-                "by op (processes updating shared parameters without a lock race, as in "
-                "Hogwild; a child may also seed from its pid or the clock)")
-        fields = [f"child #{children[0]} params"]
-    else:
-        note = ("the final parameters differ although every recorded step was identical: "
-                "they were changed where nondet does not record (child processes, other "
-                "threads, code after the last step)")
-        fields = ["final params"]
-    return Divergence(kind="op", step=last if last >= 0 else None, phase="other",
-                      localized=False, step_fields=fields, notes=[note])
 
 
 def _data_entry_divergence(a: Capture, b: Capture,

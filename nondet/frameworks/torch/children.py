@@ -18,15 +18,30 @@ import functools
 import multiprocessing.process as mp_process
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
 from nondet.channel import CHILD_PARAMS_FACT
-from nondet.frameworks.base import group_fp
+from nondet.frameworks.base import Session, group_fp
+from nondet.frameworks.torch.cache import FingerprintCache
 
-if TYPE_CHECKING:
-    from nondet.frameworks.torch.backend import TorchBackend
+
+class ChildrenHost(Protocol):
+    """What this module asks of the torch backend (it never imports the backend)."""
+
+    disabled: bool
+
+    @property
+    def session(self) -> Session: ...
+
+    @property
+    def recorder(self) -> FingerprintCache: ...
+
+    def guarded(self) -> AbstractContextManager[None]: ...
+
+    def paused_capture(self) -> AbstractContextManager[None]: ...
 
 
 
@@ -48,7 +63,7 @@ def _tensors_in(values: Iterable[Any], depth: int = 2) -> list[torch.Tensor]:
     return found
 
 
-def install(backend: TorchBackend) -> None:
+def install(backend: ChildrenHost) -> None:
     """Wrap ``BaseProcess.start`` and ``join`` (every start method and context uses them)."""
     started = [0]  # children with tensors started by this run, in creation order
     # child -> (creation order, weak refs to its tensors); kept beside the Process, never on

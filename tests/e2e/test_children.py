@@ -69,3 +69,38 @@ def test_a_child_started_by_mp_spawn_is_blamed_not_the_op_that_reads_its_result(
     assert result.returncode == 1, result.stdout + result.stderr
     found = json.loads(report_path.read_text())["first_divergence"]
     assert found["step_fields"] == ["child #0 params"], found
+
+
+GLOBAL_MODEL = """
+import multiprocessing as mp
+import os
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+model.share_memory()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def work():  # reaches the model through a global, not its args: only the final state shows it
+    with torch.no_grad():
+        model.weight.add_(float(int.from_bytes(os.urandom(4), "little")))
+
+
+child = mp.get_context("fork").Process(target=work)
+child.start()
+child.join()
+"""
+
+
+def test_final_parameters_changed_by_a_child_are_read_afresh(tmp_path: Path) -> None:
+    """The parent's fingerprint cache still holds the values from before the child ran (no
+    version counter moved in this process): the final digest must not come from it."""
+    script = tmp_path / "train.py"
+    script.write_text(GLOBAL_MODEL)
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "--json", str(report_path),
+                     str(script), cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    found = json.loads(report_path.read_text())["first_divergence"]
+    assert found["step_fields"] == ["final params"], found

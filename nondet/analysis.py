@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import compare, environment, recipe, seed_diff
+from nondet import channel, compare, end_state, environment, recipe, seed_diff
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.recipe import Suggestion
@@ -143,8 +143,14 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
     deterministic = Comparison(verdict="deterministic", exit_code=ExitCode.DETERMINISTIC,
                                first_divergence=None, environment_differences=env_diff,
                                notes=notes, op_records=op_records)
-    final_differs = _final_params_differ(a, b)
+    final_differs = end_state.final_params_differ(a, b)
     if step_div is None and not final_differs and a.n_steps == 0 and b.n_steps == 0:
+        if any(k.startswith(channel.CHILD_PARAMS_PREFIX) for k in a.facts):
+            raise NondetError(
+                "no training step was observed in the main process: training ran in child "
+                "processes, whose steps nondet does not record (their parameters after they "
+                "were joined matched); call the training function in the main process to "
+                "compare it step by step")
         raise NondetError(
             "no training step was observed in either run, so nothing was compared (no "
             "optimizer step, no backward-and-update, no nondet.step()); check that the script "
@@ -154,7 +160,7 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         # reach any step-level fingerprint (e.g. a discarded tensor).
         div = localize(a, b, common_op_steps) if common_op_steps else None
         if div is None and final_differs:
-            div = _final_state_divergence(a)
+            div = end_state.divergence(a, b)
         if div is None:
             return deterministic
     else:
@@ -163,6 +169,10 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
             div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(
                 step_div, a, b)
+    if not div.explained and end_state.children_differ(a, b):
+        # A tensor changed outside every op this process ran, and a child process handed
+        # those tensors left them different: the child is the better explanation.
+        div = end_state.divergence(a, b)
     div = seed_diff.seed_divergence(a, b, div) or div  # a differing seed is the cause
     if not final_differs and not _training_state_differs(a, b, both_ended):
         # The verdict follows the training state: a difference that never reached loss,
@@ -195,23 +205,6 @@ def _training_state_differs(a: Capture, b: Capture, count_extra_steps: bool) -> 
         return True
     common = set(rows_a) & set(rows_b)
     return any(int(rows_a[s][f]) != int(rows_b[s][f]) for s in common for f in TRAINING_STATE)
-
-
-def _final_params_differ(a: Capture, b: Capture) -> bool:
-    """Both runs ended on their own and their final parameters differ (sent as a fact when
-    the script ends; training in processes nondet did not see shows up here)."""
-    fa, fb = a.facts.get("final_params_fp"), b.facts.get("final_params_fp")
-    return fa is not None and fb is not None and fa != fb
-
-
-def _final_state_divergence(a: Capture) -> Divergence:
-    last = a.n_steps - 1
-    return Divergence(
-        kind="op", step=last if last >= 0 else None, phase="other", localized=False,
-        step_fields=["final params"],
-        notes=["the final parameters differ although every recorded step was identical: "
-               "they were changed where nondet does not record (child processes, other "
-               "threads, code after the last step)"])
 
 
 def _data_entry_divergence(a: Capture, b: Capture,

@@ -44,6 +44,12 @@ END_EXIT_CODE = "exit_code"
 END_ERROR = "error"  # the script's traceback, if it raised
 FINAL_PREFIX = "final_"  # final_params_fp, ...: digests of the end state
 
+# -- FACTS keys sent by the recorded run itself (others come from the backends) ---------------
+#: digest of the tensors handed to the K-th child process (creation order), read when the
+#: parent joined it: training in children shows up here (frameworks/torch/children.py)
+CHILD_PARAMS_FACT = "child#{}.params_fp"
+CHILD_PARAMS_PREFIX = "child#"
+
 # How a run ended (the END status, and the capture's ``status`` attribute):
 COMPLETE = "complete"  # the script ended on its own, exit code 0
 STOPPED = "stopped"  # nondet stopped it on purpose at a step boundary

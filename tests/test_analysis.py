@@ -67,6 +67,32 @@ def test_final_weights_that_differ_are_never_deterministic(tmp_path: Path) -> No
     assert report.first_divergence.step_fields == ["final params"]
 
 
+def test_parameters_a_child_process_left_behind_that_differ_are_never_deterministic(
+        tmp_path: Path) -> None:
+    """Hogwild: no step in the main process; the tensors handed to child #1 differ when
+    joined (child #0's and #2's match)."""
+    init_only = [{"step": -1, "params_fp": 1}]
+    same = {"child#0.params_fp": "00000000000000cc", "final_params_fp": "00000000000000dd"}
+    a = write_capture(tmp_path / "a.h5", step_rows(*init_only),
+                      facts={**same, "child#10.params_fp": "0a", "child#2.params_fp": "2a"})
+    b = write_capture(tmp_path / "b.h5", step_rows(*init_only),
+                      facts={**same, "child#10.params_fp": "0b", "child#2.params_fp": "2b"})
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    assert report.verdict == "nondeterministic"
+    assert report.first_divergence is not None
+    assert report.first_divergence.step_fields == ["child #2 params"]  # the first created
+    assert "child process #2" in report.first_divergence.notes[0]
+
+
+def test_training_only_in_matching_children_is_not_deterministic(tmp_path: Path) -> None:
+    init_only = [{"step": -1, "params_fp": 1}]
+    facts = {"child#0.params_fp": "00000000000000cc"}
+    a = write_capture(tmp_path / "a.h5", step_rows(*init_only), facts=facts)
+    b = write_capture(tmp_path / "b.h5", step_rows(*init_only), facts=facts)
+    with pytest.raises(NondetError, match="training ran in child processes"):
+        analysis.compare_captures(open_capture(a), open_capture(b))
+
+
 def test_no_training_step_means_nothing_was_compared(tmp_path: Path) -> None:
     init_only = [{"step": -1, "params_fp": 1}]
     a = write_capture(tmp_path / "a.h5", step_rows(*init_only))

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.base import Session, StepLifecycle, StepState, TensorRow, group_fp
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.torch import compiled, cuda
+from nondet.frameworks.torch import children, compiled, cuda
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
@@ -91,6 +91,7 @@ class TorchBackend(StepLifecycle):
         optim_module.register_optimizer_step_post_hook(self._optimizer_post)
         self.entries.install()
         compiled.install(self)
+        children.install(self)
         cuda.install_replay_hook(self.recorder.graph_outputs,
                                  lambda: not self.disabled and self.recorder.window, self.guarded)
 
@@ -355,7 +356,10 @@ class TorchBackend(StepLifecycle):
     def _final_params_fp(self) -> int | None:
         params, _, _ = named_state(self.roots, self.optimizers, self.param_names)
         with self.paused_capture():
-            fps = [self._fp_of(p) for _, p in params]
+            # Read afresh, never from the fingerprint cache: another process (Hogwild workers
+            # on shared memory) or thread may have changed them without bumping the version
+            # counter this process sees.
+            fps = [self.recorder.fingerprint(p) for _, p in params]
             self.recorder.resolve()
         return group_fp([f.value or 0 for f in fps])
 

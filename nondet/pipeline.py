@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import baseline, compare, environment, outdir, schedule
+from nondet import baseline, compare, environment, interventions, outdir, schedule
 from nondet.analysis import (
     GROWTH_STEPS,
     Comparison,
@@ -62,6 +62,8 @@ class Options:
     max_steps: int | None = None
     echo: bool = False  # show the script's own output
     schedule: str = "lockstep"  # or "sequential" (see nondet.schedule, default_schedule)
+    apply: tuple[str, ...] = ()  # interventions applied to every run (nondet.interventions)
+    verify: bool = False  # re-run with the suggested fixes applied (nondet.verify)
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -101,7 +103,8 @@ def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
 
 def _schedule(target: Target, options: Options, progress: ProgressSink) -> schedule.Schedule:
     def make_run(plan: Plan) -> CapturedRun:
-        return CapturedRun(target, plan, options.seed, options.out_dir, echo=options.echo)
+        return CapturedRun(target, plan, options.seed, options.out_dir, echo=options.echo,
+                           extra_env=interventions.environment(options.apply))
 
     return schedule.create(options.schedule, make_run, progress.status)
 

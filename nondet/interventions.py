@@ -105,7 +105,7 @@ def apply_requested(seed: int = 0) -> list[str]:
             continue
         try:
             function(seed)
-        except Exception as exc:  # noqa: BLE001 - reported, the script runs on
+        except Exception as exc:  # reported; the script runs on without it
             print(f"nondet: could not apply {name}: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
             continue
@@ -172,7 +172,7 @@ def _tf_data_deterministic(_seed: int) -> None:
         options.deterministic = True  # also covers the experimental_deterministic alias
         return original(self, options, name=name)
 
-    tf.data.Dataset.with_options = with_options  # type: ignore[method-assign]
+    tf.data.Dataset.with_options = with_options
 
 
 def _numpy_seed_unseeded_generators(seed: int) -> None:
@@ -187,7 +187,7 @@ def _numpy_seed_unseeded_generators(seed: int) -> None:
             seed_arg = [seed, calls[0]]
         return original(seed_arg)
 
-    np.random.default_rng = default_rng
+    setattr(np.random, "default_rng", default_rng)  # noqa: B010 - typed stubs refuse it
 
 
 _CHILD: dict[str, Callable[[int], None]] = {

@@ -8,7 +8,9 @@
    differs, without a line), re-run both recording the ops of it and the step before.
 3. Apply the injection rule to the op records; then re-run both once more up to the
    finding and save its outputs, to count how many elements differ and by how much.
-4. Look the finding up in the recipe table, and build the report once from these parts.
+4. Look the finding up in the recipe table; with ``Options.verify``, re-run the pair with
+   each suggested fix applied from outside until one makes the runs repeat (``verify``).
+5. Build the report once from these parts.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import baseline, compare, environment, interventions, outdir, schedule
+from nondet import baseline, compare, environment, interventions, outdir, schedule, verify
 from nondet.analysis import (
     GROWTH_STEPS,
     Comparison,
@@ -268,6 +270,14 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
     """Compare two finished runs; narrow down, measure and explain what differs."""
     a, b = open_capture(result_a.path), open_capture(result_b.path)
     found, suggestions, extra = _explain(target, options, progress, a, b)
+    if options.verify and found.first_divergence is not None and suggestions:
+        def run_fixed(plans: tuple[Plan, Plan], ids: tuple[str, ...],
+                      ) -> tuple[RunResult, RunResult]:
+            return _run_pair(target, plans, replace(options, apply=ids), progress,
+                             judge=_until_different)
+
+        suggestions, written = verify.verify(suggestions, (a, b), run_fixed, progress.stage)
+        extra += written
     return found.report(runs=[_summary(r) for r in (result_a, result_b)],
                         captures=[str(a.path), str(b.path), *extra],
                         command=target.describe(), suggestions=suggestions)

@@ -77,7 +77,7 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
             if outcome.repeated:
                 suggestion.verified, suggestion.verify_note = True, (
                     f"verified with {interventions.describe([fix_id])}: the runs repeat over "
-                    f"{outcome.steps} steps")
+                    f"{outcome.steps} steps" + (f" ({'; '.join(notes)})" if notes else ""))
                 suggestion.cost_ratio = _ratio(outcome.step_time, base_time)
                 winner = suggestion
                 break

@@ -71,8 +71,9 @@ def run_case(
     report (None if none was written). Fix verification (two more runs per fix tried) is
     off unless ``verify``: tests/e2e/test_verify_fixes.py covers it, within the time budget."""
     report_path = tmp_path / "report.json"
-    result = run_cli("run", "-q", *([] if verify else ["--no-verify"]), *options, "--out", str(tmp_path / "out"), "--json",
-                     str(report_path), str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
+    result = run_cli("run", "-q", *([] if verify else ["--no-verify"]), *options, "--out",
+                     str(tmp_path / "out"), "--json", str(report_path),
+                     str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     return result, report
 

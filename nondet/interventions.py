@@ -23,6 +23,8 @@ from typing import Any
 
 #: The child's list of switches and patches to run (comma-separated ids).
 APPLY_ENV = "NONDET_APPLY"
+#: How the child's line starts when it could not apply one (the parent reads the run's log).
+NOT_APPLIED = "nondet: could not apply"
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def apply_requested(seed: int = 0) -> list[str]:
         try:
             function(seed)
         except Exception as exc:  # reported; the script runs on without it
-            print(f"nondet: could not apply {name}: {type(exc).__name__}: {exc}",
+            print(f"{NOT_APPLIED} {name}: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
             continue
         applied.append(name)

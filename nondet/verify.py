@@ -34,6 +34,10 @@ from nondet.store import Capture, open_capture
 RunPair = Callable[[tuple[Plan, Plan], tuple[str, ...]], tuple[RunResult, RunResult]]
 
 
+#: Interventions tried at most per finding: each costs a pair of runs.
+MAX_TRIES = 4
+
+
 @dataclass
 class Outcome:
     """What one intervention did to the pair."""
@@ -43,6 +47,7 @@ class Outcome:
     step_time: float | None  # seconds per step (median), None if not measurable
     error: str = ""  # the script failed with the intervention: its error line
     captures: tuple[str, ...] = ()
+    not_applied: str = ""  # the child could not apply it: its line (see apply_requested)
 
 
 def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
@@ -68,6 +73,10 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
         notes = []
         for fix_id in ids:
             outcome = tried.get(fix_id)
+            if outcome is None and len(tried) >= MAX_TRIES:
+                notes.append(f"{interventions.describe([fix_id])}: not tried (at most "
+                             f"{MAX_TRIES} fixes are tried)")
+                continue
             if outcome is None:
                 stage(f"verifying a fix: both runs again with {interventions.describe([fix_id])}")
                 outcome = _try(fix_id, len(tried) + 1, last, run_pair)
@@ -81,17 +90,25 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
                 suggestion.cost_ratio = _ratio(outcome.step_time, base_time)
                 winner = suggestion
                 break
-            notes.append(f"{interventions.describe([fix_id])}: "
-                         + (f"the script failed with it ({outcome.error})" if outcome.error
-                            else "did not help (the runs still part)"))
+            notes.append(f"{interventions.describe([fix_id])}: " + _failure(outcome))
         if winner is not suggestion:
-            suggestion.verified = False
+            # did not help only if some intervention actually ran and the runs still parted
+            helped_not = any(not tried[i].not_applied for i in ids if i in tried)
+            suggestion.verified = False if helped_not else None
             suggestion.verify_note = "; ".join(notes)
     ordered = list(suggestions)
     if winner is not None:
         ordered.remove(winner)
         ordered.insert(0, winner)
     return ordered, written
+
+
+def _failure(outcome: Outcome) -> str:
+    if outcome.not_applied:
+        return f"could not be applied from outside ({outcome.not_applied})"
+    if outcome.error:
+        return f"the script failed with it ({outcome.error})"
+    return "did not help (the runs still part)"
 
 
 def _try(fix_id: str, number: int, last: int, run_pair: RunPair) -> Outcome:
@@ -109,7 +126,22 @@ def _try(fix_id: str, number: int, last: int, run_pair: RunPair) -> Outcome:
     repeated = parted is None and common is not None and common >= last
     steps = len({s for s in ca.steps["step"].tolist() if s >= 0}
                 & set(cb.steps["step"].tolist()))  # training steps: init is not one
-    return Outcome(repeated, steps, step_time(ca.steps, cb.steps), captures=captures)
+    not_applied = _not_applied(ra, fix_id) or _not_applied(rb, fix_id)
+    return Outcome(repeated and not not_applied, steps, step_time(ca.steps, cb.steps),
+                   captures=captures, not_applied=not_applied)
+
+
+def _not_applied(result: RunResult, fix_id: str) -> str:
+    """The line the child wrote when it could not apply ``fix_id`` (or "")."""
+    mark = f"{interventions.NOT_APPLIED} {fix_id}:"
+    try:
+        with open(result.log_path, encoding="utf-8", errors="replace") as log:
+            for line in log:
+                if line.startswith(mark):
+                    return line[len(mark):].strip()
+    except OSError:
+        return ""
+    return ""
 
 
 def _last_common_step(steps_a: np.ndarray, steps_b: np.ndarray) -> int | None:

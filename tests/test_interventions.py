@@ -137,6 +137,14 @@ def _pair(tmp_path: Path, a: list[int], b: list[int], wall: float = 1.0) -> tupl
             write_capture(tmp_path / f"b{len(list(tmp_path.iterdir()))}.h5", _steps(b, wall)))
 
 
+def _results(pa: Path, pb: Path, log: str = "") -> tuple[RunResult, RunResult]:
+    results = []
+    for p in (pa, pb):
+        p.with_suffix(".log").write_text(log)
+        results.append(RunResult(p.stem, p, p.with_suffix(".log"), "complete", 0, 3))
+    return results[0], results[1]
+
+
 def test_the_fix_under_which_the_runs_repeat_is_verified_and_ranks_first(
         tmp_path: Path) -> None:
     first = tuple(open_capture(p) for p in _pair(tmp_path, [1, 2, 3], [1, 5, 6]))
@@ -148,7 +156,7 @@ def test_the_fix_under_which_the_runs_repeat_is_verified_and_ranks_first(
         # torch.one_thread repeats (at 1.5x the step time); anything else still parts
         pa, pb = (_pair(tmp_path, [1, 2, 3], [1, 2, 3], wall=1.5) if ids == ("torch.one_thread",)
                   else _pair(tmp_path, [1, 2, 3], [1, 2, 4]))
-        return tuple(RunResult(p.stem, p, p, "complete", 0, 3) for p in (pa, pb))  # type: ignore[return-value]
+        return _results(pa, pb)
 
     ordered, written = verify.verify(_suggestions("PT-GETITEM-CPU", "PY-SEED-VARIES",
                                                   "PT-CPU-THREADS", "DATA-PT-INORDER"),
@@ -177,7 +185,7 @@ def test_a_fix_that_makes_the_script_fail_is_reported_and_the_next_is_tried(
                                "index_put has no deterministic implementation; its output is "
                                "in x.log")
         pa, pb = _pair(tmp_path, [1, 2], [1, 2])
-        return tuple(RunResult(p.stem, p, p, "complete", 0, 2) for p in (pa, pb))  # type: ignore[return-value]
+        return _results(pa, pb)
 
     (only,), _ = verify.verify(_suggestions("PT-GETITEM-CPU"), first, run_pair,
                                lambda _text: None)
@@ -201,3 +209,33 @@ def test_step_time_skips_op_captured_steps() -> None:
     rows = step_rows({"step": 0, "wall": 10.0, "n_records": 50}, {"step": 1, "wall": 11.0},
                      {"step": 2, "wall": 12.0}, {"step": 3, "wall": 13.0})
     assert verify.step_time(rows) == 1.0
+
+
+def test_a_fix_the_child_could_not_apply_is_neither_verified_nor_refuted(
+        tmp_path: Path) -> None:
+    first = tuple(open_capture(p) for p in _pair(tmp_path, [1, 2], [1, 3]))
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        # the switch failed in the child, the script ran on unchanged (and repeated by luck)
+        pa, pb = _pair(tmp_path, [1, 2], [1, 2])
+        return _results(pa, pb, f"{interventions.NOT_APPLIED} {ids[0]}: ImportError: no tf\n")
+
+    (only,), _ = verify.verify(_suggestions("TF-BIASADDGRAD"), first, run_pair,
+                               lambda _text: None)
+    assert only.verified is None
+    assert "could not be applied from outside (ImportError: no tf)" in only.verify_note
+
+
+def test_at_most_max_tries_pairs_are_run(tmp_path: Path) -> None:
+    first = tuple(open_capture(p) for p in _pair(tmp_path, [1, 2], [1, 3]))
+    tried: list[tuple[str, ...]] = []
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        tried.append(ids)
+        return _results(*_pair(tmp_path, [1, 2], [1, 4]))
+
+    ordered, _ = verify.verify(_suggestions("PT-GETITEM-CPU", "PT-CPU-THREADS",
+                                            "LIB-OMP-THREADS-DIFF", "DATA-PT-INORDER"),
+                               first, run_pair, lambda _text: None)
+    assert len(tried) == verify.MAX_TRIES
+    assert "not tried (at most" in ordered[-1].verify_note

@@ -239,3 +239,17 @@ def test_at_most_max_tries_pairs_are_run(tmp_path: Path) -> None:
                                first, run_pair, lambda _text: None)
     assert len(tried) == verify.MAX_TRIES
     assert "not tried (at most" in ordered[-1].verify_note
+
+
+def test_the_text_report_marks_the_verified_fix_with_its_cost() -> None:
+    from nondet.report import text
+
+    won, lost, code = _suggestions("PT-GETITEM-CPU", "PT-CPU-THREADS", "PY-SEED-VARIES")
+    won.verified, won.verified_steps, won.cost_ratio = True, 4, 1.07
+    won.verify_note = "verified with torch.use_deterministic_algorithms(True): the runs repeat"
+    lost.verified, lost.verify_note = False, "torch.set_num_threads(1): did not help"
+    code.verify_note = "a code change: cannot be applied from outside"
+    assert text._verification(won) == ("verified: with torch.use_deterministic_algorithms(True)"
+                                       ": the runs repeat; cost 1.07x step time")
+    assert text._verification(lost) == "not verified: torch.set_num_threads(1): did not help"
+    assert text._verification(code) == "a code change: cannot be applied from outside"

@@ -276,7 +276,8 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
             return _run_pair(target, plans, replace(options, apply=ids), progress,
                              judge=_until_different)
 
-        suggestions, written = verify.verify(suggestions, (a, b), run_fixed, progress.stage)
+        suggestions, written = verify.verify(suggestions, (a, b), run_fixed, progress.stage,
+                                             _op_steps_of(a))
         extra += written
     return found.report(runs=[_summary(r) for r in (result_a, result_b)],
                         captures=[str(a.path), str(b.path), *extra],

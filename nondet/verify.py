@@ -2,17 +2,19 @@
 the runs now repeat.
 
 For each suggestion in rank order, each intervention its recipe lists
-(``nondet.interventions``) is applied to two new runs (step level only, no op records)
-that stop as soon as their step rows part, or after the last step the first two runs
-compared. The first intervention under which both runs repeat bitwise over those steps
-verifies its suggestion; verification stops there and that suggestion ranks first. A
-fix that makes the script fail did not help (its error line is kept), and the next is
-tried. Suggestions with no intervention are a code change only the user can make
-(``verified`` stays None).
+(``nondet.interventions``) is applied to two new runs, which record what the first two
+recorded (so step times compare like with like) and stop as soon as their step rows
+part, or after the last step the first two runs compared. The first intervention under
+which both runs repeat bitwise over those steps verifies its suggestion; verification
+stops there and that suggestion ranks first. A fix that makes the script fail did not
+help (its error line is kept), and the next is tried; one the child could not apply
+(``interventions.NOT_APPLIED`` in its log) is neither verified nor refuted. Suggestions
+with no intervention are a code change only the user can make (``verified`` stays None).
+At most ``MAX_TRIES`` pairs are run per finding.
 
 The cost is the median step time of the fixed pair against the first pair's, from the
-step rows' wall clock (steps without op records on both sides, so capture cost does
-not count), else wall time per step.
+step rows' wall clock (steps without op records, so the op window does not count),
+else wall time per step.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ class Outcome:
 
 
 def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
-           run_pair: RunPair, stage: Callable[[str], None]) -> tuple[list[Suggestion],
-                                                                     list[str]]:
+           run_pair: RunPair, stage: Callable[[str], None],
+           op_steps: list[int] | None = None) -> tuple[list[Suggestion], list[str]]:
     """The suggestions with ``verified``, steps and cost filled in (the verified one first),
     and the captures the verification runs wrote."""
     a, b = first
@@ -79,7 +81,7 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
                 continue
             if outcome is None:
                 stage(f"verifying a fix: both runs again with {interventions.describe([fix_id])}")
-                outcome = _try(fix_id, len(tried) + 1, last, run_pair)
+                outcome = _try(fix_id, len(tried) + 1, last, op_steps, run_pair)
                 tried[fix_id] = outcome
                 written += outcome.captures
             suggestion.verified_steps = outcome.steps
@@ -111,9 +113,10 @@ def _failure(outcome: Outcome) -> str:
     return "did not help (the runs still part)"
 
 
-def _try(fix_id: str, number: int, last: int, run_pair: RunPair) -> Outcome:
-    plans = (Plan(f"a-fix{number}", [], stop_after=last),
-             Plan(f"b-fix{number}", [], stop_after=last))
+def _try(fix_id: str, number: int, last: int, op_steps: list[int] | None,
+         run_pair: RunPair) -> Outcome:
+    plans = (Plan(f"a-fix{number}", op_steps, stop_after=last),
+             Plan(f"b-fix{number}", op_steps, stop_after=last))
     try:
         ra, rb = run_pair(plans, (fix_id,))
     except ScriptFailed as exc:

@@ -152,7 +152,7 @@ def test_the_fix_under_which_the_runs_repeat_is_verified_and_ranks_first(
 
     def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
         tried.append(ids)
-        assert plans[0].stop_after == 2 and plans[0].op_steps == []
+        assert plans[0].stop_after == 2 and plans[0].op_steps == [-1, 0]  # as the first pair
         # torch.one_thread repeats (at 1.5x the step time); anything else still parts
         pa, pb = (_pair(tmp_path, [1, 2, 3], [1, 2, 3], wall=1.5) if ids == ("torch.one_thread",)
                   else _pair(tmp_path, [1, 2, 3], [1, 2, 4]))
@@ -160,7 +160,7 @@ def test_the_fix_under_which_the_runs_repeat_is_verified_and_ranks_first(
 
     ordered, written = verify.verify(_suggestions("PT-GETITEM-CPU", "PY-SEED-VARIES",
                                                   "PT-CPU-THREADS", "DATA-PT-INORDER"),
-                                     first, run_pair, lambda _text: None)
+                                     first, run_pair, lambda _text: None, [-1, 0])
     assert tried == [("torch.deterministic",), ("torch.deterministic_warn_only",),
                      ("torch.one_thread",)]
     assert [s.recipe.id for s in ordered] == ["PT-CPU-THREADS", "PT-GETITEM-CPU",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, REPO, run_cli
 from tests.e2e.fixture_cases import cases, check_finding, run_case
 
 pytestmark = pytest.mark.e2e
@@ -37,3 +37,14 @@ def test_the_declared_fix_is_verified(script: str, intervention: str, tmp_path: 
     assert "verified: with" in result.stdout and "x step time" in result.stdout
     # the verification pair's captures are listed with the others
     assert any("run-a-fix1.h5" in c for c in report["captures"])
+
+
+def test_check_apply_runs_the_pair_with_the_fix(tmp_path: Path) -> None:
+    """`nondet check --apply FIX_ID` (a fix checked by hand or held in CI): the fixture
+    that parts without it repeats with it."""
+    pytest.importorskip("torch")
+    result = run_cli("check", "--apply", "torch.deterministic", "--out", str(tmp_path / "out"),
+                     str((FIXTURES / "torch" / "index_put_backward.py").relative_to(REPO)),
+                     cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout

@@ -14,7 +14,7 @@ import signal
 import sys
 import traceback
 
-from nondet import clock, environment, frameworks, pyhooks
+from nondet import clock, environment, frameworks, interventions, pyhooks
 from nondet import session as session_module
 from nondet.frameworks.base import StopRun
 from nondet.session import ChildConfig, Session
@@ -51,6 +51,7 @@ def main() -> int:
     session.send_facts({clock.CLOCK_FACT: offset})
     pyhooks.install(session)
     frameworks.install_import_hooks(session)
+    interventions.apply_requested(config.seed)  # --apply / verification: before the script
     session.send_meta({"env": environment.base()})
 
     status, code, error = "complete", 0, ""

@@ -103,8 +103,10 @@ class CapturedRun(RunStream):
     def __init__(self, target: Target, plan: Plan, seed: int, out_dir: Path,
                  on_step: Callable[[CapturedRun, np.void], None] | None = None,
                  echo: bool = False,
-                 on_end: Callable[[CapturedRun], None] | None = None) -> None:
+                 on_end: Callable[[CapturedRun], None] | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
         super().__init__(out_dir / f"run-{plan.label}.h5")
+        self.extra_env = extra_env or {}  # interventions (nondet.interventions.environment)
         self.target = target
         self.plan = plan
         self.seed = seed
@@ -140,7 +142,7 @@ class CapturedRun(RunStream):
         data_r, data_w = os.pipe()
         ctrl_r, ctrl_w = os.pipe()
         config.channel_fd, config.control_fd = data_w, ctrl_r
-        env = dict(os.environ)
+        env = {**os.environ, **self.extra_env}
         env[CONFIG_ENV] = config.to_env()
         env.setdefault("PYTHONHASHSEED", str(self.seed % 2**32))
         env["PYTHONPATH"] = os.pathsep.join(

@@ -8,7 +8,9 @@
    differs, without a line), re-run both recording the ops of it and the step before.
 3. Apply the injection rule to the op records; then re-run both once more up to the
    finding and save its outputs, to count how many elements differ and by how much.
-4. Look the finding up in the recipe table, and build the report once from these parts.
+4. Look the finding up in the recipe table; with ``Options.verify``, re-run the pair with
+   each suggested fix applied from outside until one makes the runs repeat (``verify``).
+5. Build the report once from these parts.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import baseline, compare, environment, outdir, schedule
+from nondet import baseline, compare, environment, interventions, outdir, schedule, verify
 from nondet.analysis import (
     GROWTH_STEPS,
     Comparison,
@@ -62,6 +64,8 @@ class Options:
     max_steps: int | None = None
     echo: bool = False  # show the script's own output
     schedule: str = "lockstep"  # or "sequential" (see nondet.schedule, default_schedule)
+    apply: tuple[str, ...] = ()  # interventions applied to every run (nondet.interventions)
+    verify: bool = False  # re-run with the suggested fixes applied (nondet.verify)
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -101,7 +105,8 @@ def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
 
 def _schedule(target: Target, options: Options, progress: ProgressSink) -> schedule.Schedule:
     def make_run(plan: Plan) -> CapturedRun:
-        return CapturedRun(target, plan, options.seed, options.out_dir, echo=options.echo)
+        return CapturedRun(target, plan, options.seed, options.out_dir, echo=options.echo,
+                           extra_env=interventions.environment(options.apply))
 
     return schedule.create(options.schedule, make_run, progress.status)
 
@@ -265,6 +270,15 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
     """Compare two finished runs; narrow down, measure and explain what differs."""
     a, b = open_capture(result_a.path), open_capture(result_b.path)
     found, suggestions, extra = _explain(target, options, progress, a, b)
+    if options.verify and found.first_divergence is not None and suggestions:
+        def run_fixed(plans: tuple[Plan, Plan], ids: tuple[str, ...],
+                      ) -> tuple[RunResult, RunResult]:
+            return _run_pair(target, plans, replace(options, apply=ids), progress,
+                             judge=_until_different)
+
+        suggestions, written = verify.verify(suggestions, (a, b), run_fixed, progress.stage,
+                                             _op_steps_of(a))
+        extra += written
     return found.report(runs=[_summary(r) for r in (result_a, result_b)],
                         captures=[str(a.path), str(b.path), *extra],
                         command=target.describe(), suggestions=suggestions)

@@ -38,6 +38,9 @@ class Recipe:
     # fact name -> text with "{site}": lines the capture recorded for this cause (where an
     # unseeded generator was made, ...), listed under the suggestion
     sites: tuple[tuple[str, str], ...] = ()
+    # interventions (nondet.interventions) that stand in for the fix when applied from
+    # outside, tried in this order; empty: a code change only the user can make
+    apply: tuple[str, ...] = ()
 
     def matches(self, facts: dict[str, Any]) -> bool:
         return self.specificity(facts) > 0
@@ -72,12 +75,19 @@ class Suggestion:
     applies_here: bool | None  # None when the installed version is unknown
     note: str = ""
     details: list[str] = field(default_factory=list)
+    # verification (pipeline): True the runs repeated with the fix applied, False they did
+    # not (or the script failed with it), None not tried or not applicable from outside
     verified: bool | None = None
+    verified_steps: int | None = None  # steps the two verifying runs compared
+    cost_ratio: float | None = None  # step time with the fix / without it
+    verify_note: str = ""  # what verification found, one line ("did not help", the error)
 
     def to_json(self) -> dict[str, Any]:
         r = self.recipe
         return {
             "id": r.id, "cause": r.cause, "fix": self.fix, "verified": self.verified,
+            "verified_steps": self.verified_steps, "cost_ratio": self.cost_ratio,
+            "verify_note": self.verify_note, "apply": list(r.apply),
             "title": r.title, "fix_kind": self.fix_kind, "where": r.where,
             "applies": self.applies, "applies_here": self.applies_here, "cost": r.cost,
             "note": self.note or r.note, "details": self.details, "sources": list(r.sources),
@@ -102,6 +112,7 @@ def load() -> tuple[Recipe, ...]:
                 cost=entry.get("cost", ""), note=entry.get("note", ""),
                 variants=tuple(entry.get("variants", ())),
                 sites=tuple(entry.get("sites", {}).items()),
+                apply=tuple(entry.get("apply", ())),
             ))
     return tuple(recipes)
 

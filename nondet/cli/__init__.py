@@ -29,17 +29,19 @@ def cli(ctx: click.Context) -> None:
     nondet check train.py               the same as a CI gate: exit 0 or 1, JUnit, JSON
     nondet diff a.h5 b.h5               compare two captures from anywhere
     nondet show run-a.h5                what a capture holds
+    nondet fixes                        the fixes nondet can apply (--apply FIX_ID)
     """
     ctx.obj = App()
 
 
 def _register() -> None:
-    from nondet.cli import check, diff, run, show
+    from nondet.cli import check, diff, fixes, run, show
 
     cli.add_command(run.run)
     cli.add_command(check.check)
     cli.add_command(diff.diff)
     cli.add_command(show.show)
+    cli.add_command(fixes.fixes)
 
 
 _register()

@@ -33,7 +33,8 @@ class TargetCommand(click.Command):
 
 
 def target_options(command: F) -> F:
-    """-m, --seed, --out, --json, --ops, --max-steps, --runs, --schedule and SCRIPT ARGS."""
+    """-m, --seed, --out, --json, --ops, --max-steps, --runs, --schedule, --apply and
+    SCRIPT ARGS."""
     for option in reversed([
         click.option("-m", "module", metavar="MODULE",
                      help="Run a module as with `python -m MODULE` (instead of a script path)."),
@@ -62,11 +63,26 @@ def target_options(command: F) -> F:
                           "taking turns step by step (both stop early when they differ); "
                           "`sequential` runs one after the other (half the memory: the default "
                           "on GPU machines)."),
+        click.option("--apply", "apply", multiple=True, metavar="FIX_ID",
+                     callback=_known_fixes,
+                     help="Run both runs with this fix applied from outside the script "
+                          "(repeatable); `nondet fixes` lists them."),
         click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED,
                        metavar="SCRIPT [ARGS]..."),
     ]):
         command = option(command)
     return command
+
+
+def _known_fixes(_ctx: click.Context, _param: click.Parameter,
+                 value: tuple[str, ...]) -> tuple[str, ...]:
+    from nondet import interventions
+
+    bad = interventions.unknown(value)
+    if bad:
+        raise click.BadParameter(f"no fix named {bad[0]}; `nondet fixes` lists the ones "
+                                 "nondet can apply", param_hint="--apply")
+    return value
 
 
 def make_target(module: str | None, script_and_args: tuple[str, ...]) -> Target:
@@ -168,9 +184,10 @@ def invocation(out_dir: Path) -> Iterator[Path]:
 
 
 def make_options(*, seed: int, out_dir: Path, ops: str, max_steps: int | None, schedule: str,
-                 verbose: bool) -> Any:
+                 verbose: bool, apply: tuple[str, ...] = (), verify: bool = False) -> Any:
     from nondet import pipeline
 
     return pipeline.Options(
         seed=seed, out_dir=out_dir, ops_all=ops == "all", max_steps=max_steps, echo=verbose,
-        schedule=pipeline.default_schedule() if schedule == "auto" else schedule)
+        schedule=pipeline.default_schedule() if schedule == "auto" else schedule,
+        apply=tuple(apply), verify=verify)

@@ -71,11 +71,15 @@ def _raw_value(args: list[str], option: str) -> str | None:
 @click.option("--allow-script-change", is_flag=True,
               help="Compare with a baseline made from a different script (or another version "
                    "of it) anyway.")
+@click.option("--verify-fix", is_flag=True,
+              help="When the runs differ, re-run with the suggested fixes applied to verify "
+                   "them (as `nondet run` does).")
 @click.option("-v", "--verbose", is_flag=True,
               help="Progress, the script's own output and the full report.")
 @click.pass_obj
 def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Path | None,
-          ops: str, max_steps: int | None, runs: int, schedule: str, junit_path: Path | None,
+          ops: str, max_steps: int | None, runs: int, schedule: str, apply: tuple[str, ...],
+          verify_fix: bool, junit_path: Path | None,
           baseline_path: Path | None, update_baseline: bool, allow_env_drift: bool,
           allow_script_change: bool, verbose: bool, script_and_args: tuple[str, ...]) -> int:
     """Check that SCRIPT is deterministic: exit 0 if its runs are bitwise identical, 1 if not.
@@ -104,7 +108,8 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
             require_utf8("--baseline", baseline_path)
         with invocation(out_dir) as own_dir:
             options = make_options(seed=seed, out_dir=own_dir, ops=ops, max_steps=max_steps,
-                                   schedule=schedule, verbose=verbose)
+                                   schedule=schedule, verbose=verbose,
+                                   apply=apply, verify=verify_fix and not apply)
             with Progress(app.err, quiet=not verbose) as progress:
                 if update_baseline:
                     assert baseline_path is not None

@@ -74,4 +74,7 @@ def summary_line(report: Report) -> str:
     if report.suggestions:
         first = report.suggestions[0]
         line += f"; fix: {first.fix} [{first.recipe.id}]"
+        if first.verified:  # re-run with it applied: the runs repeated
+            cost = f", cost {first.cost_ratio:.2f}x step time" if first.cost_ratio else ""
+            line += f" (verified over {first.verified_steps} steps{cost})"
     return line

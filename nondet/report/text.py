@@ -14,6 +14,8 @@ from nondet.report import Divergence, Report
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from nondet.recipe import Suggestion
+
 _LABEL = 10  # width of the left-hand labels
 
 # C0 controls but tab and newline, DEL, C1 controls (0x9b is a one-byte CSI), bidirectional
@@ -164,14 +166,27 @@ def _suggestions(report: Report) -> list[str]:
         info.append("not for the installed version")
     if info:
         out.append(_row("", escape("; ".join(info))))
+    if first.verified is not None or first.verify_note:
+        out.append(_row("", escape(_verification(first))))
     for detail in first.details:
         out.append(_row("", escape(detail)))
     if r.sources:
         out.append(_row("", escape(r.sources[0])))
     for i, s in enumerate(rest):
         out.append(_row("also" if i == 0 else "",
-                        f"[{escape(s.recipe.id)}] {escape(s.recipe.title)}: {escape(s.fix)}"))
+                        f"[{escape(s.recipe.id)}] {escape(s.recipe.title)}: {escape(s.fix)}"
+                        + (f" ({escape(_verification(s))})" if s.verified is not None else "")))
     return out
+
+
+def _verification(s: Suggestion) -> str:
+    """'verified: the runs repeat over 4 steps with ...; cost 1.07x step time'."""
+    if s.verified:
+        cost = f"; cost {s.cost_ratio:.2f}x step time" if s.cost_ratio else ""
+        return f"verified: {s.verify_note.removeprefix('verified ')}{cost}"
+    if s.verified is False:
+        return f"not verified: {s.verify_note}"
+    return s.verify_note
 
 
 def _environment(report: Report) -> list[str]:

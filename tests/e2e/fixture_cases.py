@@ -65,13 +65,15 @@ def check_declarations(folder: Path, all_cases: list[Case]) -> None:
 
 
 def run_case(
-    case: Case, tmp_path: Path, options: Sequence[str] = ()
+    case: Case, tmp_path: Path, options: Sequence[str] = (), verify: bool = False
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
     """``nondet run [options]`` on the fixture through the real CLI: its result and JSON
-    report (None if none was written)."""
+    report (None if none was written). Fix verification (two more runs per fix tried) is
+    off unless ``verify``: tests/e2e/test_verify_fixes.py covers it, within the time budget."""
     report_path = tmp_path / "report.json"
-    result = run_cli("run", "-q", *options, "--out", str(tmp_path / "out"), "--json",
-                     str(report_path), str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
+    result = run_cli("run", "-q", *([] if verify else ["--no-verify"]), *options, "--out",
+                     str(tmp_path / "out"), "--json", str(report_path),
+                     str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     return result, report
 

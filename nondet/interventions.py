@@ -1,0 +1,205 @@
+"""Fixes nondet can apply from outside a script, to try them (``--apply``) and verify them.
+
+An intervention is one of three things, as data in ``TABLE``:
+
+- ``env``: environment variables set for both runs (read by libraries as they load);
+- ``switch``: a call run in the child before the script (``torch.use_deterministic_algorithms``);
+- ``patch``: a known site made deterministic (DataLoaders forced ``in_order=True``, ...).
+
+A recipe lists the interventions that stand in for its fix (``apply = [...]`` in
+``recipes/*.toml``); a recipe with none is a code change only the user can make. The
+parent turns chosen ids into environment variables (``environment``); the child
+(``nondet.boot``) calls ``apply_requested`` once, before the script, and every switch and
+patch runs there. A patch verifies the cause; the report still shows the user's own code fix.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The child's list of switches and patches to run (comma-separated ids).
+APPLY_ENV = "NONDET_APPLY"
+#: How the child's line starts when it could not apply one (the parent reads the run's log).
+NOT_APPLIED = "nondet: could not apply"
+
+
+@dataclass(frozen=True)
+class Intervention:
+    id: str
+    how: str  # "env", "switch" or "patch"
+    does: str  # one line: what it does, as the user would write it
+    env: dict[str, str] = field(default_factory=dict)
+
+
+TABLE: dict[str, Intervention] = {i.id: i for i in (
+    Intervention("env.cublas_workspace", "env", "CUBLAS_WORKSPACE_CONFIG=:4096:8",
+                 {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+    Intervention("env.omp_one_thread", "env", "OMP_NUM_THREADS=1", {"OMP_NUM_THREADS": "1"}),
+    Intervention("env.mkl_one_thread", "env", "MKL_NUM_THREADS=1", {"MKL_NUM_THREADS": "1"}),
+    Intervention("env.tf_deterministic_ops", "env", "TF_DETERMINISTIC_OPS=1",
+                 {"TF_DETERMINISTIC_OPS": "1"}),
+    Intervention("env.tf_onednn_off", "env", "TF_ENABLE_ONEDNN_OPTS=0",
+                 {"TF_ENABLE_ONEDNN_OPTS": "0"}),
+    Intervention("torch.deterministic", "switch", "torch.use_deterministic_algorithms(True)"),
+    Intervention("torch.deterministic_warn_only", "switch",
+                 "torch.use_deterministic_algorithms(True, warn_only=True)"),
+    Intervention("torch.one_thread", "switch", "torch.set_num_threads(1)"),
+    Intervention("torch.cudnn_deterministic", "switch",
+                 "torch.backends.cudnn.benchmark = False; "
+                 "torch.backends.cudnn.deterministic = True"),
+    Intervention("tf.op_determinism", "switch",
+                 "tf.config.experimental.enable_op_determinism()"),
+    Intervention("tf.one_thread", "switch",
+                 "tf.config.threading.set_inter_op_parallelism_threads(1); "
+                 "tf.config.threading.set_intra_op_parallelism_threads(1)"),
+    Intervention("torch.dataloader_in_order", "patch",
+                 "every DataLoader made with in_order=True"),
+    Intervention("tf.data_deterministic", "patch",
+                 "every tf.data Options given with_options() made deterministic=True"),
+    Intervention("numpy.seed_unseeded_generators", "patch",
+                 "np.random.default_rng() without a seed gets one (the run's seed + its "
+                 "call number)"),
+)}
+
+
+def unknown(ids: Iterable[str]) -> list[str]:
+    """The ids that name no intervention."""
+    return [i for i in ids if i not in TABLE]
+
+
+def environment(ids: Iterable[str]) -> dict[str, str]:
+    """The environment variables that apply ``ids`` in a child: env interventions directly,
+    switches and patches as a list the child's ``apply_requested`` runs."""
+    env: dict[str, str] = {}
+    in_child: list[str] = []
+    for i in ids:
+        intervention = TABLE[i]
+        env.update(intervention.env)
+        if intervention.how != "env":
+            in_child.append(i)
+    if in_child:
+        env[APPLY_ENV] = ",".join(in_child)
+    return env
+
+
+def describe(ids: Iterable[str]) -> str:
+    """``torch.use_deterministic_algorithms(True); OMP_NUM_THREADS=1`` for a report line."""
+    return "; ".join(TABLE[i].does for i in ids if i in TABLE)
+
+
+# -- child side --------------------------------------------------------------------------------
+def apply_requested(seed: int = 0) -> list[str]:
+    """Run the switches and patches the parent asked for (``APPLY_ENV``), before the script.
+
+    A switch that raises is the intervention failing, not the script: it is written to
+    stderr as one line (the parent reads the run's log) and the script runs without it.
+    Returns the ids applied.
+    """
+    applied = []
+    for name in filter(None, os.environ.get(APPLY_ENV, "").split(",")):
+        function = _CHILD.get(name)
+        if function is None:
+            print(f"nondet: no intervention named {name}", file=sys.stderr)
+            continue
+        try:
+            function(seed)
+        except Exception as exc:  # reported; the script runs on without it
+            print(f"{NOT_APPLIED} {name}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            continue
+        applied.append(name)
+    return applied
+
+
+def _torch_deterministic(_seed: int) -> None:
+    import torch
+
+    torch.use_deterministic_algorithms(True)
+
+
+def _torch_deterministic_warn_only(_seed: int) -> None:
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _torch_one_thread(_seed: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _torch_cudnn_deterministic(_seed: int) -> None:
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+def _tf_op_determinism(_seed: int) -> None:
+    import tensorflow as tf
+
+    tf.config.experimental.enable_op_determinism()
+
+
+def _tf_one_thread(_seed: int) -> None:
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+
+
+def _torch_dataloader_in_order(_seed: int) -> None:
+    from torch.utils.data import DataLoader
+
+    original = DataLoader.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["in_order"] = True  # the parameter exists from torch 2.6 (the recipe's range)
+        original(self, *args, **kwargs)
+
+    DataLoader.__init__ = __init__  # type: ignore[method-assign]
+
+
+def _tf_data_deterministic(_seed: int) -> None:
+    import tensorflow as tf
+
+    original = tf.data.Dataset.with_options
+
+    def with_options(self: Any, options: Any, name: Any = None) -> Any:
+        options.deterministic = True  # also covers the experimental_deterministic alias
+        return original(self, options, name=name)
+
+    tf.data.Dataset.with_options = with_options
+
+
+def _numpy_seed_unseeded_generators(seed: int) -> None:
+    import numpy as np
+
+    original = np.random.default_rng
+    calls = [0]
+
+    def default_rng(seed_arg: Any = None) -> Any:
+        if seed_arg is None:
+            calls[0] += 1  # a seed per call: two generators must not draw the same stream
+            seed_arg = [seed, calls[0]]
+        return original(seed_arg)
+
+    setattr(np.random, "default_rng", default_rng)  # noqa: B010 - typed stubs refuse it
+
+
+_CHILD: dict[str, Callable[[int], None]] = {
+    "torch.deterministic": _torch_deterministic,
+    "torch.deterministic_warn_only": _torch_deterministic_warn_only,
+    "torch.one_thread": _torch_one_thread,
+    "torch.cudnn_deterministic": _torch_cudnn_deterministic,
+    "tf.op_determinism": _tf_op_determinism,
+    "tf.one_thread": _tf_one_thread,
+    "torch.dataloader_in_order": _torch_dataloader_in_order,
+    "tf.data_deterministic": _tf_data_deterministic,
+    "numpy.seed_unseeded_generators": _numpy_seed_unseeded_generators,
+}

@@ -1,0 +1,176 @@
+"""Verification: re-run the pair with a suggested fix applied from outside, and see whether
+the runs now repeat.
+
+For each suggestion in rank order, each intervention its recipe lists
+(``nondet.interventions``) is applied to two new runs, which record what the first two
+recorded (so step times compare like with like) and stop as soon as their step rows
+part, or after the last step the first two runs compared. The first intervention under
+which both runs repeat bitwise over those steps verifies its suggestion; verification
+stops there and that suggestion ranks first. A fix that makes the script fail did not
+help (its error line is kept), and the next is tried; one the child could not apply
+(``interventions.NOT_APPLIED`` in its log) is neither verified nor refuted. Suggestions
+with no intervention are a code change only the user can make (``verified`` stays None).
+At most ``MAX_TRIES`` pairs are run per finding.
+
+The cost is the median step time of the fixed pair against the first pair's, from the
+step rows' wall clock (steps without op records, so the op window does not count),
+else wall time per step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from nondet import compare, interventions
+from nondet.errors import ScriptFailed
+from nondet.launch import Plan, RunResult
+from nondet.recipe import Suggestion
+from nondet.store import Capture, open_capture
+
+#: Runs a pair with the given interventions applied, judged by the given function.
+RunPair = Callable[[tuple[Plan, Plan], tuple[str, ...]], tuple[RunResult, RunResult]]
+
+
+#: Interventions tried at most per finding: each costs a pair of runs.
+MAX_TRIES = 4
+
+
+@dataclass
+class Outcome:
+    """What one intervention did to the pair."""
+
+    repeated: bool
+    steps: int  # steps both runs had and compared
+    step_time: float | None  # seconds per step (median), None if not measurable
+    error: str = ""  # the script failed with the intervention: its error line
+    captures: tuple[str, ...] = ()
+    not_applied: str = ""  # the child could not apply it: its line (see apply_requested)
+
+
+def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
+           run_pair: RunPair, stage: Callable[[str], None],
+           op_steps: list[int] | None = None) -> tuple[list[Suggestion], list[str]]:
+    """The suggestions with ``verified``, steps and cost filled in (the verified one first),
+    and the captures the verification runs wrote."""
+    a, b = first
+    last = _last_common_step(a.steps, b.steps)
+    if last is None or compare.first_step_divergence(a.steps, b.steps) is None:
+        return list(suggestions), []  # nothing to show repeating: no step rows parted
+    base_time = step_time(a.steps, b.steps)
+    tried: dict[str, Outcome] = {}
+    written: list[str] = []
+    winner: Suggestion | None = None
+    for suggestion in suggestions:
+        ids = suggestion.recipe.apply
+        if not ids:
+            suggestion.verify_note = "a code change: cannot be applied from outside"
+            continue
+        if winner is not None:
+            continue  # not tried: an earlier fix was verified
+        notes = []
+        for fix_id in ids:
+            outcome = tried.get(fix_id)
+            if outcome is None and len(tried) >= MAX_TRIES:
+                notes.append(f"{interventions.describe([fix_id])}: not tried (at most "
+                             f"{MAX_TRIES} fixes are tried)")
+                continue
+            if outcome is None:
+                stage(f"verifying a fix: both runs again with {interventions.describe([fix_id])}")
+                outcome = _try(fix_id, len(tried) + 1, last, op_steps, run_pair)
+                tried[fix_id] = outcome
+                written += outcome.captures
+            suggestion.verified_steps = outcome.steps
+            if outcome.repeated:
+                suggestion.verified, suggestion.verify_note = True, (
+                    f"verified with {interventions.describe([fix_id])}: the runs repeat over "
+                    f"{outcome.steps} steps" + (f" ({'; '.join(notes)})" if notes else ""))
+                suggestion.cost_ratio = _ratio(outcome.step_time, base_time)
+                winner = suggestion
+                break
+            notes.append(f"{interventions.describe([fix_id])}: " + _failure(outcome))
+        if winner is not suggestion:
+            # did not help only if some intervention actually ran and the runs still parted
+            helped_not = any(not tried[i].not_applied for i in ids if i in tried)
+            suggestion.verified = False if helped_not else None
+            suggestion.verify_note = "; ".join(notes)
+    ordered = list(suggestions)
+    if winner is not None:
+        ordered.remove(winner)
+        ordered.insert(0, winner)
+    return ordered, written
+
+
+def _failure(outcome: Outcome) -> str:
+    if outcome.not_applied:
+        return f"could not be applied from outside ({outcome.not_applied})"
+    if outcome.error:
+        return f"the script failed with it ({outcome.error})"
+    return "did not help (the runs still part)"
+
+
+def _try(fix_id: str, number: int, last: int, op_steps: list[int] | None,
+         run_pair: RunPair) -> Outcome:
+    plans = (Plan(f"a-fix{number}", op_steps, stop_after=last),
+             Plan(f"b-fix{number}", op_steps, stop_after=last))
+    try:
+        ra, rb = run_pair(plans, (fix_id,))
+    except ScriptFailed as exc:
+        return Outcome(False, 0, None, error=str(exc).split("; its output is in")[0])
+    ca, cb = open_capture(ra.path), open_capture(rb.path)
+    captures = (str(ca.path), str(cb.path))
+    parted = compare.first_step_divergence(ca.steps, cb.steps)
+    common = _last_common_step(ca.steps, cb.steps)
+    # Repeating means: every step up to the last one the first pair compared, bitwise.
+    repeated = parted is None and common is not None and common >= last
+    steps = len({s for s in ca.steps["step"].tolist() if s >= 0}
+                & set(cb.steps["step"].tolist()))  # training steps: init is not one
+    not_applied = _not_applied(ra, fix_id) or _not_applied(rb, fix_id)
+    return Outcome(repeated and not not_applied, steps, step_time(ca.steps, cb.steps),
+                   captures=captures, not_applied=not_applied)
+
+
+def _not_applied(result: RunResult, fix_id: str) -> str:
+    """The line the child wrote when it could not apply ``fix_id`` (or "")."""
+    mark = f"{interventions.NOT_APPLIED} {fix_id}:"
+    try:
+        with open(result.log_path, encoding="utf-8", errors="replace") as log:
+            for line in log:
+                if line.startswith(mark):
+                    return line[len(mark):].strip()
+    except OSError:
+        return ""
+    return ""
+
+
+def _last_common_step(steps_a: np.ndarray, steps_b: np.ndarray) -> int | None:
+    common = set(steps_a["step"].tolist()) & set(steps_b["step"].tolist())
+    return max(common) if common else None
+
+
+def step_time(*runs: np.ndarray) -> float | None:
+    """Median seconds per training step over the runs' step rows without op records;
+    else the wall time of the last step over the number of steps."""
+    deltas: list[float] = []
+    fallback: list[float] = []
+    for rows in runs:
+        rows = np.sort(rows[rows["step"] >= 0], order="step")
+        if not len(rows):
+            continue
+        fallback.append(float(rows["wall"][-1]) / len(rows))
+        for prev, row in itertools.pairwise(rows):
+            if int(row["n_records"]) == 0 and int(row["step"]) == int(prev["step"]) + 1:
+                deltas.append(float(row["wall"] - prev["wall"]))
+    if len(deltas) >= 2:
+        return statistics.median(deltas)
+    return statistics.median(fallback) if fallback else None
+
+
+def _ratio(with_fix: float | None, without: float | None) -> float | None:
+    if not with_fix or not without:
+        return None
+    return round(with_fix / without, 2)

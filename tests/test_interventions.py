@@ -1,0 +1,255 @@
+"""Fixes applied from outside: the table, the recipes that name them, the child side, the
+CLI (`nondet fixes`, `--apply`), and the verification logic on synthetic captures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nondet import interventions, recipe, verify
+from nondet.launch import Plan, RunResult
+from nondet.store import open_capture
+from tests.conftest import REPO, run_cli, step_rows, write_capture
+
+
+def test_every_recipe_names_known_interventions() -> None:
+    named = [(r.id, i) for r in recipe.load() for i in r.apply]
+    assert named, "no recipe says how its fix is applied from outside"
+    unknown = [(rid, i) for rid, i in named if i not in interventions.TABLE]
+    assert not unknown, unknown
+
+
+@pytest.mark.parametrize(("recipe_id", "first"), [
+    ("PT-GETITEM-CPU", "torch.deterministic"),
+    ("DATA-PT-INORDER", "torch.dataloader_in_order"),
+    ("TF-DATA-OPTIONS", "tf.data_deterministic"),
+    ("TF-BIASADDGRAD", "tf.op_determinism"),
+])
+def test_recipes_say_how_their_fix_is_applied(recipe_id: str, first: str) -> None:
+    by_id = {r.id: r for r in recipe.load()}
+    assert by_id[recipe_id].apply[0] == first
+    assert by_id["PY-SEED-VARIES"].apply == ()  # a code change only
+
+
+def test_every_switch_and_patch_has_a_child_function() -> None:
+    for item in interventions.TABLE.values():
+        assert item.how in ("env", "switch", "patch"), item.id
+        if item.how == "env":
+            assert item.env and item.id not in interventions._CHILD, item.id
+        else:
+            assert item.id in interventions._CHILD and not item.env, item.id
+
+
+def test_environment_sets_variables_and_the_child_list() -> None:
+    env = interventions.environment(["env.omp_one_thread", "torch.deterministic",
+                                     "torch.dataloader_in_order"])
+    assert env == {"OMP_NUM_THREADS": "1",
+                   interventions.APPLY_ENV: "torch.deterministic,torch.dataloader_in_order"}
+    assert interventions.environment(["env.cublas_workspace"]) == {
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+_CHILD_PROBE = """
+import sys
+from nondet import interventions
+print(interventions.apply_requested(7))
+import numpy as np, torch
+from torch.utils.data import DataLoader
+print(torch.are_deterministic_algorithms_enabled())
+print(DataLoader(list(range(8)), batch_size=2, in_order=False).in_order)
+print(np.random.default_rng().integers(0, 2**62), np.random.default_rng().integers(0, 2**62))
+print(np.random.default_rng(3).integers(0, 2**62))
+"""
+
+
+def _child(apply: str) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), interventions.APPLY_ENV: apply}
+    out = subprocess.run([sys.executable, "-c", _CHILD_PROBE], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    return out.stdout.splitlines()
+
+
+def test_child_applies_switches_and_patches() -> None:
+    pytest.importorskip("torch")
+    applied = "torch.deterministic,torch.dataloader_in_order,numpy.seed_unseeded_generators"
+    first, second = _child(applied), _child(applied)
+    assert first[0] == str(applied.split(","))
+    assert first[1:3] == ["True", "True"]
+    draws = first[3].split()
+    assert draws == second[3].split() and draws[0] != draws[1]  # seeded, each its own stream
+    assert first[4] == second[4] == str(np.random.default_rng(3).integers(0, 2**62))
+    plain = _child("")
+    assert plain[0] == "[]" and plain[1:3] == ["False", "False"]
+
+
+def test_a_failing_intervention_is_one_line_and_the_script_runs_on(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def broken(_seed: int) -> None:
+        raise RuntimeError("no such backend")
+
+    monkeypatch.setitem(interventions._CHILD, "torch.one_thread", broken)
+    monkeypatch.setenv(interventions.APPLY_ENV, "torch.one_thread,bogus")
+    assert interventions.apply_requested() == []
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["nondet: could not apply torch.one_thread: RuntimeError: no such backend",
+                   "nondet: no intervention named bogus"]
+
+
+def test_fixes_lists_every_intervention() -> None:
+    result = run_cli("fixes")
+    assert result.returncode == 0, result.stderr
+    for item in interventions.TABLE.values():
+        assert any(line.startswith(item.id + " ") and item.does in line
+                   for line in result.stdout.splitlines()), item.id
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_unknown_fix_is_a_usage_error(command: str, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    result = run_cli(command, "--apply", "torch.nope", "--out", str(tmp_path / "out"),
+                     str(script))
+    assert result.returncode == 2
+    assert "no fix named torch.nope; `nondet fixes` lists" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+
+
+# -- verification on synthetic captures ----------------------------------------------------
+def _steps(params: list[int], wall_step: float) -> np.ndarray:
+    return step_rows(*({"step": i, "params_fp": p, "wall": (i + 1) * wall_step}
+                       for i, p in enumerate(params)))
+
+
+def _suggestions(*ids: str) -> list[recipe.Suggestion]:
+    by_id = {r.id: r for r in recipe.load()}
+    return [recipe.Suggestion(by_id[i], by_id[i].fix, by_id[i].fix_kind, "", True)
+            for i in ids]
+
+
+def _pair(tmp_path: Path, a: list[int], b: list[int], wall: float = 1.0) -> tuple[Path, Path]:
+    return (write_capture(tmp_path / f"a{len(list(tmp_path.iterdir()))}.h5", _steps(a, wall)),
+            write_capture(tmp_path / f"b{len(list(tmp_path.iterdir()))}.h5", _steps(b, wall)))
+
+
+def _results(pa: Path, pb: Path, log: str = "") -> tuple[RunResult, RunResult]:
+    results = []
+    for p in (pa, pb):
+        p.with_suffix(".log").write_text(log)
+        results.append(RunResult(p.stem, p, p.with_suffix(".log"), "complete", 0, 3))
+    return results[0], results[1]
+
+
+def test_the_fix_under_which_the_runs_repeat_is_verified_and_ranks_first(
+        tmp_path: Path) -> None:
+    first = tuple(open_capture(p) for p in _pair(tmp_path, [1, 2, 3], [1, 5, 6]))
+    tried: list[tuple[str, ...]] = []
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        tried.append(ids)
+        assert plans[0].stop_after == 2 and plans[0].op_steps == [-1, 0]  # as the first pair
+        # torch.one_thread repeats (at 1.5x the step time); anything else still parts
+        pa, pb = (_pair(tmp_path, [1, 2, 3], [1, 2, 3], wall=1.5) if ids == ("torch.one_thread",)
+                  else _pair(tmp_path, [1, 2, 3], [1, 2, 4]))
+        return _results(pa, pb)
+
+    ordered, written = verify.verify(_suggestions("PT-GETITEM-CPU", "PY-SEED-VARIES",
+                                                  "PT-CPU-THREADS", "DATA-PT-INORDER"),
+                                     first, run_pair, lambda _text: None, [-1, 0])
+    assert tried == [("torch.deterministic",), ("torch.deterministic_warn_only",),
+                     ("torch.one_thread",)]
+    assert [s.recipe.id for s in ordered] == ["PT-CPU-THREADS", "PT-GETITEM-CPU",
+                                             "PY-SEED-VARIES", "DATA-PT-INORDER"]
+    won, failed, code, untried = ordered
+    assert (won.verified, won.verified_steps, won.cost_ratio) == (True, 3, 1.5)
+    assert failed.verified is False and "did not help" in failed.verify_note
+    assert code.verified is None and "code change" in code.verify_note
+    assert untried.verified is None  # an earlier fix was verified: not tried
+    assert len(written) == 6
+
+
+def test_a_fix_that_makes_the_script_fail_is_reported_and_the_next_is_tried(
+        tmp_path: Path) -> None:
+    from nondet.errors import ScriptFailed
+
+    first = tuple(open_capture(p) for p in _pair(tmp_path, [1, 2], [1, 3]))
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        if ids == ("torch.deterministic",):
+            raise ScriptFailed("the script failed in run a-fix1 (exit code 1): RuntimeError: "
+                               "index_put has no deterministic implementation; its output is "
+                               "in x.log")
+        pa, pb = _pair(tmp_path, [1, 2], [1, 2])
+        return _results(pa, pb)
+
+    (only,), _ = verify.verify(_suggestions("PT-GETITEM-CPU"), first, run_pair,
+                               lambda _text: None)
+    assert only.verified is True and "warn_only=True" in only.verify_note
+    assert "failed with it (the script failed in run a-fix1 (exit code 1): RuntimeError: " \
+        "index_put has no deterministic implementation)" in only.verify_note
+
+
+def test_nothing_is_verified_when_the_step_rows_never_parted(tmp_path: Path) -> None:
+    first = tuple(open_capture(p) for p in _pair(tmp_path, [1, 2], [1, 2]))
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        raise AssertionError("no verification runs: nothing could show a fix working")
+
+    (only,), written = verify.verify(_suggestions("PT-GETITEM-CPU"), first, run_pair,
+                                     lambda _text: None)
+    assert only.verified is None and written == []
+
+
+def test_step_time_skips_op_captured_steps() -> None:
+    rows = step_rows({"step": 0, "wall": 10.0, "n_records": 50}, {"step": 1, "wall": 11.0},
+                     {"step": 2, "wall": 12.0}, {"step": 3, "wall": 13.0})
+    assert verify.step_time(rows) == 1.0
+
+
+def test_a_fix_the_child_could_not_apply_is_neither_verified_nor_refuted(
+        tmp_path: Path) -> None:
+    first = tuple(open_capture(p) for p in _pair(tmp_path, [1, 2], [1, 3]))
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        # the switch failed in the child, the script ran on unchanged (and repeated by luck)
+        pa, pb = _pair(tmp_path, [1, 2], [1, 2])
+        return _results(pa, pb, f"{interventions.NOT_APPLIED} {ids[0]}: ImportError: no tf\n")
+
+    (only,), _ = verify.verify(_suggestions("TF-BIASADDGRAD"), first, run_pair,
+                               lambda _text: None)
+    assert only.verified is None
+    assert "could not be applied from outside (ImportError: no tf)" in only.verify_note
+
+
+def test_at_most_max_tries_pairs_are_run(tmp_path: Path) -> None:
+    first = tuple(open_capture(p) for p in _pair(tmp_path, [1, 2], [1, 3]))
+    tried: list[tuple[str, ...]] = []
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        tried.append(ids)
+        return _results(*_pair(tmp_path, [1, 2], [1, 4]))
+
+    ordered, _ = verify.verify(_suggestions("PT-GETITEM-CPU", "PT-CPU-THREADS",
+                                            "LIB-OMP-THREADS-DIFF", "DATA-PT-INORDER"),
+                               first, run_pair, lambda _text: None)
+    assert len(tried) == verify.MAX_TRIES
+    assert "not tried (at most" in ordered[-1].verify_note
+
+
+def test_the_text_report_marks_the_verified_fix_with_its_cost() -> None:
+    from nondet.report import text
+
+    won, lost, code = _suggestions("PT-GETITEM-CPU", "PT-CPU-THREADS", "PY-SEED-VARIES")
+    won.verified, won.verified_steps, won.cost_ratio = True, 4, 1.07
+    won.verify_note = "verified with torch.use_deterministic_algorithms(True): the runs repeat"
+    lost.verified, lost.verify_note = False, "torch.set_num_threads(1): did not help"
+    code.verify_note = "a code change: cannot be applied from outside"
+    assert text._verification(won) == ("verified: with torch.use_deterministic_algorithms(True)"
+                                       ": the runs repeat; cost 1.07x step time")
+    assert text._verification(lost) == "not verified: torch.set_num_threads(1): did not help"
+    assert text._verification(code) == "a code change: cannot be applied from outside"

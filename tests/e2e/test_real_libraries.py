@@ -152,6 +152,6 @@ def test_lightning_records_repeat(tmp_path: Path) -> None:
     case = CASES["lightning_log.py"]
     streams = capture_many(Target(str(case.script), None, case.args), tmp_path, runs=3,
                            parallel=3, stop_after=2)
-    assert any(r[0] != "step" and str(r[1]).startswith("aten.set_") for r in streams[0])
+    assert any(r[0] != "step" and "aten.set_" in str(r[1]) for r in streams[0])
     for i, stream in enumerate(streams[1:], start=1):
         assert stream == streams[0], f"run {i}: {first_difference(streams[0], stream)}"

@@ -29,6 +29,8 @@ import re
 import time
 from typing import Any
 
+from nondet import standin
+
 OFFSET_SECONDS = 5.5
 #: The fact that tells the analysis how far this run's clock was moved (shown in a finding).
 CLOCK_FACT = "clock_offset"
@@ -81,20 +83,9 @@ def _default_now(function: Any) -> Any:
 def _shifted_datetime() -> type:
     base = datetime.datetime
 
-    class _Meta(type):
-        # Only the stand-in itself answers for every instance of the original; a class the
-        # user derives from it later (pendulum's DateTime, say) keeps the usual answer.
-        def __instancecheck__(cls, obj: Any) -> bool:
-            if "_stands_in" in cls.__dict__:
-                return isinstance(obj, base)
-            return super().__instancecheck__(obj)
+    meta = standin.metaclass_for(base)
 
-        def __subclasscheck__(cls, other: type) -> bool:
-            if "_stands_in" in cls.__dict__:
-                return issubclass(other, base)
-            return super().__subclasscheck__(other)
-
-    class ShiftedDatetime(base, metaclass=_Meta):  # type: ignore[misc,valid-type]
+    class ShiftedDatetime(base, metaclass=meta):  # type: ignore[misc,valid-type,metaclass]
         # now() and utcnow() read the C clock directly; fromtimestamp(time.time()) is the
         # same value through the (shifted) Python clock.
         @classmethod
@@ -105,9 +96,7 @@ def _shifted_datetime() -> type:
         def utcnow(cls) -> Any:
             return cls.fromtimestamp(time.time(), datetime.UTC).replace(tzinfo=None)
 
-    ShiftedDatetime._stands_in = True
-    ShiftedDatetime.__module__ = base.__module__
-    ShiftedDatetime.__qualname__ = base.__qualname__
+    standin.finish(ShiftedDatetime, base)
     # a heap type's repr uses __name__: keep "datetime.datetime(2026, ...)" as it was
     ShiftedDatetime.__name__ = f"{base.__module__}.{base.__name__}"
     return ShiftedDatetime

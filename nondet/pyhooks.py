@@ -21,7 +21,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from nondet import seeding
+from nondet import seeding, standin
 from nondet.session import Session
 
 #: Fact listing unseeded generators made inside libraries ("lib frame, from user frame").
@@ -128,20 +128,9 @@ def _recording_random_state(log: seeding.SeedLog, note: Any) -> type:
 
     base = np.random.RandomState
 
-    class _Meta(type):
-        # Only the stand-in itself answers for every instance of the original; a class the
-        # user derives from it later (pendulum's DateTime, say) keeps the usual answer.
-        def __instancecheck__(cls, obj: Any) -> bool:
-            if "_stands_in" in cls.__dict__:
-                return isinstance(obj, base)
-            return super().__instancecheck__(obj)
+    meta = standin.metaclass_for(base)
 
-        def __subclasscheck__(cls, other: type) -> bool:
-            if "_stands_in" in cls.__dict__:
-                return issubclass(other, base)
-            return super().__subclasscheck__(other)
-
-    class RandomState(base, metaclass=_Meta):  # type: ignore[misc,valid-type]
+    class RandomState(base, metaclass=meta):  # type: ignore[misc,valid-type,metaclass]
         def __init__(self, seed: Any = None) -> None:
             if not log.nested():
                 caller = sys._getframe(1)
@@ -151,10 +140,7 @@ def _recording_random_state(log: seeding.SeedLog, note: Any) -> type:
                     log.record("np.random.RandomState", seed, caller)
             super().__init__(seed)
 
-    RandomState._stands_in = True
-    RandomState.__module__ = base.__module__
-    RandomState.__qualname__ = base.__qualname__
-    return RandomState
+    return standin.finish(RandomState, base)
 
 
 def _stdlib_prefix() -> str:

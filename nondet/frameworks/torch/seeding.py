@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nondet import seeding
+from nondet import seeding, standin
 from nondet.frameworks.base import Session
 
 
@@ -33,26 +33,12 @@ def install(session: Session) -> None:
 def _recording_generator(log: seeding.SeedLog) -> type:
     base = torch.Generator
 
-    class _Meta(type(base)):  # type: ignore[misc]
-        # Only the stand-in itself answers for every instance of the original; a class the
-        # user derives from it later (pendulum's DateTime, say) keeps the usual answer.
-        def __instancecheck__(cls, obj: Any) -> bool:
-            if "_stands_in" in cls.__dict__:
-                return isinstance(obj, base)
-            return bool(super().__instancecheck__(obj))
+    meta = standin.metaclass_for(base)
 
-        def __subclasscheck__(cls, other: type) -> bool:
-            if "_stands_in" in cls.__dict__:
-                return issubclass(other, base)
-            return bool(super().__subclasscheck__(other))
-
-    class Generator(base, metaclass=_Meta):  # type: ignore[misc,valid-type]
+    class Generator(base, metaclass=meta):  # type: ignore[misc,valid-type,metaclass]
         def manual_seed(self, seed: Any) -> Any:
             if not log.nested():
                 log.record("torch.Generator.manual_seed", seed, sys._getframe(1))
             return super().manual_seed(seed)
 
-    Generator._stands_in = True
-    Generator.__module__ = base.__module__
-    Generator.__qualname__ = Generator.__name__ = base.__name__
-    return Generator
+    return standin.finish(Generator, base)

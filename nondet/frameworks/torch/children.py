@@ -44,7 +44,6 @@ class ChildrenHost(Protocol):
     def paused_capture(self) -> AbstractContextManager[None]: ...
 
 
-
 def _tensors_in(values: Iterable[Any], depth: int = 2) -> list[torch.Tensor]:
     """Parameters and buffers of the modules, and the tensors, passed to a child: its args
     and kwargs, and tuples, lists and dicts in them ``depth`` levels down

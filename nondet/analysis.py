@@ -17,6 +17,7 @@ import numpy as np
 from nondet import channel, compare, end_state, environment, recipe, seed_diff
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
+from nondet.growth import growth
 from nondet.recipe import Suggestion
 from nondet.records import (
     ENTRY_KINDS,
@@ -324,21 +325,6 @@ def concat(parts: list[np.ndarray]) -> np.ndarray:
 def source_text(capture: Capture, source: str | None) -> str:
     # The text the run captured with the location: never a file a capture names.
     return capture.source_text(source) if source else ""
-
-
-def growth(a: Capture, b: Capture, first: int) -> list[GrowthRow]:
-    rows_a = {int(r["step"]): r for r in a.steps}
-    rows_b = {int(r["step"]): r for r in b.steps}
-    steps = [s for s in sorted(set(rows_a) & set(rows_b)) if s >= first]
-    out = []
-    for s in steps[: GROWTH_STEPS + 2]:
-        ra, rb = rows_a[s], rows_b[s]
-        out.append(GrowthRow(
-            step=s, loss_a=float(ra["loss"]), loss_b=float(rb["loss"]),
-            differing=[_FIELD_LABELS[f] for f in compare.rows_differ(ra, rb)],
-            params_sum_a=float(ra["params_sum"]), params_sum_b=float(rb["params_sum"]),
-        ))
-    return out
 
 
 # -- explaining ---------------------------------------------------------------------------------

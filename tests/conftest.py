@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nondet.records import OP_DTYPE, STEP_DTYPE, Kind, Phase
+from nondet.records import OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE, Kind, Phase
 from nondet.session import SourceLocator
 from nondet.store import SOURCE_TEXT_MARK, CaptureWriter
 
@@ -66,7 +66,10 @@ def step_rows(*specs: dict[str, Any]) -> np.ndarray:
 def write_capture(path: Path, steps: np.ndarray, ops: OpStream | None = None,
                   env: dict[str, str] | None = None, facts: dict[str, Any] | None = None,
                   status: str = "complete", attrs: dict[str, Any] | None = None,
-                  dumps: dict[str, np.ndarray] | None = None) -> Path:
+                  dumps: dict[str, np.ndarray] | None = None,
+                  tensors: list[tuple[Any, ...]] | None = None) -> Path:
+    """A capture as a run writes it; ``tensors``: per-tensor step rows
+    ``(step, group, name, fp, sum, maxabs, numel)`` (names interned here)."""
     writer = CaptureWriter(path, {"label": path.stem, "cwd": str(path.parent), "seed": 0,
                                   "op_steps": [-1, 0], **(attrs or {})})
     writer.add_env({"torch_version": "2.13.0", "python_version": "3.11.7", **(env or {})})
@@ -76,6 +79,12 @@ def write_capture(path: Path, steps: np.ndarray, ops: OpStream | None = None,
         writer.add_strings(ops.strings + source_texts(ops.strings, path.parent))
         for step in sorted({r[0] for r in ops.rows}):
             writer.add_ops(ops.array(step))
+    if tensors:
+        known = len(ops.strings) + len(source_texts(ops.strings, path.parent)) if ops else 0
+        names = list(dict.fromkeys(str(t[2]) for t in tensors))
+        writer.add_strings(names)
+        writer.add_tensors(np.array([(t[0], int(t[1]), known + names.index(str(t[2])), *t[3:])
+                                     for t in tensors], dtype=TENSOR_DTYPE))
     for i in range(len(steps)):
         writer.add_step(steps[i : i + 1])
     for name, array in (dumps or {}).items():

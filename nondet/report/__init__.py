@@ -93,6 +93,41 @@ class Divergence:
 
 
 @dataclass
+class StateDiff:
+    """How one part of the training state (parameters, gradients, optimizer state) differs
+    at one step. Exact figures are None where the capture cannot tell them (never guessed):
+    identical fingerprints make both 0; otherwise only the bounds the per-tensor statistics
+    of a detailed step allow are known."""
+
+    differs: bool | None = None  # None: not recorded in this step (fingerprint absent)
+    max_abs_diff: float | None = None  # largest |a-b| (exact)
+    frac_differ: float | None = None  # fraction of elements that differ (exact)
+    max_abs_diff_min: float | None = None  # largest |a-b| is at least this
+    frac_differ_max: float | None = None  # the fraction is at most this
+    sum_abs_diff: float | None = None  # |sum(a) - sum(b)| over all elements
+    tensors: int | None = None  # tensors compared (detailed steps)
+    tensors_differ: int | None = None  # of which differ
+
+    @property
+    def magnitude(self) -> float | None:
+        """The best known figure for the size of the difference: exact, else its lower
+        bound (what the charts plot)."""
+        return self.max_abs_diff if self.max_abs_diff is not None else self.max_abs_diff_min
+
+    def to_json(self) -> dict[str, Any]:
+        return {"differs": self.differs, "max_abs_diff": _finite(self.max_abs_diff),
+                "frac_differ": _finite(self.frac_differ),
+                "max_abs_diff_min": _finite(self.max_abs_diff_min),
+                "frac_differ_max": _finite(self.frac_differ_max),
+                "sum_abs_diff": _finite(self.sum_abs_diff), "tensors": self.tensors,
+                "tensors_differ": self.tensors_differ}
+
+
+#: The state parts of a growth row, in the order reports show them, with their JSON prefix.
+STATE_PARTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"))
+
+
+@dataclass
 class GrowthRow:
     step: int
     loss_a: float
@@ -100,12 +135,32 @@ class GrowthRow:
     differing: list[str]  # state that differs at this step: data, loss, grads, params, ...
     params_sum_a: float = math.nan
     params_sum_b: float = math.nan
+    params: StateDiff = field(default_factory=StateDiff)
+    grads: StateDiff = field(default_factory=StateDiff)
+    optimizer: StateDiff = field(default_factory=StateDiff)
+
+    @property
+    def loss_abs_diff(self) -> float | None:
+        """|loss a - loss b|; None where a loss was not a finite scalar."""
+        if not (math.isfinite(self.loss_a) and math.isfinite(self.loss_b)):
+            return None
+        return abs(self.loss_a - self.loss_b)
+
+    def state(self, part: str) -> StateDiff:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}[part]
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "loss_a": _finite(self.loss_a),
-                "loss_b": _finite(self.loss_b), "differing": self.differing,
-                "params_sum_a": _finite(self.params_sum_a),
-                "params_sum_b": _finite(self.params_sum_b)}
+        out: dict[str, Any] = {
+            "step": self.step, "loss_a": _finite(self.loss_a), "loss_b": _finite(self.loss_b),
+            "loss_abs_diff": _finite(self.loss_abs_diff), "differing": self.differing,
+            "params_sum_a": _finite(self.params_sum_a),
+            "params_sum_b": _finite(self.params_sum_b)}
+        for part, _ in STATE_PARTS:  # the contract's flat fields, then the detail
+            diff = self.state(part)
+            out[f"{part}_max_abs_diff"] = _finite(diff.max_abs_diff)
+            out[f"{part}_frac_differ"] = _finite(diff.frac_differ)
+        out["state"] = {part: self.state(part).to_json() for part, _ in STATE_PARTS}
+        return out
 
 
 @dataclass

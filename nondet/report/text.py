@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 
 from nondet.fingerprint import short
-from nondet.report import Divergence, Report
+from nondet.report import STATE_PARTS, Divergence, GrowthRow, Report
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -213,15 +213,37 @@ def _repeatability(report: Report) -> list[str]:
     return out
 
 
+#: Rows of the terminal's growth table (the JSON and HTML reports have every step).
+GROWTH_ROWS = 6
+
+
 def _growth(report: Report) -> list[str]:
-    out = [_row("growth", "step   loss a           loss b           |Δ loss|    differs in")]
-    for g in report.growth:
-        delta = abs(g.loss_a - g.loss_b) if not (math.isnan(g.loss_a) or
-                                                 math.isnan(g.loss_b)) else math.nan
+    rows = report.growth
+    start = next((i for i, g in enumerate(rows) if g.differing), 0)
+    out = [_row("growth", "step   loss a           loss b           |Δ loss|    "
+                          "largest |Δ| (log)     differs in")]
+    for g in rows[start:start + GROWTH_ROWS]:
         out.append(_row("", escape(
-            f"{g.step:<6} {_num(g.loss_a):<16} {_num(g.loss_b):<16} {_num(delta):<11} "
-            f"{', '.join(g.differing) or '-'}")))
+            f"{g.step:<6} {_num(g.loss_a):<16} {_num(g.loss_b):<16} {_num(g.loss_abs_diff):<11} "
+            f"{_magnitude(g):<21} {', '.join(g.differing) or '-'}")))
     return out
+
+
+def _magnitude(g: GrowthRow) -> str:
+    """A bar, one block per two decades from 1e-16, and the largest difference known at
+    this step (loss or state). '≥' when a part differs by an amount only bounded from below,
+    '> 0' when not even a bound is known, '?' when nothing was recorded."""
+    parts = [g.state(p) for p, _ in STATE_PARTS]
+    exact = [x for x in (g.loss_abs_diff, *(d.max_abs_diff for d in parts)) if x is not None]
+    bounds = [d.max_abs_diff_min for d in parts if d.max_abs_diff_min is not None]
+    inexact = any(d.differs and d.max_abs_diff is None for d in parts)
+    if not exact and not bounds and not inexact:
+        return "?"
+    value = max(exact + bounds, default=0.0)
+    if value == 0:
+        return "> 0" if inexact else "·"
+    blocks = max(1, min(8, math.ceil((math.log10(value) + 16) / 2)))
+    return f"{'█' * blocks:<8} {'≥' if inexact else ''}{_num(value)}"
 
 
 def _row(label: str, text: str) -> str:

@@ -102,6 +102,7 @@ class Comparison:
     op_records: int
     growth: list[GrowthRow] = field(default_factory=list)
     contained: list[dict[str, Any]] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)  # run a's
 
     def report(self, *, runs: list[RunSummary], captures: list[str], command: str = "",
                notes: Sequence[str] = (), suggestions: Sequence[Suggestion] = (),
@@ -114,7 +115,8 @@ class Comparison:
                       growth=self.growth, notes=[*self.notes, *notes], command=command,
                       op_records=self.op_records, captures=captures,
                       repeatability=list(repeatability), baseline=baseline,
-                      environment_drift=list(environment_drift), contained=self.contained)
+                      environment_drift=list(environment_drift), contained=self.contained,
+                      environment=self.environment)
 
 
 def compare_captures(a: Capture, b: Capture, *, command: str = "", notes: Sequence[str] = (),
@@ -143,7 +145,7 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
     op_records = sum(min(len(a.ops(s)), len(b.ops(s))) for s in common_op_steps)
     deterministic = Comparison(verdict="deterministic", exit_code=ExitCode.DETERMINISTIC,
                                first_divergence=None, environment_differences=env_diff,
-                               notes=notes, op_records=op_records)
+                               notes=notes, op_records=op_records, environment=dict(a.env))
     final_differs = end_state.final_params_differ(a, b)
     if step_div is None and not final_differs and a.n_steps == 0 and b.n_steps == 0:
         if any(k.startswith(channel.CHILD_PARAMS_PREFIX) for k in a.facts):

@@ -198,6 +198,8 @@ class Report:
     environment_drift: list[dict[str, str]] = field(default_factory=list)  # allowed drift
     # differences that never reached the training state (the verdict ignores them)
     contained: list[dict[str, Any]] = field(default_factory=list)
+    # what run a ran on (versions, hardware, the variables that change numbers)
+    environment: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -221,6 +223,7 @@ class Report:
             "baseline": self.baseline,
             "environment_drift": self.environment_drift,
             "contained": self.contained,
+            "environment": self.environment,
         }
 
 

@@ -30,18 +30,20 @@ def cli(ctx: click.Context) -> None:
     nondet diff a.h5 b.h5               compare two captures from anywhere
     nondet show run-a.h5                what a capture holds
     nondet fixes                        the fixes nondet can apply (--apply FIX_ID)
+    nondet report report.json --html r.html   the HTML report of a JSON report or captures
     """
     ctx.obj = App()
 
 
 def _register() -> None:
-    from nondet.cli import check, diff, fixes, run, show
+    from nondet.cli import check, diff, fixes, report, run, show
 
     cli.add_command(run.run)
     cli.add_command(check.check)
     cli.add_command(diff.diff)
     cli.add_command(show.show)
     cli.add_command(fixes.fixes)
+    cli.add_command(report.report)
 
 
 _register()

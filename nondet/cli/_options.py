@@ -33,7 +33,7 @@ class TargetCommand(click.Command):
 
 
 def target_options(command: F) -> F:
-    """-m, --seed, --out, --json, --ops, --max-steps, --runs, --schedule, --apply and
+    """-m, --seed, --out, --json, --html, --ops, --max-steps, --runs, --schedule, --apply and
     SCRIPT ARGS."""
     for option in reversed([
         click.option("-m", "module", metavar="MODULE",
@@ -46,6 +46,9 @@ def target_options(command: F) -> F:
                      help="Where the capture files (.h5) and the runs' output logs go."),
         click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
                      help="Also write the report as JSON to this file."),
+        click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+                     help="Also write the report as one self-contained HTML page (needs the "
+                          "extra `html`)."),
         click.option("--ops", type=click.Choice(["auto", "all"]), default="auto",
                      show_default=True,
                      help="Op-level capture: `auto` for init and step 0, then only where the "
@@ -191,3 +194,30 @@ def make_options(*, seed: int, out_dir: Path, ops: str, max_steps: int | None, s
         seed=seed, out_dir=out_dir, ops_all=ops == "all", max_steps=max_steps, echo=verbose,
         schedule=pipeline.default_schedule() if schedule == "auto" else schedule,
         apply=tuple(apply), verify=verify)
+
+
+def check_html_file(path: Path | None) -> None:
+    """Refuse ``--html`` before anything runs: a file that cannot be written, or no Jinja2
+    (the extra ``html``)."""
+    if path is None:
+        return
+    from nondet.report import html
+
+    check_output_file(path, "--html")
+    html.require_extra()
+
+
+def write_html(path: Path | None, report: Any, root: Path | None) -> None:
+    """The HTML report; source files around the finding are read only inside ``root``."""
+    if path is None:
+        return
+    from nondet.report import html
+
+    write_output("--html", path, lambda: html.write(report, path, root=root))
+
+
+def source_root(target: Target) -> Path:
+    """Where the HTML report may read the script's source lines: the script's directory
+    (the current one for ``-m MODULE``)."""
+    base = Path(target.script).parent if target.script else Path()
+    return base.resolve()

@@ -11,12 +11,15 @@ import click
 from nondet.cli._common import App
 from nondet.cli._options import (
     TargetCommand,
+    check_html_file,
     check_output_file,
     invocation,
     make_options,
     make_target,
     require_utf8,
+    source_root,
     target_options,
+    write_html,
     write_output,
 )
 from nondet.errors import NondetError
@@ -78,7 +81,8 @@ def _raw_value(args: list[str], option: str) -> str | None:
               help="Progress, the script's own output and the full report.")
 @click.pass_obj
 def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Path | None,
-          ops: str, max_steps: int | None, runs: int, schedule: str, apply: tuple[str, ...],
+          html_path: Path | None, ops: str, max_steps: int | None, runs: int, schedule: str,
+          apply: tuple[str, ...],
           verify_fix: bool, junit_path: Path | None,
           baseline_path: Path | None, update_baseline: bool, allow_env_drift: bool,
           allow_script_change: bool, verbose: bool, script_and_args: tuple[str, ...]) -> int:
@@ -102,6 +106,7 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
         name = display(target.describe())
         check_output_file(json_path, "--json")
         check_output_file(junit_path, "--junit")
+        check_html_file(html_path)
         if update_baseline:
             check_output_file(baseline_path, "--baseline")
         elif baseline_path is not None:
@@ -148,6 +153,7 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
     if junit_path is not None:
         write_output("--junit", junit_path,
                      lambda: junit.write(report, junit_path, name, elapsed))
+    write_html(html_path, report, source_root(target))
     return int(report.exit_code)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from nondet.cli._common import App
+from nondet.cli._options import check_html_file, write_html
 from nondet.exitcodes import EPILOG
 
 
@@ -15,13 +16,18 @@ from nondet.exitcodes import EPILOG
 @click.argument("capture_b", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the report as JSON to this file.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the report as one self-contained HTML page (needs the extra "
+                   "`html`); source lines are shown from files under the current directory.")
 @click.pass_obj
-def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) -> int:
+def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
+         html_path: Path | None) -> int:
     """Compare two captures: environment differences first, then the first divergence."""
     from nondet import analysis
     from nondet.report import json_file, text
     from nondet.store import open_capture
 
+    check_html_file(html_path)
     a, b = open_capture(capture_a), open_capture(capture_b)
     a.verify()  # damage anywhere is exit 2, never a verdict (checksums checked as read)
     b.verify()
@@ -39,4 +45,5 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None) 
     if json_path is not None:
         json_file.write(report, json_path)
     text.render(report, app.out)
+    write_html(html_path, report, Path.cwd())
     return int(report.exit_code)

@@ -9,11 +9,14 @@ import click
 from nondet.cli._common import App
 from nondet.cli._options import (
     TargetCommand,
+    check_html_file,
     check_output_file,
     invocation,
     make_options,
     make_target,
+    source_root,
     target_options,
+    write_html,
     write_output,
 )
 from nondet.exitcodes import EPILOG
@@ -31,7 +34,8 @@ from nondet.exitcodes import EPILOG
 @click.option("-v", "--verbose", is_flag=True, help="Also show the script's own output.")
 @click.pass_obj
 def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Path | None,
-        ops: str, max_steps: int | None, runs: int, schedule: str, apply: tuple[str, ...],
+        html_path: Path | None, ops: str, max_steps: int | None, runs: int, schedule: str,
+        apply: tuple[str, ...],
         no_verify: bool, quiet: bool, verbose: bool,
         script_and_args: tuple[str, ...]) -> int:
     """Run SCRIPT twice with the same seed and find where the runs first differ.
@@ -46,6 +50,7 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
 
     target = make_target(module, script_and_args)
     check_output_file(json_path, "--json")
+    check_html_file(html_path)
     with invocation(out_dir) as own_dir:
         options = make_options(seed=seed, out_dir=own_dir, ops=ops, max_steps=max_steps,
                                schedule=schedule, verbose=verbose, apply=apply,
@@ -58,4 +63,5 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
     text.render(report, app.out)  # the report first: a --json that cannot be written is
     if json_path is not None:     # then an error below it, not instead of it
         write_output("--json", json_path, lambda: json_file.write(report, json_path))
+    write_html(html_path, report, source_root(target))
     return int(report.exit_code)

@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-EXTRAS ?= torch,tensorflow,dev,test
+EXTRAS ?= torch,tensorflow,html,dev,test
 
 .PHONY: install demo test lint typecheck unit e2e bench goldens gpu-check clean
 

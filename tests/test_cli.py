@@ -32,7 +32,7 @@ def test_help_is_instant_and_names_the_exit_codes() -> None:
     # A fresh interpreter shows what `nondet --help` imports:
     probe = subprocess.run([sys.executable, "-c", "import sys, nondet.cli; "
                             "print(any(m in sys.modules for m in ('torch', 'tensorflow', "
-                            "'h5py')))"], capture_output=True, text=True, check=True)
+                            "'h5py', 'jinja2')))"], capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "False"
     assert time.monotonic() - start < 60  # generous: only catches an accidental heavy import
 

@@ -175,3 +175,16 @@ def test_html_without_the_extra_names_it_and_exits_2(tmp_path: Path) -> None:
         "nondet: error: --html needs the optional extra `html` (Jinja2): "
         "pip install 'nondet[html]'"]
     assert not (tmp_path / "out.html").exists()
+
+
+@pytest.mark.e2e
+def test_check_writes_the_page_and_refuses_a_directory_first(tmp_path: Path) -> None:
+    steps = str(Path(__file__).parent / "data" / "scripts" / "steps.py")
+    (tmp_path / "taken").mkdir()
+    refused = run_cli("check", "--html", "taken", "--out", "out", steps, cwd=tmp_path)
+    assert refused.returncode == 2 and "is a directory" in refused.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything ran
+    result = run_cli("check", "--html", "page.html", "--out", "out", steps, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    page = (tmp_path / "page.html").read_text()
+    assert "nondet: deterministic" in page and 'id="environment"' in page

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 EXTRAS ?= torch,tensorflow,html,dev,test
 
-.PHONY: install demo test lint typecheck unit e2e bench goldens gpu-check clean
+.PHONY: install demo test lint typecheck unit e2e bench goldens gpu-check clean screenshot
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,13 @@ e2e: install
 # Rewrites tests/data/report_expected.txt after an intended change to the text report.
 goldens: install
 	NONDET_UPDATE_GOLDENS=1 $(BIN)/python -m pytest -q tests/test_report.py
+
+# The README's picture: the HTML report of a bundled fixture, opened in Chromium.
+screenshot: install
+	rm -rf /tmp/nondet-screenshot
+	$(BIN)/nondet run --out /tmp/nondet-screenshot --html /tmp/nondet-screenshot/report.html \
+	  fixtures/torch/index_put_backward.py > /dev/null; test $$? -eq 1
+	$(BIN)/python -m tests.e2e.browser /tmp/nondet-screenshot/report.html docs/html-report.png
 
 bench: install
 	$(BIN)/python bench/bench.py --write docs/benchmarks.md

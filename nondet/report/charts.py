@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from html import escape
 
 #: Okabe-Ito colours: told apart with the common colour-vision deficiencies.
-PALETTE = ("#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9", "#000000")
+PALETTE = ("#0072b2", "#d55e00", "#009e73", "#cc79a7", "#000000", "#e69f00", "#56b4e9")
 
 _W, _H = 760, 300
 _LEFT, _RIGHT, _TOP, _BOTTOM = 70, 170, 20, 46

@@ -100,6 +100,7 @@ class View:
     outcome_chart: str = ""
     environment_differences: list[tuple[str, str, str]] = field(default_factory=list)
     environment: list[tuple[str, str]] = field(default_factory=list)
+    unset: list[str] = field(default_factory=list)  # variables that were not set
     notes: list[str] = field(default_factory=list)
     captures: list[str] = field(default_factory=list)
     baseline: str = ""
@@ -131,8 +132,10 @@ def build(data: dict[str, Any], *, root: Path | None, cwd: Path | None = None) -
     _repeatability(view, _d(data.get("repeatability")))
     view.environment_differences = [(_s(d.get("key")), _s(d.get("a")), _s(d.get("b")))
                                     for d in map(_d, _l(data.get("environment_differences")))]
-    view.environment = sorted((_s(k), _s(v)) for k, v in _d(data.get("environment")).items()
-                              if k != "hostname")  # shared pages need no machine names
+    environment = sorted((_s(k), _s(v)) for k, v in _d(data.get("environment")).items()
+                         if k != "hostname")  # shared pages need no machine names
+    view.environment = [(k, v) for k, v in environment if v != "(unset)"]
+    view.unset = [k.removeprefix("env.") for k, v in environment if v == "(unset)"]
     view.notes = [_s(n) for n in [*_l(div.get("notes")), *_l(data.get("notes"))]]
     view.captures = [_s(c) for c in _l(data.get("captures"))]
     return view

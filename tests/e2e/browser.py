@@ -141,6 +141,32 @@ class Browser:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def screenshot(self) -> bytes:
-        data = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})
+    def screenshot(self, down_to: str = "") -> bytes:
+        """The whole page as PNG, or its top down to the bottom of the element ``down_to``
+        (a CSS selector)."""
+        params: dict[str, Any] = {"format": "png", "captureBeyondViewport": True}
+        if down_to:
+            bottom = self.evaluate(f"document.querySelector({json.dumps(down_to)})"
+                                   ".getBoundingClientRect().bottom + window.scrollY")
+            width = self.evaluate("document.documentElement.scrollWidth")
+            params["clip"] = {"x": 0, "y": 0, "width": width, "height": bottom + 16, "scale": 1}
+        data = self.send("Page.captureScreenshot", params)
         return base64.b64decode(data["data"])
+
+
+def main() -> None:
+    """``python -m tests.e2e.browser PAGE.html OUT.png``: the README's screenshot (the top
+    of the report, down to the growth chart)."""
+    import sys
+
+    page, out = Path(sys.argv[1]), Path(sys.argv[2])
+    executable = find_browser()
+    if executable is None:
+        sys.exit("no Chromium: apt-get install -y chromium")
+    with Browser(executable) as browser:
+        browser.open(page)
+        out.write_bytes(browser.screenshot(down_to="#growth-chart"))
+
+
+if __name__ == "__main__":
+    main()

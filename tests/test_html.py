@@ -188,3 +188,16 @@ def test_check_writes_the_page_and_refuses_a_directory_first(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     page = (tmp_path / "page.html").read_text()
     assert "nondet: deterministic" in page and 'id="environment"' in page
+
+
+def test_repeatability_chart_has_one_dot_per_run_on_its_outcome_row(tmp_path: Path) -> None:
+    runs = [{"label": f"r{i}", "steps": 4, "final_loss": loss, "weights_digest": digest,
+             "outcome": outcome, "status": "complete"}
+            for i, (loss, digest, outcome) in enumerate(
+                [(1.5, "aa", "A"), (1.25, "bb", "B"), (1.5, "aa", "A")], start=1)]
+    page = html.render({"nondet_report_version": 1, "verdict": "nondeterministic",
+                        "repeatability": {"runs": runs, "distinct_outcomes": 2}}, root=None)
+    chart = page[page.index('id="outcome-chart"'):page.index('id="repeatability"')]
+    assert chart.count('class="run"') == 3
+    assert "A: aa (2)" in chart and "B: bb (1)" in chart
+    assert "3 runs, 2 distinct outcomes" in page

@@ -147,8 +147,9 @@ def outcome_chart(runs: list[RunDot]) -> str:
     losses = [r.final_loss for r in runs if r.final_loss is not None
               and math.isfinite(r.final_loss)]
     low, high = (min(losses), max(losses)) if losses else (0.0, 1.0)
-    if high == low:  # identical losses: one spot in the middle
-        low, high = low - 1.0, high + 1.0
+    if high == low:  # identical losses: one spot in the middle of a narrow axis
+        span = max(abs(low) * 1e-6, 1e-12)
+        low, high = low - span, high + span
     row_h, left, right = 30, 170, 40
     height = _TOP + row_h * len(outcomes) + 50
     plot_w = _W - left - right

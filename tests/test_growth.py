@@ -12,7 +12,7 @@ from nondet.records import Group
 from nondet.store import open_capture
 from tests.conftest import step_rows, write_capture
 
-STEPS = [{"step": -1, "params_fp": 1},
+STEPS: list[dict[str, Any]] = [{"step": -1, "params_fp": 1},
          {"step": 0, "loss": 0.5, "params_fp": 10, "grads_fp": 20, "optim_fp": 30,
           "params_sum": 10.0},
          {"step": 1, "loss": 0.25, "params_fp": 11, "grads_fp": 21, "optim_fp": 31,

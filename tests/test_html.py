@@ -8,6 +8,7 @@ import os
 import shutil
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,10 +49,10 @@ def _pair(tmp_path: Path, *, op: str = "aten.index_put.default", module: str = "
                 .add(0, op, 99 if differs else 14, 11, module=module, source=source,
                      phase=Phase.BACKWARD))
 
-    steps = [{"step": -1, "params_fp": 1}, {"step": 0, "loss": 0.5, "params_fp": 3,
-                                            "params_sum": 1.0},
-             {"step": 1, "loss": 0.25, "params_fp": 5, "params_sum": 2.0},
-             {"step": 2, "loss": 0.125, "params_fp": 7, "params_sum": 3.0}]
+    steps: list[dict[str, Any]] = [
+        {"step": -1, "params_fp": 1}, {"step": 0, "loss": 0.5, "params_fp": 3, "params_sum": 1.0},
+        {"step": 1, "loss": 0.25, "params_fp": 5, "params_sum": 2.0},
+        {"step": 2, "loss": 0.125, "params_fp": 7, "params_sum": 3.0}]
     a_steps, b_steps = step_rows(*steps), step_rows(*steps)
     for i, (fp, total, loss) in enumerate(((3, 1.0, 0.5), (50, 2.0001, 0.2500001),
                                            (70, 3.01, 0.126)), start=1):
@@ -62,7 +63,7 @@ def _pair(tmp_path: Path, *, op: str = "aten.index_put.default", module: str = "
     return a, b
 
 
-def _page(tmp_path: Path, **kwargs: str) -> tuple[str, dict[str, object]]:
+def _page(tmp_path: Path, **kwargs: str) -> tuple[str, dict[str, Any]]:
     a, b = _pair(tmp_path, **kwargs)
     data = analysis.compare_captures(open_capture(a), open_capture(b), suggest=True).to_json()
     return html.render(data, root=tmp_path, cwd=tmp_path), data
@@ -84,7 +85,7 @@ def test_strings_from_a_crafted_capture_are_text_never_markup(tmp_path: Path) ->
 
 def test_the_growth_chart_has_one_point_per_step_and_marks_the_first(tmp_path: Path) -> None:
     page, data = _page(tmp_path)
-    steps = [g["step"] for g in data["growth"]]  # type: ignore[index, union-attr]
+    steps = [g["step"] for g in data["growth"]]
     assert steps == [0, 1, 2]
     chart = page[page.index('id="growth-chart"'):page.index('id="growth"')]
     loss = chart[chart.index('data-series="loss"'):]
@@ -201,3 +202,31 @@ def test_repeatability_chart_has_one_dot_per_run_on_its_outcome_row(tmp_path: Pa
     assert chart.count('class="run"') == 3
     assert "A: aa (2)" in chart and "B: bb (1)" in chart
     assert "3 runs, 2 distinct outcomes" in page
+
+
+def test_fixes_verified_first_with_every_source_and_the_combined_fix(tmp_path: Path) -> None:
+    def fix(fix_id: str, verified: bool | None) -> dict[str, Any]:
+        return {"id": fix_id, "title": fix_id, "cause": "c", "fix": f"do {fix_id}",
+                "verified": verified, "verified_steps": 6 if verified else None,
+                "cost_ratio": 1.07 if verified else None, "verify_note": ""}
+
+    data = {"nondet_report_version": 1, "verdict": "nondeterministic", "exit_code": 1,
+            "suggestions": [fix("NOT-HELPED", False), fix("CODE-ONLY", None),
+                            fix("WORKS", True)],
+            "sources": [{"first_divergence": {"step": 0, "op": "aten.mm.default",
+                                              "source": "t.py:3"},
+                         "suggestions": [fix("FIRST-SOURCE", True)]},
+                        {"first_divergence": {"step": 2, "op": "dataloader:batch#0",
+                                              "source": "t.py:9"},
+                         "suggestions": [fix("SECOND-SOURCE", None)]}],
+            "combined_fix": {"env": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+                             "code": ["torch.use_deterministic_algorithms(True)"],
+                             "verified": True, "verified_steps": 20, "cost_ratio": 1.12}}
+    page = html.render(data, root=None)
+    order = [page.index(f"[{x}]") for x in ("WORKS", "CODE-ONLY", "NOT-HELPED")]
+    assert order == sorted(order)
+    assert "the runs repeat over 6 steps; cost 1.07x step time" in page
+    assert page.index("step 0, aten.mm.default, t.py:3") < page.index("[FIRST-SOURCE]")
+    assert page.index("step 2, dataloader:batch#0, t.py:9") < page.index("[SECOND-SOURCE]")
+    assert "CUBLAS_WORKSPACE_CONFIG=:4096:8" in page
+    assert "the runs repeat over 20 steps; cost 1.12x step time" in page

@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any
 
 from nondet import seeding, standin
+from nondet import session as session_module
 from nondet.session import Session
 
 #: Fact listing unseeded generators made inside libraries ("lib frame, from user frame").
@@ -41,6 +42,8 @@ def install(session: Session) -> None:
 
     def note(kind: str, frame: FrameType) -> None:
         """An unseeded generator was made by the code of ``frame``."""
+        if session_module.current() is not session:
+            return  # a forked child: its frames must not go down this run's pipe
         try:
             package = frame.f_globals.get("__name__", "").split(".", 1)[0]
             if package in _IGNORED_PACKAGES or frame.f_code.co_filename.startswith(stdlib):

@@ -402,7 +402,7 @@ def with_suggestions(found: Comparison, capture: Capture) -> tuple[Comparison, l
     div = with_notes(div, *seed_diff.library_generator_notes(div, capture))
     return replace(found, first_divergence=div), recipe.suggest(
         finding_facts(div, capture, found.environment_differences),
-        sites=capture.facts)
+        sites=seed_diff.library_generator_facts(capture.facts))
 
 
 def summary_of_capture(c: Capture) -> RunSummary:

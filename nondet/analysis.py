@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import channel, compare, end_state, environment, recipe, seed_diff
+from nondet import channel, child_captures, compare, end_state, environment, recipe, seed_diff
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.growth import growth
@@ -147,13 +147,26 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                                first_divergence=None, environment_differences=env_diff,
                                notes=notes, op_records=op_records, environment=dict(a.env))
     final_differs = end_state.final_params_differ(a, b)
+    kids = child_captures.compare(a, b)  # the child processes' own captures
+    notes += kids.notes
+    deterministic = replace(deterministic, notes=notes,
+                            op_records=op_records + kids.op_records)
     if step_div is None and not final_differs and a.n_steps == 0 and b.n_steps == 0:
+        if kids.divergence is not None:
+            return replace(deterministic, verdict="nondeterministic",
+                           exit_code=ExitCode.NONDETERMINISTIC,
+                           first_divergence=kids.divergence)
+        if kids.trained:
+            return replace(deterministic, notes=[*notes, (
+                f"training ran in {kids.trained} child process(es) the script started; "
+                "their steps were recorded and repeated")])
         if any(k.startswith(channel.CHILD_PARAMS_PREFIX) for k in a.facts):
             raise NondetError(
                 "no training step was observed in the main process: training ran in child "
-                "processes, whose steps nondet does not record (their parameters after they "
-                "were joined matched); call the training function in the main process to "
-                "compare it step by step")
+                "processes nondet could not record step by step (a Process subclass that "
+                "overrides run(); their parameters after they were joined matched); pass "
+                "the training function as Process(target=...), or call it in the main "
+                "process, to compare it step by step")
         raise NondetError(
             "no training step was observed in either run, so nothing was compared (no "
             "optimizer step, no backward-and-update, no nondet.step()); check that the script "
@@ -162,6 +175,8 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         # Step-level state matches; op records may still show a difference that did not
         # reach any step-level fingerprint (e.g. a discarded tensor).
         div = localize(a, b, common_op_steps) if common_op_steps else None
+        if div is None:
+            div = kids.divergence
         if div is None and final_differs:
             div = end_state.divergence(a, b)
         if div is None:
@@ -172,12 +187,16 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
             div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(
                 step_div, a, b)
-    if not div.explained and end_state.children_differ(a, b):
-        # A tensor changed outside every op this process ran, and a child process handed
-        # those tensors left them different: the child is the better explanation.
-        div = end_state.divergence(a, b)
+    if not div.explained and (kids.divergence or end_state.children_differ(a, b)):
+        # A tensor changed outside every op this process ran, and a child process differs
+        # (its recorded steps, or the tensors it was handed): the child is the better
+        # explanation.
+        div = kids.divergence or end_state.divergence(a, b)
+    main_differs = final_differs or _training_state_differs(a, b, both_ended)
+    if kids.divergence is not None and not main_differs:
+        div = kids.divergence  # what differs in this process never reached training
     div = seed_diff.seed_divergence(a, b, div) or div  # a differing seed is the cause
-    if not final_differs and not _training_state_differs(a, b, both_ended):
+    if not main_differs and kids.divergence is None:
         # The verdict follows the training state: a difference that never reached loss,
         # parameters, gradients, optimizer state or data (a logged metric, a discarded
         # tensor, an RNG nobody drew from again) is a note, not nondeterminism.
@@ -192,7 +211,8 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
              "source": div.source}])
     return replace(deterministic, verdict="nondeterministic",
                    exit_code=ExitCode.NONDETERMINISTIC, first_divergence=div,
-                   growth=growth(a, b, step_div.step if step_div else (div.step or 0)))
+                   growth=[] if div.process else  # the main process's steps
+                   growth(a, b, step_div.step if step_div else (div.step or 0)))
 
 
 #: Step-row fields that make up the training state: the verdict follows these.
@@ -370,7 +390,7 @@ def with_suggestions(found: Comparison, capture: Capture) -> tuple[Comparison, l
     div = with_notes(div, *seed_diff.library_generator_notes(div, capture))
     return replace(found, first_divergence=div), recipe.suggest(
         finding_facts(div, capture, found.environment_differences),
-        sites=capture.facts)
+        sites=seed_diff.library_generator_facts(capture.facts))
 
 
 def summary_of_capture(c: Capture) -> RunSummary:

@@ -50,6 +50,13 @@ FINAL_PREFIX = "final_"  # final_params_fp, ...: digests of the end state
 CHILD_PARAMS_FACT = "child#{}.params_fp"
 CHILD_PARAMS_PREFIX = "child#"
 
+
+def child_frames_path(children_dir: str, label: str) -> str:
+    """Where a recorded child process of a run writes its frames (``run-a.child0.frames``):
+    the same frames as over the pipe, into a file of its own, stored by the parent as
+    ``run-a.child0.h5`` once the run has ended (``child_captures``)."""
+    return os.path.join(children_dir, f"run-{label}.frames")
+
 # How a run ended (the END status, and the capture's ``status`` attribute):
 COMPLETE = "complete"  # the script ended on its own, exit code 0
 STOPPED = "stopped"  # nondet stopped it on purpose at a step boundary

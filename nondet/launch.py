@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from nondet import channel, environment
+from nondet import channel, child_captures, environment
 from nondet.errors import NondetError, Terminated
 from nondet.session import CONFIG_ENV, ChildConfig
 from nondet.store import CaptureWriter
@@ -131,6 +131,7 @@ class CapturedRun(RunStream):
             module=self.target.module, args=list(self.target.args),
             op_steps=self.plan.op_steps, stop_after=self.plan.stop_after, dump=self.plan.dump,
             lockstep=self.plan.lockstep, keep_bytes=self.plan.keep_bytes,
+            children_dir=str(self.path.parent),
         )
         try:
             ensure_space(self.path, 0)
@@ -290,6 +291,7 @@ class CapturedRun(RunStream):
         if code in (130, -signal.SIGINT) and status not in (channel.COMPLETE, channel.STOPPED):
             status = channel.INTERRUPTED
         self._close_writer(status, code)
+        child_captures.store(self.path)  # the run's recorded child processes, beside it
         self._result_cache = RunResult(
             label=self.plan.label, path=self.path, log_path=self.log_path, status=status,
             exit_code=code, steps=sum(1 for r in self.steps if int(r["step"]) >= 0),

@@ -292,6 +292,8 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
     div = found.first_divergence
     if div is None or (div.kind == "structure" and not div.localized):
         return found, [], []
+    if div.process is not None:  # found in a child's own capture: no re-runs aim at it
+        return (*with_suggestions(found, a), [])
 
     extra: list[str] = []
     op_capture, op_capture_b = a, b

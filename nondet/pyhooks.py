@@ -22,6 +22,8 @@ from types import FrameType
 from typing import Any
 
 from nondet import seeding, standin
+from nondet import session as session_module
+from nondet.generator_use import GeneratorUse
 from nondet.session import Session
 
 #: Fact listing unseeded generators made inside libraries ("lib frame, from user frame").
@@ -39,17 +41,23 @@ def install(session: Session) -> None:
     sites: dict[str, list[str]] = {}
     stdlib = _stdlib_prefix()
 
-    def note(kind: str, frame: FrameType) -> None:
-        """An unseeded generator was made by the code of ``frame``."""
+    use = GeneratorUse(session)
+    session.step_listeners.append(use.step_ended)
+
+    def note(kind: str, frame: FrameType) -> str | None:
+        """An unseeded generator was made by the code of ``frame``; its text if it was made
+        inside a library (to follow with ``use.track``)."""
+        if session_module.current() is not session:
+            return None  # a forked child: its frames must not go down this run's pipe
         try:
             package = frame.f_globals.get("__name__", "").split(".", 1)[0]
             if package in _IGNORED_PACKAGES or frame.f_code.co_filename.startswith(stdlib):
-                return
+                return None
             where = log.call_site(frame)
             if where is None or not (where.site or where.library):
-                return
+                return None
             if where.library and _made_for_someone_else(log, frame):
-                return
+                return None
             if where.library:
                 fact, text = LIBRARY_UNSEEDED, f"{where.library} in {where.package}"
                 text += f", made from {where.site}" if where.site else ""
@@ -62,32 +70,40 @@ def install(session: Session) -> None:
                 if where.library:
                     facts[f"{LIBRARY_UNSEEDED}.{where.package}"] = True
                 session.send_facts(facts)
+            return text if where.library else None
         except Exception:
             log.failed()
+            return None
 
     import numpy as np
 
     original_default_rng = np.random.default_rng
 
     def default_rng(seed: Any = None) -> Any:
-        if seed is None:
-            note("numpy.unseeded_generator", sys._getframe(2))
-        return original_default_rng(seed)
+        text = note("numpy.unseeded_generator", sys._getframe(2)) if seed is None else None
+        generator = original_default_rng(seed)
+        if text is not None:
+            use.track(generator, text)
+        return generator
 
     np.random.default_rng = log.wrap("np.random.default_rng", default_rng, seeding.first_arg)
     np.random.seed = log.wrap("np.random.seed", np.random.seed, seeding.first_arg)
-    np.random.RandomState = _recording_random_state(log, note)  # type: ignore[misc,assignment]
+    np.random.RandomState = _recording_random_state(  # type: ignore[misc,assignment]
+        log, note, use)
 
     original_random_init = random.Random.__init__
 
     def random_init(self: random.Random, x: Any = None) -> None:
+        text = None
         if not log.nested():
             caller = sys._getframe(1)
             if x is None:
-                note("python.unseeded_random", caller)
+                text = note("python.unseeded_random", caller)
             elif type(self) is not random.SystemRandom:
                 log.record("random.Random", x, caller)
         original_random_init(self, x)
+        if text is not None:
+            use.track(self, text)
 
     random.Random.__init__ = random_init  # type: ignore[method-assign]
 
@@ -119,7 +135,7 @@ def _made_for_someone_else(log: seeding.SeedLog, frame: FrameType) -> bool:
     return importer is not None and not log.is_users(importer)
 
 
-def _recording_random_state(log: seeding.SeedLog, note: Any) -> type:
+def _recording_random_state(log: seeding.SeedLog, note: Any, use: GeneratorUse) -> type:
     """``np.random.RandomState`` that records its seed. A C type cannot be patched, so this
     is a subclass; its metaclass keeps ``isinstance(x, np.random.RandomState)`` true for
     every RandomState, however made (sklearn's ``check_random_state`` relies on it), and
@@ -132,13 +148,16 @@ def _recording_random_state(log: seeding.SeedLog, note: Any) -> type:
 
     class RandomState(base, metaclass=meta):  # type: ignore[misc,valid-type,metaclass]
         def __init__(self, seed: Any = None) -> None:
+            text = None
             if not log.nested():
                 caller = sys._getframe(1)
                 if seed is None:
-                    note("numpy.unseeded_generator", caller)
+                    text = note("numpy.unseeded_generator", caller)
                 else:
                     log.record("np.random.RandomState", seed, caller)
             super().__init__(seed)
+            if text is not None:
+                use.track(self, text)
 
     return standin.finish(RandomState, base)
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nondet.clock import CLOCK_FACT
+from nondet.generator_use import USE_FACT
+from nondet.pyhooks import LIBRARY_UNSEEDED
 from nondet.records import INIT_STEP
 from nondet.report import Divergence
 from nondet.seeding import SEED_FACT_PREFIX
@@ -113,14 +115,58 @@ def _shown(value: str) -> str:
     return value if len(value) <= 40 else value[:39] + "…"
 
 
+def library_generators(facts: dict[str, Any]) -> tuple[list[str], int]:
+    """The unseeded generators libraries made (``pyhooks``) that may matter, those drawn
+    from in the run first; and how many were left out: made and let go without a single
+    draw (``generator_use``), they cannot have fed anything."""
+    sites = facts.get(LIBRARY_UNSEEDED)
+    if not isinstance(sites, list):
+        return [], 0
+    use = facts.get(USE_FACT)
+    use = use if isinstance(use, dict) else {}
+    kept: list[str] = []
+    for text in (str(s) for s in sites):
+        record = use.get(text)
+        if isinstance(record, dict) and _let_go_undrawn(record):
+            continue
+        kept.append(text)
+    drawn = [t for t in kept if isinstance(use.get(t), dict) and _ever_drawn(use[t])]
+    return [*drawn, *(t for t in kept if t not in drawn)], len(sites) - len(kept)
+
+
+def _let_go_undrawn(record: dict[str, Any]) -> bool:
+    freed = record.get("freed")
+    made = record.get("made")
+    return (isinstance(freed, list) and isinstance(made, int) and 0 < made <= len(freed)
+            and not _ever_drawn(record))
+
+
+def _ever_drawn(record: dict[str, Any]) -> bool:
+    freed = record.get("freed")
+    return bool(record.get("drawn")) or (isinstance(freed, list) and any(
+        isinstance(f, list) and len(f) == 2 and bool(f[1]) for f in freed))
+
+
+def library_generator_facts(facts: dict[str, Any]) -> dict[str, Any]:
+    """The capture's facts with only the library generators that may matter, in rank order
+    (recipe sites list them as "unseeded generator at ...")."""
+    if LIBRARY_UNSEEDED not in facts:
+        return facts
+    return {**facts, LIBRARY_UNSEEDED: library_generators(facts)[0]}
+
+
 def library_generator_notes(div: Divergence, capture: Capture) -> list[str]:
     """For a value that entered with different values: the unseeded generators libraries
     made (``pyhooks``), named with the library frame and the user's line that led there."""
     if div.kind not in ("entry", "init"):
         return []
-    sites = capture.facts.get("library.unseeded_generator")
-    if not isinstance(sites, list) or not sites:
+    sites, left_out = library_generators(capture.facts)
+    if not sites:
         return []
-    shown = "; ".join(str(s) for s in sites[:3]) + ("; ..." if len(sites) > 3 else "")
-    return [f"an unseeded random generator was made inside a library ({shown}): it draws "
-            "from fresh OS entropy, so its values differ in every run"]
+    shown = "; ".join(sites[:3]) + ("; ..." if len(sites) > 3 else "")
+    notes = [f"an unseeded random generator was made inside a library ({shown}): it draws "
+             "from fresh OS entropy, so its values differ in every run"]
+    if left_out:
+        notes.append(f"{left_out} more unseeded generator(s) made inside libraries were let "
+                     "go without a single draw (replaced by seeded ones): not the cause")
+    return notes

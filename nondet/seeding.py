@@ -153,8 +153,10 @@ class SeedLog:
     # -- recording -----------------------------------------------------------------------------
     def record(self, api: str, value: Any, frame: FrameType) -> None:
         """One seeding call (``frame`` made it). Never raises into the script."""
-        if self.disabled or value is None or session_module.current() is None:
-            return  # None: no seed (fresh entropy), noted by pyhooks as an unseeded RNG
+        if self.disabled or value is None or session_module.current() is not self._session:
+            # None: no seed (fresh entropy), noted by pyhooks as an unseeded RNG. Another
+            # session (or none): a forked child, whose frames must not go down our pipe.
+            return
         try:
             where = self.call_site(frame)
             if where is None:

@@ -14,6 +14,7 @@ import site
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import CodeType, FrameType
@@ -53,6 +54,7 @@ class ChildConfig:
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
     lockstep: bool = False  # wait for the parent's go after every step (see schedule.Lockstep)
     keep_bytes: int = 0  # lockstep: keep op outputs of op-captured steps up to this many bytes
+    children_dir: str | None = None  # where recorded child processes write their frames
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -84,6 +86,8 @@ class Session:
         self.final: dict[str, Any] = {}  # final loss and weights digest, sent with END
         self.pid = os.getpid()
         self._free = False  # lockstep released: no more waiting at boundaries
+        #: called with each finished step's number after its row is sent (never raise)
+        self.step_listeners: list[Callable[[int], None]] = []
 
     # -- strings -------------------------------------------------------------------------
     def intern(self, text: str) -> int:
@@ -137,6 +141,8 @@ class Session:
         if len(tensors):
             self.writer.send(channel.TENSORS, tensors.astype(TENSOR_DTYPE, copy=False).tobytes())
         self.writer.send(channel.STEP, row.tobytes())
+        for listener in self.step_listeners:
+            listener(self.step)
         self.writer.flush()
         finished = self.step
         self.step += 1

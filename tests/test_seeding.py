@@ -33,6 +33,7 @@ class FakeSession:
         self.sources = SourceLocator(self)  # type: ignore[arg-type]
         self.facts: dict[str, Any] = {}
         self.meta: list[dict[str, Any]] = []
+        self.step_listeners: list[Any] = []
 
     def intern(self, text: str) -> int:
         if text not in self._strings:
@@ -170,6 +171,37 @@ def test_a_library_generator_names_library_and_user_frames(session: FakeSession,
     assert "numpy.unseeded_generator" not in session.facts
     assert session.seeds() == [("np.random.seed", _line_of("seed-everything-here"),
                                 "somelib/__init__.py:9", ["4"])]
+
+
+def test_library_generators_let_go_without_a_draw_are_left_out(session: FakeSession,
+                                                              tmp_path: Path) -> None:
+    """Albumentations' shape: every transform makes its own unseeded generators and Compose
+    replaces them at once with ones seeded from its own: only Compose's can matter."""
+    lib = _library(tmp_path, """
+        import random
+        import numpy as np
+
+        class Transform:
+            def __init__(self):
+                self.rng = np.random.default_rng()
+                self.py = random.Random()
+
+        class Compose:
+            def __init__(self, transforms):
+                self.rng = np.random.default_rng()
+                for t in transforms:
+                    t.rng = np.random.default_rng(int(self.rng.integers(1 << 31)))
+                    t.py = random.Random(0)
+    """)
+    compose = lib.Compose([lib.Transform(), lib.Transform()])  # compose-here
+    for listener in session.step_listeners:
+        listener(-1)  # the init step ends
+    made = session.facts[pyhooks.LIBRARY_UNSEEDED]
+    assert len(made) == 3, made  # two lines in Transform, one in Compose
+    kept, left_out = seed_diff.library_generators(session.facts)
+    assert kept == [f"somelib/__init__.py:12 in somelib, made from {_line_of('compose-here')}"]
+    assert left_out == 2
+    assert compose.rng is not None
 
 
 def test_calls_by_frameworks_and_nondet_are_not_recorded(session: FakeSession) -> None:

@@ -164,11 +164,21 @@ def group_fp(values: list[int]) -> int:
     return combine(values) if values else 0
 
 
+#: Host generators in the step rows' ``rng_fp``. A child process the script started turns
+#: off what its start reseeded from entropy (``random`` at every fork, NumPy's too in a
+#: spawned interpreter): as in plain runs, and a state nobody may draw from is no lead.
+HOST_RNGS = {"numpy": True, "python": True}
+
+
 def host_rng_fps() -> list[int]:
     """NumPy's legacy global RNG and Python's ``random``: seeded by nondet in every run."""
-    legacy = np.random.get_state()[1]  # type: ignore[index]
-    python_state = np.asarray(random.getstate()[1], dtype=np.uint64)
-    return [bytes_fp(legacy.tobytes()), bytes_fp(python_state.tobytes())]
+    fps = []
+    if HOST_RNGS["numpy"]:
+        fps.append(bytes_fp(np.random.get_state()[1].tobytes()))  # type: ignore[index]
+    if HOST_RNGS["python"]:
+        python_state = np.asarray(random.getstate()[1], dtype=np.uint64)
+        fps.append(bytes_fp(python_state.tobytes()))
+    return fps
 
 
 class StepLifecycle:

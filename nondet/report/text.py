@@ -127,6 +127,8 @@ def _finding(div: Divergence) -> list[str]:
         fields = ", ".join(div.step_fields) or "state"
         out += [_row("finding", f"{step}, {escape(div.phase)}: {escape(fields)} differ"),
                 _row("", "no op-level recording covers this step")]
+    if div.process:
+        out.append(_row("process", f"{escape(div.process)} (a process the script started)"))
     if div.module:
         out.append(_row("module", escape(div.module)))
     if div.source:

@@ -126,6 +126,11 @@ def test_albumentations_unseeded_compose_is_fixed_by_its_seed(tmp_path: Path) ->
     assert any("albumentations/core/composition.py" in d
                and d.endswith(f"albumentations_loader.py:{compose_line}")
                for d in first["details"]), first["details"]
+    # and only those made from that line: the generators each transform's constructor made
+    # were replaced by Compose before a single draw, and are left out
+    sites = [d for d in first["details"] if d.startswith("unseeded generator at")]
+    assert sites and all(d.endswith(f"albumentations_loader.py:{compose_line}")
+                         for d in sites), sites
     # a worker seed cannot reach Compose's generators, so it is not ranked first
     assert report["suggestions"][0]["id"] != "DATA-PT-WORKERSEED"
 

@@ -28,6 +28,10 @@ from typing import Any, Protocol
 from nondet import frameworks
 from nondet.frameworks.base import Session
 
+#: tf.data stages that run their function on several elements at once.
+_PARALLEL_STAGES = ("ParallelMapDataset", "ParallelInterleaveDataset", "MapAndBatchDataset",
+                    "ParallelFilterDataset")
+
 #: The names ``tf.data.Options`` accepts for the ordering setting (TF 2.21: both).
 _ORDER_OPTIONS = ("deterministic", "experimental_deterministic")
 
@@ -42,6 +46,31 @@ class DataHost(Protocol):
     def disabled(self) -> bool: ...
 
     def guarded(self) -> AbstractContextManager[None]: ...
+
+
+def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) -> bool:
+    """A stage built to run a stateful function on several elements at once (``map(f,
+    num_parallel_calls=...)`` with a Keras random layer, whose seed is a variable read and
+    bumped per call, or an unseeded random op): the elements still come out in order, but
+    which element gets which state depends on thread timing, so this stage's line is where
+    batches that differ were made (keras-io's augmentation in ``train_ds.map(...)``)."""
+    if not op_type.startswith(_PARALLEL_STAGES):
+        return False
+    # num_parallel_calls is the stage's last input; 1 runs the calls one after the other
+    calls = inputs[-1] if inputs else None
+    try:
+        if calls is not None and int(calls.numpy()) == 1:
+            return False
+    except (AttributeError, TypeError, ValueError):
+        pass
+    function = attrs.get("f") or attrs.get("predicate")
+    name = getattr(function, "name", function)
+    name = name.decode() if isinstance(name, bytes) else name
+    if not isinstance(name, str):
+        return False
+    from tensorflow.python.eager import context
+
+    return bool(context.context().get_function_def(name).signature.is_stateful)
 
 
 def install(backend: DataHost) -> None:

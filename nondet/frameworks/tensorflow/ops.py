@@ -16,6 +16,7 @@ from tensorflow.python.framework import op_callbacks
 
 from nondet.fingerprint import name_code
 from nondet.frameworks.fp import Fp, combined, resolve
+from nondet.frameworks.tensorflow.data import stateful_parallel_stage
 from nondet.frameworks.tensorflow.graph import (
     DERIVED_OPS,
     ENTRY_KINDS_OF,
@@ -72,7 +73,7 @@ class TFOpRecorder(GraphRecorder):
             elif op_type.startswith(FUNCTION_CALLS):
                 self.backend.after_function()
             elif op_type.endswith("Dataset") or "DatasetV" in op_type:
-                self._note_dataset(attrs)
+                self._note_dataset(op_type, inputs, attrs)
             elif self.active and not self.backend.evaluating:
                 self._eager(op_type, inputs, outputs)
         except Exception:
@@ -82,13 +83,15 @@ class TFOpRecorder(GraphRecorder):
         return None
 
 
-    def _note_dataset(self, attrs: Any) -> None:
+    def _note_dataset(self, op_type: str, inputs: Any, attrs: Any) -> None:
         """Remember where a tf.data stage that may reorder its elements was built
-        (``deterministic=False``): batches that differ are reported at that line, the one
-        to fix, rather than where they were read."""
+        (``deterministic=False``), or one that runs a stateful function in parallel
+        (``data.stateful_parallel_stage``): batches that differ are reported at that line,
+        the one to fix, rather than where they were read."""
         pairs = dict(zip(attrs[::2], attrs[1::2], strict=False)) if attrs else {}
         flag = pairs.get("deterministic")
-        if (flag.decode() if isinstance(flag, bytes) else flag) == "false":
+        if (flag.decode() if isinstance(flag, bytes) else flag) == "false" \
+                or stateful_parallel_stage(op_type, inputs, pairs):
             self.reordering_stage = self.session.sources.here(4)
 
     # -- eager ops -------------------------------------------------------------------------

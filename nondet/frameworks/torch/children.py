@@ -1,21 +1,32 @@
-"""Training in child processes (Hogwild): the parameters the run sees after a child joined.
+"""Training in child processes (Hogwild, ``mp.spawn``): each child recorded as a run of its own.
 
 A script that trains in processes it starts itself (``torch.multiprocessing`` or
-``multiprocessing`` ``Process(target=train, args=(model, ...))``, fork or spawn) runs no
-step in the recorded process: its children update the shared parameters. Their steps are
-not recorded (the hooks live in the recorded process only); what is recorded is the state
-they leave behind: when the parent joins a child that was given modules or tensors, their
-parameters are fingerprinted afresh and sent as the fact ``child#K.params_fp``.
+``multiprocessing`` ``Process(target=train, args=(model, ...))``, fork or spawn) may run no
+step in the recorded process. Each such child is recorded step by step: ``start`` swaps the
+child's target for a ``ChildMain`` for the time of the start (a spawned child's Process is
+pickled then; the user's object is given its target back at once), and in the child
+``ChildMain`` opens a Session of its own that writes its frames to a file beside the run's
+capture (``channel.child_frames_path``), installs a torch backend for it, runs the user's
+target and ends the session. The parent stores and compares those files
+(``nondet/child_captures.py``).
 
-K is the child's creation order among the processes this run started (not its pid), so the
-facts of two runs line up whatever the scheduling. Daemon processes (DataLoader workers) are
-skipped: they never train, and their start must stay as cheap as it is.
+K is the child's creation order among the processes this run started (not its pid), so two
+runs line up whatever the scheduling. Data workers are left out: DataLoader workers and
+``multiprocessing.Pool`` workers make data, never train, and their start stays as cheap as
+it is. A Process subclass that overrides ``run()`` has no target to wrap and is not
+recorded step by step.
+
+Beside that, the tensors handed to a child are fingerprinted afresh when the parent joins
+it and sent as the fact ``child#K.params_fp``: the state it leaves behind, compared even
+when its steps are not (``end_state.py``).
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import multiprocessing.process as mp_process
+import traceback
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -24,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from nondet.channel import CHILD_PARAMS_FACT
-from nondet.frameworks.base import Session, group_fp
+from nondet.frameworks.base import Session, StopRun, group_fp
 from nondet.frameworks.torch.cache import FingerprintCache
 
 
@@ -62,9 +73,27 @@ def _tensors_in(values: Iterable[Any], depth: int = 2) -> list[torch.Tensor]:
     return found
 
 
+_FORKED = "forked"  # a key of ChildMain's config that is not ChildConfig's
+#: Modules whose process targets make data, not training: DataLoader and Pool workers.
+_DATA_WORKERS = ("torch.utils.data", "multiprocessing")
+
+
+def _child_config(backend: ChildrenHost, index: int) -> dict[str, Any] | None:
+    """The ChildConfig (as a dict: it is pickled into a spawned child) of the run's child
+    ``index``, or None when this run has nowhere to put a child's frames."""
+    config = backend.session.config
+    children_dir = getattr(config, "children_dir", None)
+    if not children_dir:
+        return None
+    return {"label": f"{config.label}.child{index}", "seed": config.seed,
+            "channel_fd": -1, "control_fd": -1, "script": config.script,
+            "module": config.module, "args": list(config.args),
+            "op_steps": None, "children_dir": children_dir}
+
+
 def install(backend: ChildrenHost) -> None:
     """Wrap ``BaseProcess.start`` and ``join`` (every start method and context uses them)."""
-    started = [0]  # children with tensors started by this run, in creation order
+    started = [0]  # children recorded by this run, in creation order
     # child -> (creation order, weak refs to its tensors); kept beside the Process, never on
     # it: a spawned child's Process object is pickled, and must stay as the user made it
     marks: weakref.WeakKeyDictionary[mp_process.BaseProcess,
@@ -75,15 +104,31 @@ def install(backend: ChildrenHost) -> None:
 
     @functools.wraps(original_start)
     def start(proc: mp_process.BaseProcess) -> None:
-        if not backend.disabled and not proc.daemon:
+        target = getattr(proc, "_target", None)
+        wrapped = False
+        if not backend.disabled and target is not None \
+                and not (getattr(target, "__module__", None) or "").startswith(_DATA_WORKERS):
             with backend.guarded():
+                index = started[0]
+                started[0] += 1
                 args = getattr(proc, "_args", ())
                 kwargs = getattr(proc, "_kwargs", {})
                 tensors = _tensors_in([*args, *kwargs.values()])
                 if tensors:
-                    marks[proc] = (started[0], [weakref.ref(t) for t in tensors])
-                    started[0] += 1
-        original_start(proc)
+                    marks[proc] = (index, [weakref.ref(t) for t in tensors])
+                config = _child_config(backend, index)
+                if config is not None:
+                    method = getattr(proc, "_start_method", None) \
+                        or multiprocessing.get_start_method(allow_none=True) \
+                        or multiprocessing.get_all_start_methods()[0]  # the default
+                    config[_FORKED] = method == "fork"
+                    proc._target = ChildMain(target, config)  # type: ignore[attr-defined]
+                    wrapped = True
+        try:
+            original_start(proc)
+        finally:
+            if wrapped:  # the child has its copy (forked, or pickled): the user's is restored
+                proc._target = target  # type: ignore[attr-defined]
 
     @functools.wraps(original_join)
     def join(proc: mp_process.BaseProcess, timeout: float | None = None) -> None:
@@ -105,3 +150,95 @@ def install(backend: ChildrenHost) -> None:
 
     mp_process.BaseProcess.start = start  # type: ignore[method-assign,assignment]
     mp_process.BaseProcess.join = join  # type: ignore[method-assign,assignment]
+
+
+class ChildMain:
+    """The target of a recorded child process: the user's target, run under a Session of
+    its own that writes to ``channel.child_frames_path`` (see the module docstring).
+
+    Picklable by reference (spawn): it holds only the user's target and a dict. nondet's
+    own failure to set up recording never stops the child: the target then runs as is."""
+
+    def __init__(self, target: Callable[..., Any], config: dict[str, Any]) -> None:
+        self.target = target
+        self.config = config
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from nondet import channel
+
+        session = _open_session(self.config)
+        if session is None:
+            return self.target(*args, **kwargs)
+        status, code, error = channel.COMPLETE, 0, ""
+        try:
+            return self.target(*args, **kwargs)
+        except StopRun:
+            status = channel.STOPPED
+            return None
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+            status = channel.COMPLETE if code == 0 else channel.FAILED
+            raise
+        except KeyboardInterrupt:
+            status, code = channel.INTERRUPTED, 130
+            raise
+        except BaseException:
+            error = traceback.format_exc()
+            status, code = channel.FAILED, 1
+            raise
+        finally:
+            _close_session(session, status, code, error)
+
+
+def _open_session(config: dict[str, Any]) -> Any:
+    """This child's Session with a torch backend installed, or None if that failed (told
+    to the parent in the frames file when it got that far)."""
+    import os
+
+    from nondet import channel
+    from nondet import session as session_module
+
+    session = None
+    try:
+        config = dict(config)
+        forked = config.pop(_FORKED, True)
+        child = session_module.ChildConfig(**config)
+        assert child.children_dir is not None
+        child.channel_fd = os.open(channel.child_frames_path(child.children_dir, child.label),
+                                   os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        session = session_module.Session(child)
+        session_module._CURRENT = session
+        from nondet.frameworks import base
+        from nondet.frameworks.torch.backend import TorchBackend
+
+        # The backend seeds torch for the run; a child keeps the generator state it was
+        # started with (inherited by a fork, torch's default in a spawned interpreter).
+        rng = torch.random.get_rng_state()
+        base.HOST_RNGS["python"] = False  # reseeded from entropy at every fork and spawn
+        base.HOST_RNGS["numpy"] = forked  # a spawned interpreter seeds it from entropy too
+        backend = TorchBackend(session)
+        torch.random.set_rng_state(rng)
+        session.backends.append(backend)
+        return session
+    except Exception:
+        if session is not None:
+            session.send_meta({"hook_error": traceback.format_exc()})
+            session.writer.flush()
+        session_module._CURRENT = None
+        return None
+
+
+def _close_session(session: Any, status: str, code: int, error: str) -> None:
+    """End the child's session: each backend's end state, then END. Never raises."""
+    from nondet import session as session_module
+
+    for backend in session.backends:
+        try:
+            status = backend.finish(status)
+        except Exception:
+            session.send_meta({"hook_error": traceback.format_exc()})
+    try:
+        session.finish(status, code, error)
+    except Exception:
+        pass  # the file is gone: the parent sees a child without END (crashed)
+    session_module._CURRENT = None

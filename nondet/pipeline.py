@@ -144,6 +144,10 @@ def default_schedule() -> str:
 
 def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report:
     """``nondet run``: the whole pipeline (module docstring)."""
+    if target.launcher is not None:  # a torchrun job: one capture per rank (nondet.jobs)
+        from nondet import jobs
+
+        return jobs.diagnose(target, options, progress)
     prepare(target, options)
     progress.stage(f"runs a and b of {target.describe()}, seed {options.seed}, "
                    f"compared step by step ({options.schedule})")

@@ -53,6 +53,7 @@ class ChildConfig:
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
     lockstep: bool = False  # wait for the parent's go after every step (see schedule.Lockstep)
     keep_bytes: int = 0  # lockstep: keep op outputs of op-captured steps up to this many bytes
+    socket: str | None = None  # distributed job: each rank connects here (channel.connect)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

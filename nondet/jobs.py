@@ -89,7 +89,9 @@ def compare_captures_of_rank(a: Capture, b: Capture, rank: int) -> Comparison:
     found = compare_pair(a, b)
     if found.first_divergence is None:
         return found
-    return replace(found, first_divergence=replace(found.first_divergence, rank=rank))
+    world = int(a.attrs.get("world_size", 1))
+    return replace(found, first_divergence=replace(found.first_divergence, rank=rank,
+                                                   world_size=world))
 
 
 def _order(rank: int, div: Divergence | None) -> tuple[int, int, int, int]:

@@ -58,6 +58,7 @@ class Divergence:
     module: str | None = None
     source: str | None = None
     rank: int = 0
+    world_size: int = 1  # > 1: a distributed job (nondet.jobs); rank says where
     mismatched_elements: int | None = None
     numel: int | None = None
     max_abs_diff: float | None = None
@@ -81,7 +82,8 @@ class Divergence:
             "kind": self.kind, "step": self.step, "phase": self.phase, "op": self.op,
             "node": self.node, "op_index": self.op_index, "module": self.module,
             "source": self.source,
-            "rank": self.rank, "mismatched_elements": self.mismatched_elements,
+            "rank": self.rank, "world_size": self.world_size,
+            "mismatched_elements": self.mismatched_elements,
             "numel": self.numel, "max_abs_diff": _finite(self.max_abs_diff),
             "localized": self.localized, "explained": self.explained,
             "entry_kind": self.entry_kind, "device": self.device, "op_b": self.op_b,

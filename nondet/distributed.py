@@ -385,9 +385,10 @@ def check_job(job: JobResult) -> JobResult:
             f"for too long after {steps} step(s) (a rank hangs, or waits in a collective for "
             f"one that does); the job was ended. Its output is in {job.log_path}",
             details=_tail(job.log_path))
+    # The rank that ended first: the others fail after it (a collective with a dead peer
+    # raises) or are ended by torchrun.
     failed = [by_rank[r] for r in job.ended_first
-              if by_rank[r].status == channel.FAILED] or \
-             [by_rank[r] for r in job.ended_first if by_rank[r].status == channel.CRASHED]
+              if by_rank[r].status in (channel.FAILED, channel.CRASHED)]
     if failed:
         first = failed[0]
         rank = first.label.rsplit("rank", 1)[1]

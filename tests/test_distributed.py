@@ -71,7 +71,7 @@ def _rank(label: str, rank: int, status: str, code: int = 0, error: str = "") ->
                      error=error)
 
 
-def test_the_failed_rank_is_named_not_the_ones_torchrun_ended_after_it() -> None:
+def test_the_rank_that_failed_first_is_named_not_the_ones_failing_after_it() -> None:
     job = distributed.JobResult(
         label="b", agent_exit_code=1, log_path=Path("run-b.log"), world_size=2,
         ranks=[_rank("b", 0, channel.CRASHED, -1), _rank("b", 1, channel.FAILED, 1,
@@ -86,6 +86,10 @@ def test_a_killed_rank_is_the_one_that_ended_first() -> None:
         label="a", agent_exit_code=1, log_path=Path("run-a.log"), world_size=2,
         ranks=[_rank("a", 0, channel.CRASHED, -1), _rank("a", 1, channel.CRASHED, -1)],
         ended_first=[1, 0])
+    with pytest.raises(ScriptFailed, match="run a, rank 1 .*killed by a signal"):
+        distributed.check_job(job)
+    # its peer then fails in the all-reduce (gloo: connection closed): still rank 1
+    job.ranks[0] = _rank("a", 0, channel.FAILED, 1, "RuntimeError: Connection closed by peer")
     with pytest.raises(ScriptFailed, match="run a, rank 1 .*killed by a signal"):
         distributed.check_job(job)
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from nondet import channel
-from nondet.errors import NondetError, ScriptFailed
+from nondet.errors import NondetError
 from nondet.launch import Plan, RunResult, Target, capture_attrs, child_config, child_env
 from nondet.store import CaptureWriter
 from nondet.stream import RunStream
@@ -363,60 +363,3 @@ def _group_alive(pgid: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
-
-
-# -- checking a job -----------------------------------------------------------------------------
-def check_job(job: JobResult) -> JobResult:
-    """The job if every rank ended well, else the error naming the run and the rank."""
-    for result in job.ranks:
-        if result.write_error:
-            raise NondetError(result.write_error + "; the runs were stopped")
-    from nondet.schedule import InternalChildError
-
-    for result in job.ranks:
-        if result.hook_error:
-            raise InternalChildError(result.hook_error)
-    by_rank = {int(r.label.rsplit("rank", 1)[1]): r for r in job.ranks}
-    if job.hung:
-        names = ", ".join(str(r) for r in job.hung)
-        steps = min((by_rank[r].steps for r in job.hung if r in by_rank), default=0)
-        raise ScriptFailed(
-            f"run {job.label}: rank{'s' if len(job.hung) > 1 else ''} {names} sent nothing "
-            f"for too long after {steps} step(s) (a rank hangs, or waits in a collective for "
-            f"one that does); the job was ended. Its output is in {job.log_path}",
-            details=_tail(job.log_path))
-    # The rank that ended first: the others fail after it (a collective with a dead peer
-    # raises) or are ended by torchrun.
-    failed = [by_rank[r] for r in job.ended_first
-              if by_rank[r].status in (channel.FAILED, channel.CRASHED)]
-    if failed:
-        first = failed[0]
-        rank = first.label.rsplit("rank", 1)[1]
-        how = (f"exit code {first.exit_code}" if first.status == channel.FAILED
-               else "it ended without a word: killed by a signal?")
-        last = _last_line(first.error)
-        raise ScriptFailed(f"the script failed in run {job.label}, rank {rank} ({how})"
-                           + (f": {last}" if last else "")
-                           + f"; the job's output is in {job.log_path}",
-                           details=first.error or _tail(job.log_path))
-    if job.world_size and len(job.ranks) < job.world_size:
-        raise ScriptFailed(f"run {job.label}: only {len(job.ranks)} of {job.world_size} ranks "
-                           f"reached nondet (the others may run on another node); the job's "
-                           f"output is in {job.log_path}")
-    if not job.ranks:
-        raise ScriptFailed(f"run {job.label}: torchrun exited with code {job.agent_exit_code} "
-                           f"before any rank started; its output is in {job.log_path}",
-                           details=_tail(job.log_path))
-    return job
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").rstrip().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""

@@ -78,7 +78,7 @@ def test_the_rank_that_failed_first_is_named_not_the_ones_failing_after_it() -> 
                                                           "RuntimeError: boom")],
         ended_first=[1, 0])
     with pytest.raises(ScriptFailed, match=r"run b, rank 1 \(exit code 1\): RuntimeError"):
-        distributed.check_job(job)
+        jobs.check_job(job)
 
 
 def test_a_killed_rank_is_the_one_that_ended_first() -> None:
@@ -86,12 +86,12 @@ def test_a_killed_rank_is_the_one_that_ended_first() -> None:
         label="a", agent_exit_code=1, log_path=Path("run-a.log"), world_size=2,
         ranks=[_rank("a", 0, channel.CRASHED, -1), _rank("a", 1, channel.CRASHED, -1)],
         ended_first=[1, 0])
-    with pytest.raises(ScriptFailed, match="run a, rank 1 .*killed by a signal"):
-        distributed.check_job(job)
+    with pytest.raises(ScriptFailed, match=r"run a, rank 1 .*killed by a signal"):
+        jobs.check_job(job)
     # its peer then fails in the all-reduce (gloo: connection closed): still rank 1
     job.ranks[0] = _rank("a", 0, channel.FAILED, 1, "RuntimeError: Connection closed by peer")
-    with pytest.raises(ScriptFailed, match="run a, rank 1 .*killed by a signal"):
-        distributed.check_job(job)
+    with pytest.raises(ScriptFailed, match=r"run a, rank 1 .*killed by a signal"):
+        jobs.check_job(job)
 
 
 def test_an_op_that_made_the_difference_outranks_a_collective_on_another_rank() -> None:

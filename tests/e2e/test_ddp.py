@@ -14,7 +14,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from nondet import distributed
+from nondet import distributed, jobs
 from nondet.errors import ScriptFailed
 from nondet.launch import Plan, Target
 from nondet.store import open_capture
@@ -99,7 +99,7 @@ def test_a_hanging_rank_ends_the_job_in_bounded_time_and_leaves_nothing(
     result = job.run()
     elapsed = time.monotonic() - started
     with pytest.raises(ScriptFailed, match=r"run b: ranks? .*1.* sent nothing"):
-        distributed.check_job(result)
+        jobs.check_job(result)
     assert elapsed < 90, elapsed  # start-up + 5 s of silence + the ending, never gloo's 30 min
     assert result.hung and 1 in result.hung
     assert _processes_mentioning(str(tmp_path)) == []

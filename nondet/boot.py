@@ -14,7 +14,7 @@ import signal
 import sys
 import traceback
 
-from nondet import clock, environment, frameworks, interventions, pyhooks
+from nondet import channel, clock, environment, frameworks, interventions, pyhooks
 from nondet import session as session_module
 from nondet.frameworks.base import StopRun
 from nondet.session import ChildConfig, Session
@@ -35,6 +35,9 @@ def main() -> int:
         # Started from a background job (shells ignore SIGINT there): nondet forwards
         # SIGINT to end a run cleanly (on SIGTERM), so it must raise KeyboardInterrupt here.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if config.socket:
+        # A rank of a torchrun job: no inherited pipes, dial the parent (nondet.distributed).
+        config.channel_fd, config.control_fd = channel.connect(config.socket, _rank_hello())
     session = Session(config)
     session_module._CURRENT = session
     os.register_at_fork(after_in_child=_forget_session)
@@ -81,6 +84,17 @@ def main() -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     return code
+
+
+def _rank_hello() -> dict[str, int]:
+    """Who this rank is, from the variables torchrun sets for each worker."""
+    def number(name: str, default: int) -> int:
+        try:
+            return int(os.environ.get(name, default))
+        except ValueError:
+            return default
+    return {"rank": number("RANK", 0), "world_size": number("WORLD_SIZE", 1),
+            "local_rank": number("LOCAL_RANK", 0), "pid": os.getpid()}
 
 
 def _forget_session() -> None:

@@ -30,8 +30,11 @@ OPS = b"O"  # OP_DTYPE rows of one step
 FACTS = b"F"  # JSON: facts the recipe matcher uses (loader settings, unseeded RNGs, ...)
 DUMP = b"D"  # JSON header line, then raw array bytes
 END = b"E"  # JSON: {"status": complete|stopped|failed|interrupted, ...}
+#: JSON {"rank", "world_size", "local_rank", "pid"}: the first frame of a rank of a
+#: distributed job, which reaches the parent over a Unix socket (``connect``), not a pipe
+HELLO = b"H"
 
-KINDS = (META, STRINGS, STEP, TENSORS, OPS, FACTS, DUMP, END)
+KINDS = (META, STRINGS, STEP, TENSORS, OPS, FACTS, DUMP, END, HELLO)
 
 # -- META keys (one message may carry several) ---------------------------------------------------
 META_ENV = "env"  # dict: environment entries (versions, devices, variables)
@@ -119,6 +122,23 @@ class FrameParser:
             offset = end
         del buffer[:offset]
         return frames
+
+
+def connect(path: str, hello: dict[str, Any], timeout: float = 60.0) -> tuple[int, int]:
+    """Child side, a rank of a distributed job: connect to the parent's socket and say who
+    we are. Returns (data fd, control fd): one socket, two descriptors, because the frame
+    writer owns (and closes) its descriptor. torchrun does not pass inherited pipes on to
+    its workers, so each rank dials in instead (see nondet/distributed.py)."""
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    sock.connect(path)
+    sock.settimeout(None)
+    payload = json.dumps(hello).encode()
+    sock.sendall(_HEADER.pack(HELLO, len(payload)) + payload)
+    data_fd = sock.detach()
+    return data_fd, os.dup(data_fd)
 
 
 def stop_requested(fd: int) -> bool:

@@ -40,6 +40,9 @@ class Target:
     script: str | None
     module: str | None
     args: tuple[str, ...] = ()
+    #: torchrun's own options (``--nproc-per-node 2 ...``) for a distributed job, else None:
+    #: the job is launched by ``nondet.distributed``, one capture per rank
+    launcher: tuple[str, ...] | None = None
 
     def check(self) -> None:
         if self.script is not None:
@@ -55,6 +58,8 @@ class Target:
         return [*head, *self.args]
 
     def describe(self) -> str:
+        if self.launcher is not None:
+            return shlex.join(["torchrun", *self.launcher, *self.command])
         return shlex.join(self.command)
 
 
@@ -96,6 +101,46 @@ class RunResult:
 
 
 
+def child_config(target: Target, plan: Plan, seed: int) -> ChildConfig:
+    """What a recorded run is told (its descriptors are filled in when it starts)."""
+    return ChildConfig(
+        label=plan.label, seed=seed, channel_fd=-1, control_fd=-1,
+        script=os.path.abspath(target.script) if target.script else None,
+        module=target.module, args=list(target.args),
+        op_steps=plan.op_steps, stop_after=plan.stop_after, dump=plan.dump,
+        lockstep=plan.lockstep, keep_bytes=plan.keep_bytes,
+    )
+
+
+def child_env(config: ChildConfig, extra_env: dict[str, str]) -> dict[str, str]:
+    """A recorded run's environment: ours, the interventions, its config, a fixed
+    PYTHONHASHSEED (unless the user set one) and nondet importable."""
+    env = {**os.environ, **extra_env}
+    env[CONFIG_ENV] = config.to_env()
+    env.setdefault("PYTHONHASHSEED", str(config.seed % 2**32))
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def capture_attrs(target: Target, plan: Plan, seed: int, rank: int = 0,
+                  world_size: int = 1) -> dict[str, Any]:
+    """The root attributes of a run's capture (a rank's, in a distributed job)."""
+    return {
+        "label": plan.label,
+        "command": target.command,
+        "script": target.script or "",
+        "module": target.module or "",
+        "script_sha256": environment.script_digest(target.script) if target.script else "",
+        "seed": seed,
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cwd": os.getcwd(),
+        "rank": rank,
+        "world_size": world_size,
+        "op_steps": "all" if plan.op_steps is None else plan.op_steps,
+    }
+
+
 class CapturedRun(RunStream):
     """One child process, and the threads that store its stream (``RunStream``) and its
     output."""
@@ -125,14 +170,8 @@ class CapturedRun(RunStream):
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        config = ChildConfig(
-            label=self.plan.label, seed=self.seed, channel_fd=-1, control_fd=-1,
-            script=os.path.abspath(self.target.script) if self.target.script else None,
-            module=self.target.module, args=list(self.target.args),
-            op_steps=self.plan.op_steps, stop_after=self.plan.stop_after, dump=self.plan.dump,
-            lockstep=self.plan.lockstep, keep_bytes=self.plan.keep_bytes,
-            children_dir=str(self.path.parent),
-        )
+        config = child_config(self.target, self.plan, self.seed)
+        config.children_dir = str(self.path.parent)
         try:
             ensure_space(self.path, 0)
             self.writer = self._open_writer()
@@ -143,11 +182,7 @@ class CapturedRun(RunStream):
         data_r, data_w = os.pipe()
         ctrl_r, ctrl_w = os.pipe()
         config.channel_fd, config.control_fd = data_w, ctrl_r
-        env = {**os.environ, **self.extra_env}
-        env[CONFIG_ENV] = config.to_env()
-        env.setdefault("PYTHONHASHSEED", str(self.seed % 2**32))
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
+        env = child_env(config, self.extra_env)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "nondet.boot"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -164,20 +199,7 @@ class CapturedRun(RunStream):
             thread.start()
 
     def _open_writer(self) -> CaptureWriter:
-        return CaptureWriter(self.path, {
-            "label": self.plan.label,
-            "command": self.target.command,
-            "script": self.target.script or "",
-            "module": self.target.module or "",
-            "script_sha256": environment.script_digest(self.target.script)
-            if self.target.script else "",
-            "seed": self.seed,
-            "started": datetime.now(UTC).isoformat(timespec="seconds"),
-            "cwd": os.getcwd(),
-            "rank": 0,
-            "world_size": 1,
-            "op_steps": "all" if self.plan.op_steps is None else self.plan.op_steps,
-        })
+        return CaptureWriter(self.path, capture_attrs(self.target, self.plan, self.seed))
 
     def request_stop(self) -> None:
         """Ask the child to stop at its next step boundary (idempotent)."""

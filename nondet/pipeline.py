@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import baseline, compare, environment, interventions, outdir, schedule, verify
+from nondet import baseline, compare, environment, interventions, jobs, outdir, schedule, verify
 from nondet.analysis import (
     GROWTH_STEPS,
     Comparison,
@@ -144,6 +144,8 @@ def default_schedule() -> str:
 
 def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report:
     """``nondet run``: the whole pipeline (module docstring)."""
+    if target.launcher is not None:  # a torchrun job: one capture per rank (nondet.jobs)
+        return jobs.diagnose(target, options, progress)
     prepare(target, options)
     progress.stage(f"runs a and b of {target.describe()}, seed {options.seed}, "
                    f"compared step by step ({options.schedule})")
@@ -254,6 +256,8 @@ def _run_single(target: Target, plan: Plan, options: Options,
 def prepare(target: Target, options: Options) -> None:
     """Check the target and give this invocation a directory of its own under --out (the
     CLI makes it first; see nondet.outdir). Nothing already in --out is deleted."""
+    if target.launcher is not None:
+        raise NondetError(jobs.UNSUPPORTED)
     target.check()
     if not outdir.is_own(options.out_dir):
         options.out_dir = outdir.start(options.out_dir).path

@@ -55,6 +55,7 @@ class ChildConfig:
     lockstep: bool = False  # wait for the parent's go after every step (see schedule.Lockstep)
     keep_bytes: int = 0  # lockstep: keep op outputs of op-captured steps up to this many bytes
     children_dir: str | None = None  # where recorded child processes write their frames
+    socket: str | None = None  # distributed job: each rank connects here (channel.connect)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,11 +71,21 @@ def target_options(command: F) -> F:
                      callback=_known_fixes,
                      help="Run both runs with this fix applied from outside the script "
                           "(repeatable); `nondet fixes` lists them."),
+        click.option("--nproc-per-node", type=click.IntRange(min=1), metavar="N",
+                     expose_value=False, callback=_remember_nproc,
+                     help="Run SCRIPT as a single-node torchrun job of N processes (the "
+                          "same as `torchrun --nproc-per-node N SCRIPT`); or write your own "
+                          "launch line after the options: `torchrun [TORCHRUN_ARGS] SCRIPT`."),
         click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED,
                        metavar="SCRIPT [ARGS]..."),
     ]):
         command = option(command)
     return command
+
+
+def _remember_nproc(ctx: click.Context, _param: click.Parameter,
+                    value: int | None) -> None:
+    ctx.meta["nondet.nproc_per_node"] = value  # read by make_target (run and check alike)
 
 
 def _known_fixes(_ctx: click.Context, _param: click.Parameter,
@@ -88,11 +99,17 @@ def _known_fixes(_ctx: click.Context, _param: click.Parameter,
     return value
 
 
-def make_target(module: str | None, script_and_args: tuple[str, ...]) -> Target:
+def make_target(module: str | None, script_and_args: tuple[str, ...],
+                launcher: tuple[str, ...] | None = None) -> Target:
     """The script (or module) and its arguments; unknown options and paths nondet cannot
     store are usage errors (exit 2), found before anything runs."""
+    from nondet import distributed
     from nondet.launch import Target
 
+    if distributed.is_launch_line(script_and_args, module):
+        target = distributed.parse_launch_line(script_and_args, module)
+        return make_target(target.module, (*([target.script] if target.script else []),
+                                           *target.args), launcher=target.launcher)
     _refuse_unknown_option(module, script_and_args)
     if module:
         target = Target(script=None, module=module, args=tuple(script_and_args))
@@ -107,6 +124,15 @@ def make_target(module: str | None, script_and_args: tuple[str, ...]) -> Target:
     for arg in target.args:
         require_utf8("an argument of the script", arg)
     target.check()
+    ctx = click.get_current_context(silent=True)
+    nproc = ctx.meta.get("nondet.nproc_per_node") if ctx is not None else None
+    if launcher is not None:
+        if nproc is not None:
+            raise click.UsageError("--nproc-per-node is for a bare SCRIPT; with a torchrun "
+                                   "launch line, give it to torchrun")
+        return replace(target, launcher=launcher)
+    if nproc is not None:
+        return distributed.shorthand(int(nproc), target)
     return target
 
 

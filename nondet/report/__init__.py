@@ -59,6 +59,7 @@ class Divergence:
     source: str | None = None
     rank: int = 0
     process: str | None = None  # "child#K": found in a child process the script started
+    world_size: int = 1  # > 1: a distributed job (nondet.jobs); rank says where
     mismatched_elements: int | None = None
     numel: int | None = None
     max_abs_diff: float | None = None
@@ -83,6 +84,7 @@ class Divergence:
             "node": self.node, "op_index": self.op_index, "module": self.module,
             "source": self.source,
             "rank": self.rank, "process": self.process,
+            "rank": self.rank, "world_size": self.world_size,
             "mismatched_elements": self.mismatched_elements,
             "numel": self.numel, "max_abs_diff": _finite(self.max_abs_diff),
             "localized": self.localized, "explained": self.explained,

@@ -84,7 +84,8 @@ def _verdict(report: Report) -> str:
     }.get(div.kind, "the runs differ")
     if not div.localized:
         what = f"runs diverge ({escape(div.phase)})"
-    return f"[bold red]nondet: nondeterministic[/] — {where}, {escape(div.phase)}: {what}"
+    rank = f", rank {div.rank}" if div.world_size > 1 else ""
+    return f"[bold red]nondet: nondeterministic[/] — {where}, {escape(div.phase)}{rank}: {what}"
 
 
 def _entry_label(div: Divergence) -> str:
@@ -129,6 +130,8 @@ def _finding(div: Divergence) -> list[str]:
                 _row("", "no op-level recording covers this step")]
     if div.process:
         out.append(_row("process", f"{escape(div.process)} (a process the script started)"))
+    if div.world_size > 1:
+        out.append(_row("rank", f"{div.rank} of {div.world_size}"))
     if div.module:
         out.append(_row("module", escape(div.module)))
     if div.source:

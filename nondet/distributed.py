@@ -1,0 +1,365 @@
+"""Distributed jobs: the torchrun launch line, and one job of N ranks recorded per run.
+
+``nondet run torchrun --nproc-per-node 2 train.py`` runs the user's own launch line twice,
+as two whole jobs one after the other (each with its own rendezvous: torchrun picks a free
+port for a single-node job unless the line names one). torchrun starts
+``python -m nondet.boot`` in place of the script (``--module nondet.boot``); the script,
+its arguments and the seed travel in the child config, as for one process.
+
+Why a socket: torchrun's agent does not pass inherited descriptors on to its workers, so
+the pipes of a single run cannot reach them. Each job gets a Unix socket in a private
+directory (``/tmp/nondet-XXXX/s``, short enough for ``sun_path``); each rank connects,
+says who it is (``channel.HELLO``: rank, world size, pid), and then speaks the same framed
+protocol as a single run, control words included, over that one connection. Its frames
+go to ``run-<label>/rank<R>.h5``. The single-process path is untouched.
+
+Never hanging, never leaving processes behind: torchrun runs in a session of its own and
+starts each worker in another one (``start_new_session``), so every worker's process group
+is ended by pid once the job is over (SIGTERM, then SIGKILL), after checking it still is
+one of this job's workers. A job in which no rank has sent anything for ``stall_after``
+seconds is ended (a rank hangs, or waits in a collective for one that does), and so is a
+job whose agent has exited while ranks stay silent.
+
+``OMP_NUM_THREADS`` is passed through as the user set it. When it is unset torchrun sets 1
+in every worker of a job with more than one process per node (its own behaviour, the same
+under nondet as without it); the value each rank saw is recorded in its capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nondet import channel
+from nondet.errors import NondetError
+from nondet.launch import Plan, RunResult, Target, capture_attrs, child_config, child_env
+from nondet.store import CaptureWriter
+from nondet.stream import RunStream
+
+#: The words that start a torchrun launch line (after nondet's options).
+_TORCHRUN = ("torchrun",)
+_RUN_MODULE = "torch.distributed.run"
+#: Ranks are ended this long after their agent has exited (they should have ended with it).
+AGENT_EXIT_GRACE = 10.0
+#: A worker asked to end by signal has this long before SIGKILL.
+KILL_GRACE = 5.0
+
+
+# -- the launch line --------------------------------------------------------------------------
+def is_launch_line(words: tuple[str, ...], module: str | None) -> bool:
+    """Does SCRIPT [ARGS] (or ``-m MODULE``) start a torchrun launch line?"""
+    if module == _RUN_MODULE:
+        return True
+    if not words:
+        return False
+    head = os.path.basename(words[0])
+    if head in _TORCHRUN and not os.path.isfile(words[0]):
+        return True
+    return (head.startswith("python") and len(words) >= 3 and words[1] == "-m"
+            and words[2] == _RUN_MODULE)
+
+
+def parse_launch_line(words: tuple[str, ...], module: str | None) -> Target:
+    """The target of ``torchrun [TORCHRUN_ARGS] SCRIPT [ARGS]`` (or ``python -m
+    torch.distributed.run ...``, or nondet's ``-m torch.distributed.run ...``): torchrun's
+    own options are kept as written, parsed by torchrun's parser to find the script."""
+    if module == _RUN_MODULE:
+        rest = list(words)
+    elif os.path.basename(words[0]) in _TORCHRUN:
+        rest = list(words[1:])
+    else:
+        rest = list(words[3:])
+    parsed = _torchrun_parse(rest)
+    script = str(parsed.training_script)
+    script_args = tuple(str(a) for a in parsed.training_script_args)
+    options = rest[: len(rest) - len(script_args) - 1]
+    if parsed.no_python:
+        raise NondetError("nondet records Python scripts: drop torchrun's --no-python")
+    as_module = bool(parsed.module)
+    options = [o for o in options if o not in ("-m", "--module")]
+    if parsed.run_path:
+        options = [o for o in options if o != "--run-path" and o != "--run_path"]
+    return Target(script=None if as_module else script, module=script if as_module else None,
+                  args=script_args, launcher=tuple(options))
+
+
+def shorthand(nproc_per_node: int, target: Target) -> Target:
+    """``--nproc-per-node N SCRIPT``: a single-node torchrun job."""
+    return Target(script=target.script, module=target.module, args=target.args,
+                  launcher=("--nproc-per-node", str(nproc_per_node)))
+
+
+def _torchrun_parse(words: list[str]) -> Any:
+    try:
+        from torch.distributed.run import get_args_parser
+    except ImportError:
+        raise NondetError("a torchrun launch line needs torch: pip install torch") from None
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(errors):
+            return get_args_parser().parse_args(words)
+    except SystemExit:
+        lines = [line for line in errors.getvalue().splitlines() if line.strip()]
+        why = lines[-1].split("error: ", 1)[-1] if lines else "cannot be parsed"
+        raise NondetError(f"the torchrun launch line: {why} (write it as "
+                          "`nondet run torchrun [TORCHRUN_ARGS] SCRIPT [ARGS]`)") from None
+
+
+# -- one rank ---------------------------------------------------------------------------------
+class RankStream(RunStream):
+    """One rank's connection: its frames into ``rank<R>.h5``, control words back."""
+
+    def __init__(self, path: Path, conn: socket.socket, hello: dict[str, int]) -> None:
+        super().__init__(path)
+        self.conn = conn
+        self.rank = int(hello["rank"])
+        self.world_size = int(hello["world_size"])
+        self.pid = int(hello["pid"])
+        self.last_frame = time.monotonic()
+        self.ended_at: float | None = None
+        self._send_lock = threading.Lock()
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+
+    def request_stop(self) -> None:
+        self.send_control(channel.STOP)
+
+    def send_control(self, message: bytes) -> None:
+        with self._send_lock:
+            try:
+                self.conn.sendall(message)
+            except OSError:
+                pass  # the rank is gone
+
+    def _pump(self) -> None:
+        parser = channel.FrameParser()
+        try:
+            while True:
+                try:
+                    data = self.conn.recv(1 << 16)
+                except OSError:
+                    break
+                if not data:
+                    break
+                self.last_frame = time.monotonic()
+                for kind, payload in parser.feed(data):
+                    self._handle(kind, payload)
+        finally:
+            self.ended_at = time.monotonic()
+            self._ended()
+
+    def result(self, label: str, log_path: Path, hung: bool) -> RunResult:
+        """How this rank ended; its capture is closed with that status."""
+        end = self.end
+        if self.write_error:
+            status = channel.WRITE_FAILED
+        elif end is not None:
+            status = end.status
+        else:
+            status = channel.INTERRUPTED if hung else channel.CRASHED
+        code = end.exit_code if end is not None else -1
+        self._close_writer(status, code)
+        return RunResult(label=f"{label}/rank{self.rank}", path=self.path, log_path=log_path,
+                         status=status, exit_code=code,
+                         steps=sum(1 for r in self.steps if int(r["step"]) >= 0),
+                         error=end.error if end else "", hook_error=self.hook_error,
+                         final=dict(end.final) if end else {}, write_error=self.write_error)
+
+
+# -- one job ----------------------------------------------------------------------------------
+@dataclass
+class JobResult:
+    """A run of a distributed job: each rank's result (by rank) and how the job ended."""
+
+    label: str
+    ranks: list[RunResult]
+    agent_exit_code: int
+    log_path: Path
+    hung: list[int] = field(default_factory=list)  # ranks silent when the job was ended
+    ended_first: list[int] = field(default_factory=list)  # ranks in the order they ended
+    world_size: int = 0
+
+
+class Job:
+    """One run (``plan.label``) of the job: torchrun and its ranks, until all have ended."""
+
+    def __init__(self, target: Target, plan: Plan, seed: int, out_dir: Path,
+                 extra_env: dict[str, str] | None = None, echo: bool = False,
+                 stall_after: float = 120.0, poll: float = 0.2) -> None:
+        assert target.launcher is not None
+        self.target, self.plan, self.seed = target, plan, seed
+        self.dir = out_dir / f"run-{plan.label}"
+        self.log_path = out_dir / f"run-{plan.label}.log"
+        self.extra_env = extra_env or {}
+        self.echo = echo
+        self.stall_after = stall_after
+        self.poll = poll
+        self.ranks: dict[int, RankStream] = {}
+        self._agent: subprocess.Popen[bytes] | None = None
+        self._sock_dir = ""
+
+    def run(self) -> JobResult:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._sock_dir = tempfile.mkdtemp(prefix="nondet-")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        hung: list[int] = []
+        code = -1
+        try:
+            path = os.path.join(self._sock_dir, "s")
+            listener.bind(path)
+            listener.listen(64)
+            listener.settimeout(self.poll)
+            self._start_agent(path)
+            code, hung = self._serve(listener)
+        finally:
+            listener.close()
+            self._end_everything()
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+        streams = [self.ranks[r] for r in sorted(self.ranks)]
+        order = sorted(streams, key=lambda s: s.ended_at or float("inf"))
+        return JobResult(
+            label=self.plan.label,
+            ranks=[s.result(self.plan.label, self.log_path, s.rank in hung) for s in streams],
+            agent_exit_code=code, log_path=self.log_path, hung=hung,
+            ended_first=[s.rank for s in order],
+            world_size=max((s.world_size for s in streams), default=0))
+
+    def _start_agent(self, sock_path: str) -> None:
+        config = child_config(self.target, self.plan, self.seed)
+        config.socket = sock_path
+        env = child_env(config, self.extra_env)
+        command = [sys.executable, "-m", _RUN_MODULE, *(self.target.launcher or ()),
+                   "--module", "nondet.boot"]
+        with open(self.log_path, "wb") as log:
+            self._agent = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                                           stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+
+    def _serve(self, listener: socket.socket) -> tuple[int, list[int]]:
+        """Accept ranks and watch the job until the agent and every rank have ended, or it
+        must be ended: (agent exit code, the ranks that were silent when it was)."""
+        assert self._agent is not None
+        last_activity = time.monotonic()
+        agent_done_at: float | None = None
+        while True:
+            with contextlib.suppress(TimeoutError, socket.timeout):
+                conn, _ = listener.accept()
+                self._welcome(conn)
+                last_activity = time.monotonic()
+            now = time.monotonic()
+            live = [s for s in self.ranks.values() if s.ended_at is None]
+            last_activity = max([last_activity, *(s.last_frame for s in self.ranks.values())])
+            code = self._agent.poll()
+            if code is not None:
+                if not live:
+                    return code, []
+                agent_done_at = agent_done_at or now
+                if now - agent_done_at > AGENT_EXIT_GRACE:
+                    return code, sorted(s.rank for s in live)
+            elif now - last_activity > self.stall_after:
+                return -1, self._behind(live)
+
+    def _welcome(self, conn: socket.socket) -> None:
+        conn.settimeout(30.0)  # a rank says who it is at once, or is dropped
+        try:
+            hello = _read_hello(conn)
+        except (OSError, ValueError, KeyError):
+            conn.close()
+            return
+        conn.settimeout(None)
+        rank = int(hello["rank"])
+        stream = RankStream(self.dir / f"rank{rank}.h5", conn, hello)
+        stream.writer = CaptureWriter(stream.path, capture_attrs(
+            self.target, self.plan, self.seed, rank=rank, world_size=stream.world_size))
+        self.ranks[rank] = stream
+        stream.thread.start()
+
+    @staticmethod
+    def _behind(live: list[RankStream]) -> list[int]:
+        """The silent ranks that got least far (a hung rank and those waiting for it
+        may all stop at the same step: then all are named)."""
+        if not live:
+            return []
+        least = min(len(s.steps) for s in live)
+        return sorted(s.rank for s in live if len(s.steps) == least)
+
+    def _end_everything(self) -> None:
+        """End the agent's session and every worker's process group still alive."""
+        groups = [p for p in (self._agent.pid if self._agent else None,) if p]
+        groups += [s.pid for s in self.ranks.values() if self._is_our_worker(s.pid)]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [g for g in groups if _signal_group(g, sig)]
+            deadline = time.monotonic() + KILL_GRACE
+            while alive and time.monotonic() < deadline:
+                if self._agent is not None:
+                    self._agent.poll()  # reap it, else its group looks alive
+                alive = [g for g in alive if _group_alive(g)]
+                time.sleep(0.1)
+            if not alive:
+                break
+        if self._agent is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._agent.wait(timeout=KILL_GRACE)
+        for stream in self.ranks.values():
+            stream.thread.join(timeout=KILL_GRACE)
+            with contextlib.suppress(OSError):
+                stream.conn.close()
+
+    def _is_our_worker(self, pid: int) -> bool:
+        """Only a process whose environment names this job's socket is signalled (a pid
+        may have been reused by an unrelated process)."""
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            return False
+        return self._sock_dir.encode() in environ
+
+
+def _read_hello(conn: socket.socket) -> dict[str, int]:
+    """The HELLO frame, read to its last byte and no further (frames follow at once)."""
+    header = _recv_exactly(conn, 5)
+    if header[:1] != channel.HELLO:
+        raise ValueError("not a hello")
+    length = int.from_bytes(header[1:], "little")
+    if length > 4096:
+        raise ValueError("hello too long")
+    hello = json.loads(_recv_exactly(conn, length))
+    return {k: int(hello[k]) for k in ("rank", "world_size", "local_rank", "pid")}
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ValueError("closed before saying hello")
+        data += chunk
+    return data
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False

@@ -1,0 +1,178 @@
+"""``nondet run`` on a distributed job: two whole jobs, compared rank by rank.
+
+Runs a and b are two torchrun jobs one after the other (``distributed.Job``): N ranks at
+once already share the machine's cores, and a job cannot be stopped part-way at the same
+step on every rank without the others blocking in a collective, so each job runs to its
+end (or to ``--max-steps``, which every rank reaches at the same step boundary).
+
+Rank i of run a is compared with rank i of run b by the single-process rules
+(``analysis.compare_pair``). The finding is the earliest one over the ranks; at the same
+step, an op that created a difference on its own rank (its inputs matched) wins over a
+collective whose output differs: a collective's inputs on one rank may match while another
+rank fed it the difference (DDP's gradient all-reduce carries rank 1's racing backward to
+rank 0). Ties go to the lower rank. The finding's ``rank`` says where it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nondet import channel, interventions, outdir
+from nondet.analysis import Comparison, compare_pair, with_notes, with_suggestions
+from nondet.distributed import Job, JobResult
+from nondet.errors import NondetError, ScriptFailed
+from nondet.launch import Plan, Target
+from nondet.recipe import Suggestion
+from nondet.records import INIT_STEP
+from nondet.report import Divergence, Report, RunSummary
+from nondet.schedule import InternalChildError
+from nondet.store import Capture, open_capture
+
+if TYPE_CHECKING:  # pipeline imports this module when a job is run
+    from nondet.pipeline import Options, ProgressSink
+
+UNSUPPORTED = ("--runs and --baseline are not available for torchrun jobs yet: run "
+               "`nondet run torchrun ...` (two runs, compared rank by rank)")
+#: Op names of collectives as the dispatcher sees them (c10d's ops).
+_COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.")
+
+
+def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
+    """``nondet run torchrun ...``: both jobs, then the per-rank comparison."""
+    target.check()
+    if not outdir.is_own(options.out_dir):
+        options.out_dir = outdir.start(options.out_dir).path
+    if options.apply or options.verify:
+        sink.stage("fixes are not verified for torchrun jobs yet: reporting the finding only")
+    op_steps = None if options.ops_all else [INIT_STEP, 0]
+    stop_after = options.max_steps - 1 if options.max_steps else None
+    jobs: list[JobResult] = []
+    for label in ("a", "b"):
+        sink.stage(f"run {label}: {target.describe()}, seed {options.seed}")
+        job = Job(target, Plan(label, op_steps, stop_after=stop_after), options.seed,
+                  options.out_dir, extra_env=interventions.environment(options.apply),
+                  echo=options.echo)
+        jobs.append(check_job(job.run()))
+    found, rank = compare_jobs(jobs[0], jobs[1])
+    suggestions: list[Suggestion] = []
+    if found.first_divergence is not None:
+        found, suggestions = with_suggestions(found, open_capture(_rank_path(jobs[0], rank)))
+    runs = [RunSummary(path=str(r.path), exit_code=r.exit_code, steps=r.steps,
+                       complete=r.complete, status=r.status, label=r.label,
+                       final_params_fp=r.final.get("final_params_fp"))
+            for job in jobs for r in job.ranks]
+    return found.report(runs=runs, captures=[s.path for s in runs], command=target.describe(),
+                        suggestions=suggestions)
+
+
+def compare_jobs(a: JobResult, b: JobResult) -> tuple[Comparison, int]:
+    """The comparison of the two jobs and the rank of its finding (module docstring)."""
+    ranks_a = {_rank_of(r.label): r.path for r in a.ranks}
+    ranks_b = {_rank_of(r.label): r.path for r in b.ranks}
+    if set(ranks_a) != set(ranks_b):
+        raise NondetError(f"the two runs had different ranks ({sorted(ranks_a)} and "
+                          f"{sorted(ranks_b)}): nothing to compare rank by rank")
+    per_rank = {r: compare_captures_of_rank(open_capture(ranks_a[r]), open_capture(ranks_b[r]),
+                                            r) for r in sorted(ranks_a)}
+    found = [(r, c) for r, c in per_rank.items() if c.first_divergence is not None]
+    if not found:
+        return per_rank[min(per_rank)], min(per_rank)
+    rank, chosen = min(found, key=lambda rc: _order(rc[0], rc[1].first_divergence))
+    div = chosen.first_divergence
+    assert div is not None
+    others = [f"rank {r}: {_describe(c.first_divergence)}" for r, c in found if r != rank]
+    if others:
+        div = with_notes(div, "the other ranks' first differences: " + "; ".join(others))
+    return replace(chosen, first_divergence=div), rank
+
+
+def compare_captures_of_rank(a: Capture, b: Capture, rank: int) -> Comparison:
+    found = compare_pair(a, b)
+    if found.first_divergence is None:
+        return found
+    world = int(a.attrs.get("world_size", 1))
+    return replace(found, first_divergence=replace(found.first_divergence, rank=rank,
+                                                   world_size=world))
+
+
+def _order(rank: int, div: Divergence | None) -> tuple[int, int, int, int]:
+    assert div is not None
+    step = INIT_STEP if div.step is None else div.step
+    carried = int(is_collective(div.op) or not div.explained)
+    return (step, carried, div.op_index if div.op_index is not None else 1 << 30, rank)
+
+
+def is_collective(op: str | None) -> bool:
+    return bool(op) and str(op).startswith(_COLLECTIVE_PREFIXES)
+
+
+def _describe(div: Divergence | None) -> str:
+    if div is None:
+        return "none"
+    step = "init" if div.step is None else f"step {div.step}"
+    return f"{step}, {div.phase}" + (f": {div.op}" if div.op else "")
+
+
+def _rank_of(label: str) -> int:
+    return int(label.rsplit("rank", 1)[1])
+
+
+def _rank_path(job: JobResult, rank: int) -> Path:
+    return next(r.path for r in job.ranks if _rank_of(r.label) == rank)
+
+
+# -- checking a job -----------------------------------------------------------------------------
+def check_job(job: JobResult) -> JobResult:
+    """The job if every rank ended well, else the error naming the run and the rank."""
+    for result in job.ranks:
+        if result.write_error:
+            raise NondetError(result.write_error + "; the runs were stopped")
+    for result in job.ranks:
+        if result.hook_error:
+            raise InternalChildError(result.hook_error)
+    by_rank = {int(r.label.rsplit("rank", 1)[1]): r for r in job.ranks}
+    if job.hung:
+        names = ", ".join(str(r) for r in job.hung)
+        steps = min((by_rank[r].steps for r in job.hung if r in by_rank), default=0)
+        raise ScriptFailed(
+            f"run {job.label}: rank{'s' if len(job.hung) > 1 else ''} {names} sent nothing "
+            f"for too long after {steps} step(s) (a rank hangs, or waits in a collective for "
+            f"one that does); the job was ended. Its output is in {job.log_path}",
+            details=_tail(job.log_path))
+    # The rank that ended first: the others fail after it (a collective with a dead peer
+    # raises) or are ended by torchrun.
+    failed = [by_rank[r] for r in job.ended_first
+              if by_rank[r].status in (channel.FAILED, channel.CRASHED)]
+    if failed:
+        first = failed[0]
+        rank = first.label.rsplit("rank", 1)[1]
+        how = (f"exit code {first.exit_code}" if first.status == channel.FAILED
+               else "it ended without a word: killed by a signal?")
+        last = _last_line(first.error)
+        raise ScriptFailed(f"the script failed in run {job.label}, rank {rank} ({how})"
+                           + (f": {last}" if last else "")
+                           + f"; the job's output is in {job.log_path}",
+                           details=first.error or _tail(job.log_path))
+    if job.world_size and len(job.ranks) < job.world_size:
+        raise ScriptFailed(f"run {job.label}: only {len(job.ranks)} of {job.world_size} ranks "
+                           f"reached nondet (the others may run on another node); the job's "
+                           f"output is in {job.log_path}")
+    if not job.ranks:
+        raise ScriptFailed(f"run {job.label}: torchrun exited with code {job.agent_exit_code} "
+                           f"before any rank started; its output is in {job.log_path}",
+                           details=_tail(job.log_path))
+    return job
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").rstrip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""

@@ -1,0 +1,106 @@
+"""torchrun jobs end to end (gloo, CPU, 2 ranks): each test launches two jobs of 2 ranks.
+
+Few and small: the DDP race found on the right rank, the control, one rank killed in run
+b only (exit 2 naming run and rank, no process left), and a hanging rank ended within a
+bounded time (through ``distributed.Job`` with a short stall bound)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from nondet import distributed, jobs
+from nondet.errors import ScriptFailed
+from nondet.launch import Plan, Target
+from nondet.store import open_capture
+from tests.conftest import REPO, run_cli
+from tests.e2e.fixture_cases import cases, check_finding
+
+pytestmark = pytest.mark.e2e
+
+FIXTURES = REPO / "fixtures" / "ddp"
+RACE = next(c for c in cases(FIXTURES) if c.script.name == "index_put_ddp.py" and not c.args)
+CONTROL = REPO / "fixtures" / "ddp" / "linear_ddp.py"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Our processes whose environment names ``text`` (the test's own tmp_path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if text.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_ddp_race_is_found_at_the_backward_op_of_rank_1(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "torchrun", "--nproc-per-node", "2",
+                     str(RACE.script.relative_to(REPO)), cwd=REPO)
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    found = check_finding(RACE, result, report)
+    assert found is not None and report is not None
+    assert found["rank"] == int(RACE.expected["rank"]) and found["world_size"] == 2
+    assert ", rank 1: aten.index_put.default" in result.stdout.splitlines()[0]
+    ranks = sorted(Path(r["path"]).relative_to(Path(r["path"]).parents[1]).as_posix()
+                   for r in report["runs"])
+    assert ranks == ["run-a/rank0.h5", "run-a/rank1.h5", "run-b/rank0.h5", "run-b/rank1.h5"]
+    for run in report["runs"]:
+        with h5py.File(run["path"], "r") as f:
+            assert int(f.attrs["world_size"]) == 2
+            assert int(f.attrs["rank"]) == int(run["path"][-4])
+
+
+def test_ddp_control_is_deterministic_and_keeps_the_users_omp_setting(
+        tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "--nproc-per-node", "2",
+                     str(CONTROL.relative_to(REPO)), cwd=REPO,
+                     env={"OMP_NUM_THREADS": "2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["verdict"] == "deterministic" and len(report["runs"]) == 4
+    for run in report["runs"]:
+        env = open_capture(Path(run["path"])).env
+        assert env.get("env.OMP_NUM_THREADS") == "2"  # torchrun would have set 1
+
+
+def test_a_rank_killed_in_run_b_is_exit_2_naming_run_and_rank(tmp_path: Path) -> None:
+    marker = tmp_path / "first-launch"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"),
+                     "--nproc-per-node", "2", str(CONTROL.relative_to(REPO)),
+                     "--fail-rank", "1", "--marker", str(marker), "--how", "kill", cwd=REPO)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "run b, rank 1" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert _processes_mentioning(str(tmp_path)) == []
+
+
+def test_a_hanging_rank_ends_the_job_in_bounded_time_and_leaves_nothing(
+        tmp_path: Path) -> None:
+    marker = tmp_path / "first-launch"
+    marker.write_text("the first launch was before this test\n")  # rank 1 hangs now
+    target = Target(script=str(CONTROL), module=None,
+                    args=("--fail-rank", "1", "--marker", str(marker), "--how", "hang"),
+                    launcher=("--nproc-per-node", "2"))
+    job = distributed.Job(target, Plan("b", []), 0, tmp_path, stall_after=5.0)
+    started = time.monotonic()
+    result = job.run()
+    elapsed = time.monotonic() - started
+    with pytest.raises(ScriptFailed, match=r"run b: ranks? .*1.* sent nothing"):
+        jobs.check_job(result)
+    assert elapsed < 90, elapsed  # start-up + 5 s of silence + the ending, never gloo's 30 min
+    assert result.hung and 1 in result.hung
+    assert _processes_mentioning(str(tmp_path)) == []
+    assert all(not job._is_our_worker(s.pid) for s in job.ranks.values())

@@ -1,0 +1,107 @@
+"""The torchrun launch line (nondet.distributed) and the rank-aware choice (nondet.jobs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nondet import channel, distributed, jobs
+from nondet.errors import NondetError, ScriptFailed
+from nondet.launch import RunResult
+from nondet.report import Divergence
+from tests.conftest import run_cli
+
+SCRIPT = "fixtures/ddp/linear_ddp.py"
+
+
+@pytest.mark.parametrize("words, module", [
+    (("torchrun", "--nproc-per-node", "2", SCRIPT, "--steps", "2"), None),
+    (("python", "-m", "torch.distributed.run", "--nproc-per-node", "2", SCRIPT, "--steps",
+      "2"), None),
+    (("--nproc-per-node", "2", SCRIPT, "--steps", "2"), "torch.distributed.run"),
+])
+def test_launch_line_forms_keep_torchrun_options_and_the_script_args(
+        words: tuple[str, ...], module: str | None) -> None:
+    assert distributed.is_launch_line(words, module)
+    target = distributed.parse_launch_line(words, module)
+    assert target.launcher == ("--nproc-per-node", "2")
+    assert target.script == SCRIPT and target.module is None
+    assert target.args == ("--steps", "2")  # the script's, even where torchrun has one too
+
+
+def test_a_module_launched_by_torchrun_stays_a_module() -> None:
+    target = distributed.parse_launch_line(
+        ("torchrun", "--standalone", "--nproc-per-node=2", "-m", "pkg.train", "--lr", "1"),
+        None)
+    assert target.module == "pkg.train" and target.script is None
+    assert target.launcher == ("--standalone", "--nproc-per-node=2")
+    assert target.args == ("--lr", "1")
+
+
+def test_a_script_that_is_not_a_launch_line() -> None:
+    assert not distributed.is_launch_line(("train.py", "torchrun"), None)
+    assert not distributed.is_launch_line(("python", "train.py"), None)
+    assert not distributed.is_launch_line((), "pkg.train")
+
+
+def test_no_python_is_refused_in_one_line() -> None:
+    with pytest.raises(NondetError, match="--no-python"):
+        distributed.parse_launch_line(("torchrun", "--no-python", "echo", "hi"), None)
+
+
+def test_a_torchrun_line_without_script_is_a_usage_error_not_a_traceback(
+        tmp_path: Path) -> None:
+    result = run_cli("run", "--out", str(tmp_path), "torchrun", "--nproc-per-node", "2")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "torchrun launch line" in result.stderr
+
+
+def test_nproc_per_node_with_a_launch_line_is_a_usage_error(tmp_path: Path) -> None:
+    result = run_cli("run", "--out", str(tmp_path), "--nproc-per-node", "2", "torchrun",
+                     "--nproc-per-node", "2", SCRIPT)
+    assert result.returncode == 2
+    assert "give it to torchrun" in result.stderr
+
+
+def _rank(label: str, rank: int, status: str, code: int = 0, error: str = "") -> RunResult:
+    return RunResult(label=f"{label}/rank{rank}", path=Path(f"rank{rank}.h5"),
+                     log_path=Path("job.log"), status=status, exit_code=code, steps=1,
+                     error=error)
+
+
+def test_the_rank_that_failed_first_is_named_not_the_ones_failing_after_it() -> None:
+    job = distributed.JobResult(
+        label="b", agent_exit_code=1, log_path=Path("run-b.log"), world_size=2,
+        ranks=[_rank("b", 0, channel.CRASHED, -1), _rank("b", 1, channel.FAILED, 1,
+                                                          "RuntimeError: boom")],
+        ended_first=[1, 0])
+    with pytest.raises(ScriptFailed, match=r"run b, rank 1 \(exit code 1\): RuntimeError"):
+        jobs.check_job(job)
+
+
+def test_a_killed_rank_is_the_one_that_ended_first() -> None:
+    job = distributed.JobResult(
+        label="a", agent_exit_code=1, log_path=Path("run-a.log"), world_size=2,
+        ranks=[_rank("a", 0, channel.CRASHED, -1), _rank("a", 1, channel.CRASHED, -1)],
+        ended_first=[1, 0])
+    with pytest.raises(ScriptFailed, match=r"run a, rank 1 .*killed by a signal"):
+        jobs.check_job(job)
+    # its peer then fails in the all-reduce (gloo: connection closed): still rank 1
+    job.ranks[0] = _rank("a", 0, channel.FAILED, 1, "RuntimeError: Connection closed by peer")
+    with pytest.raises(ScriptFailed, match=r"run a, rank 1 .*killed by a signal"):
+        jobs.check_job(job)
+
+
+def test_an_op_that_made_the_difference_outranks_a_collective_on_another_rank() -> None:
+    # DDP: rank 0's all-reduce output differs while its own inputs matched, because rank
+    # 1's backward fed it the difference; the op on rank 1 is the finding.
+    carried = Divergence(kind="op", step=0, phase="backward", op="c10d.allreduce_.default",
+                         op_index=5)
+    made = Divergence(kind="op", step=0, phase="backward", op="aten.index_put.default",
+                      op_index=16)
+    assert jobs._order(1, made) < jobs._order(0, carried)
+    later = Divergence(kind="op", step=1, phase="backward", op="aten.index_put.default",
+                       op_index=1)
+    assert jobs._order(0, carried) < jobs._order(1, later)  # an earlier step still wins

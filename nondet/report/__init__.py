@@ -84,7 +84,7 @@ class Divergence:
             "node": self.node, "op_index": self.op_index, "module": self.module,
             "source": self.source,
             "rank": self.rank, "process": self.process,
-            "rank": self.rank, "world_size": self.world_size,
+            "world_size": self.world_size,
             "mismatched_elements": self.mismatched_elements,
             "numel": self.numel, "max_abs_diff": _finite(self.max_abs_diff),
             "localized": self.localized, "explained": self.explained,

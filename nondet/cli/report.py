@@ -37,6 +37,7 @@ def report(app: App, *, source: Path, html_path: Path) -> int:
     Exits with the report's own code (0 deterministic, 1 nondeterministic).
     """
     from nondet.report import html
+    from nondet.report.text import printable
 
     check_html_file(html_path)
     if source.is_dir():
@@ -48,7 +49,8 @@ def report(app: App, *, source: Path, html_path: Path) -> int:
                           "--json, or a directory of captures (.nondet/latest)")
     page = html.render(data, root=Path.cwd())
     write_output("--html", html_path, lambda: html.write_page(page, html_path))
-    app.out.print(f"nondet report: {display(html_path)} written ({data.get('verdict')})",
+    verdict = printable(str(data.get("verdict")))  # from a file anyone may have written
+    app.out.print(f"nondet report: {display(html_path)} written ({verdict})",
                   highlight=False, markup=False)
     code = data.get("exit_code")
     return code if code in (0, 1) else 2

@@ -244,7 +244,8 @@ def _growth(view: View, rows: list[dict[str, Any]]) -> None:
     view.growth_chart = charts.step_chart(
         size, steps, log=True, y_label="|a - b| (log)", marked=view.first_step,
         title="how the difference grows: largest |a-b| per step")
-    if any(p.drawable for s in frac for p in s.points):
+    first = view.first_step if view.first_step is not None else steps[0]
+    if any(p.drawable and p.step >= first for s in frac for p in s.points):  # else all 0
         view.fraction_chart = charts.step_chart(
             frac, steps, log=False, y_label="fraction differing", marked=view.first_step,
             title="fraction of elements that differ per step")

@@ -48,6 +48,13 @@ class DataHost(Protocol):
     def guarded(self) -> AbstractContextManager[None]: ...
 
 
+STATEFUL_STAGE_NOTE = (
+    "the tf.data stage built at {source} runs a stateful function (random ops, a Keras random "
+    "layer) on several elements at once: which element gets which random state depends on "
+    "thread timing, so its batches can differ between runs even when two runs agree; "
+    "tf.config.experimental.enable_op_determinism() runs it in order")
+
+
 def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) -> bool:
     """A stage built to run a stateful function on several elements at once (``map(f,
     num_parallel_calls=...)`` with a Keras random layer, whose seed is a variable read and

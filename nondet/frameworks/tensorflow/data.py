@@ -63,9 +63,9 @@ def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) ->
     batches that differ were made (keras-io's augmentation in ``train_ds.map(...)``)."""
     if not op_type.startswith(_PARALLEL_STAGES):
         return False
-    import tensorflow as tf
+    from tensorflow.python.framework import config
 
-    if tf.config.experimental.is_op_determinism_enabled():
+    if config.is_op_determinism_enabled():  # not exported: tf.config has only enable/disable
         return False  # tf.data then runs a stateful function on one element at a time
     # num_parallel_calls is the stage's last input; 1 runs the calls one after the other
     calls = inputs[-1] if inputs else None

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
+from nondet import frameworks
 from nondet.channel import CHILD_PARAMS_FACT
 from nondet.frameworks.base import Session, StopRun, group_fp
 from nondet.frameworks.torch.cache import FingerprintCache
@@ -218,7 +219,10 @@ def _open_session(config: dict[str, Any]) -> Any:
         base.HOST_RNGS["numpy"] = forked  # a spawned interpreter seeds it from entropy too
         backend = TorchBackend(session)
         torch.random.set_rng_state(rng)
-        session.backends.append(backend)
+        frameworks.adopt(session, backend)
+        # Its own forks (DataLoader workers) must not record into this child's file; a
+        # spawned interpreter never ran boot, which registers the same for the run.
+        os.register_at_fork(after_in_child=_forget_after_fork)
         return session
     except Exception:
         if session is not None:
@@ -226,6 +230,13 @@ def _open_session(config: dict[str, Any]) -> Any:
             session.writer.flush()
         session_module._CURRENT = None
         return None
+
+
+def _forget_after_fork() -> None:
+    from nondet import session as session_module
+
+    session_module._CURRENT = None
+    frameworks.disable_after_fork()
 
 
 def _close_session(session: Any, status: str, code: int, error: str) -> None:

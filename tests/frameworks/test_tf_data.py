@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from nondet import recipe
-from nondet.records import Kind
+from nondet.records import Group, Kind
 from nondet.store import Capture
 from tests.frameworks.test_tf_capture import line_of, records, run_script
 
@@ -165,3 +165,17 @@ def test_a_parallel_stage_with_a_stateful_function_is_where_batches_are_made(
     else:
         assert map_line not in _data_lines(c, 1)
         assert notes == []
+
+
+def test_a_random_layers_seed_state_is_rng_state_not_a_buffer(tmp_path: Path) -> None:
+    """A Keras random layer used in a tf.data map bumps its SeedGenerator's state as far as
+    the pipeline has run ahead (thread timing): never training state a verdict follows."""
+    body = """
+    flip = keras.layers.RandomFlip("horizontal")
+    ds = tf.data.Dataset.range(16).map(lambda i: tf.fill((2, 4, 4, 1), tf.cast(i, tf.float32)))
+    ds = ds.map(lambda x: tf.reshape(flip(x), (2, 16))[:, :4]).prefetch(2)
+    """
+    c, _ = run_script(tmp_path, "import keras\n" + dedent(body) + EAGER_LOOP, op_steps=[1])
+    groups = {c.string(int(r["name"])): Group(int(r["group"])) for r in c.tensor_rows(1)}
+    seed_states = [g for name, g in groups.items() if "seed_generator_state" in name]
+    assert seed_states == [Group.DATA], groups

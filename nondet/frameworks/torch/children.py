@@ -38,6 +38,7 @@ from nondet import frameworks
 from nondet.channel import CHILD_PARAMS_FACT
 from nondet.frameworks.base import Session, StopRun, group_fp
 from nondet.frameworks.torch.cache import FingerprintCache
+from nondet.records import INIT_STEP
 
 
 class ChildrenHost(Protocol):
@@ -75,6 +76,8 @@ def _tensors_in(values: Iterable[Any], depth: int = 2) -> list[torch.Tensor]:
 
 
 _FORKED = "forked"  # a key of ChildMain's config that is not ChildConfig's
+#: A child's first steps recorded op by op (beside the run's window).
+CHILD_OP_STEPS = 32
 #: Modules whose process targets make data, not training: DataLoader and Pool workers.
 _DATA_WORKERS = ("torch.utils.data", "multiprocessing")
 
@@ -84,12 +87,16 @@ def _child_config(backend: ChildrenHost, index: int) -> dict[str, Any] | None:
     ``index``, or None when this run has nowhere to put a child's frames."""
     config = backend.session.config
     children_dir = getattr(config, "children_dir", None)
-    if not children_dir:
-        return None
+    if not children_dir or config.dump is not None:
+        return None  # no file to write to; or a run that measures one of this process's ops
+    # No re-run can narrow a child down: ops are recorded at its first steps, where a race
+    # between workers shows first, and in the run's window (every step with --ops all).
+    op_steps = None if config.op_steps is None else sorted(
+        {*config.op_steps, *range(INIT_STEP, CHILD_OP_STEPS)})
     return {"label": f"{config.label}.child{index}", "seed": config.seed,
             "channel_fd": -1, "control_fd": -1, "script": config.script,
             "module": config.module, "args": list(config.args),
-            "op_steps": None, "children_dir": children_dir}
+            "op_steps": op_steps, "children_dir": children_dir}
 
 
 def install(backend: ChildrenHost) -> None:

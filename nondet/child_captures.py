@@ -126,13 +126,15 @@ def compare(a: Capture, b: Capture) -> Children:
         op_records += found.op_records
         notes += [f"{name}: {note}" for note in found.notes]
         if first is None and found.first_divergence is not None:
-            first = _named(found.first_divergence, index)
+            first = _named(found.first_divergence, index,
+                           (kids_a[index].name, kids_b[index].name))
     return Children(first, trained, notes, op_records)
 
 
-def _named(div: Divergence, index: int) -> Divergence:
+def _named(div: Divergence, index: int, files: tuple[str, str]) -> Divergence:
     """A child's finding as the run's: which process, and that steps there are its own."""
     note = (f"in child process child#{index} (the script started it; #{index} in creation "
-            "order): its steps, ops and lines were recorded in a capture of their own, "
-            "and step numbers count that process's own steps")
+            f"order): its steps, ops and lines were recorded in captures of their own "
+            f"({files[0]}, {files[1]} beside the runs'), and step numbers count that "
+            "process's own steps")
     return replace(div, process=f"child#{index}", notes=[note, *div.notes])

@@ -46,7 +46,7 @@ def store(run_capture: Path) -> list[Path]:
         try:
             written.append(_store_one(frames, run_capture))
             frames.unlink()
-        except (OSError, ValueError, KeyError, TypeError):
+        except Exception:  # nondet's own trouble with one child: never the run's end
             continue
     return written
 
@@ -60,15 +60,18 @@ def _store_one(frames: Path, run_capture: Path) -> Path:
     label = frames.stem.removeprefix("run-")
     stream = _FileStream(target)
     stream.writer = CaptureWriter(target, {**attrs, "label": label})
-    parser = channel.FrameParser()
-    with open(frames, "rb") as file:
-        while chunk := file.read(_CHUNK):
-            for kind, payload in parser.feed(chunk):
-                stream._handle(kind, payload)
-    end = stream.end
-    # No END: the child was killed (a daemon ended with its parent) or called os._exit.
-    status = end.status if end is not None else channel.CRASHED
-    stream._close_writer(status, end.exit_code if end is not None else None)
+    status, code = channel.CRASHED, None
+    try:
+        parser = channel.FrameParser()
+        with open(frames, "rb") as file:
+            while chunk := file.read(_CHUNK):
+                for kind, payload in parser.feed(chunk):
+                    stream._handle(kind, payload)
+        # No END: the child was killed (a daemon ended with its parent) or called os._exit.
+        if stream.end is not None:
+            status, code = stream.end.status, stream.end.exit_code
+    finally:
+        stream._close_writer(status, code)
     if stream.hook_error:
         (target.parent / f"{target.stem}.hook_error.txt").write_text(stream.hook_error)
     return target

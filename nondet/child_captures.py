@@ -47,6 +47,7 @@ def store(run_capture: Path) -> list[Path]:
             written.append(_store_one(frames, run_capture))
             frames.unlink()
         except Exception:  # nondet's own trouble with one child: never the run's end
+            frames.with_suffix(".h5").unlink(missing_ok=True)  # half stored: not compared
             continue
     return written
 

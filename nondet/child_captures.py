@@ -46,7 +46,8 @@ def store(run_capture: Path) -> list[Path]:
         try:
             written.append(_store_one(frames, run_capture))
             frames.unlink()
-        except (OSError, ValueError, KeyError, TypeError):
+        except Exception:  # nondet's own trouble with one child: never the run's end
+            frames.with_suffix(".h5").unlink(missing_ok=True)  # half stored: not compared
             continue
     return written
 
@@ -60,15 +61,18 @@ def _store_one(frames: Path, run_capture: Path) -> Path:
     label = frames.stem.removeprefix("run-")
     stream = _FileStream(target)
     stream.writer = CaptureWriter(target, {**attrs, "label": label})
-    parser = channel.FrameParser()
-    with open(frames, "rb") as file:
-        while chunk := file.read(_CHUNK):
-            for kind, payload in parser.feed(chunk):
-                stream._handle(kind, payload)
-    end = stream.end
-    # No END: the child was killed (a daemon ended with its parent) or called os._exit.
-    status = end.status if end is not None else channel.CRASHED
-    stream._close_writer(status, end.exit_code if end is not None else None)
+    status, code = channel.CRASHED, None
+    try:
+        parser = channel.FrameParser()
+        with open(frames, "rb") as file:
+            while chunk := file.read(_CHUNK):
+                for kind, payload in parser.feed(chunk):
+                    stream._handle(kind, payload)
+        # No END: the child was killed (a daemon ended with its parent) or called os._exit.
+        if stream.end is not None:
+            status, code = stream.end.status, stream.end.exit_code
+    finally:
+        stream._close_writer(status, code)
     if stream.hook_error:
         (target.parent / f"{target.stem}.hook_error.txt").write_text(stream.hook_error)
     return target
@@ -107,7 +111,7 @@ def compare(a: Capture, b: Capture) -> Children:
     notes: list[str] = []
     trained = op_records = 0
     first: Divergence | None = None
-    if set(kids_a) != set(kids_b):
+    if kids_a and kids_b and set(kids_a) != set(kids_b):  # (a baseline keeps none)
         notes.append(f"run a recorded {len(kids_a)} child processes, run b {len(kids_b)}: "
                      "only the children both started are compared")
     for index in sorted(set(kids_a) & set(kids_b)):
@@ -126,13 +130,15 @@ def compare(a: Capture, b: Capture) -> Children:
         op_records += found.op_records
         notes += [f"{name}: {note}" for note in found.notes]
         if first is None and found.first_divergence is not None:
-            first = _named(found.first_divergence, index)
+            first = _named(found.first_divergence, index,
+                           (kids_a[index].name, kids_b[index].name))
     return Children(first, trained, notes, op_records)
 
 
-def _named(div: Divergence, index: int) -> Divergence:
+def _named(div: Divergence, index: int, files: tuple[str, str]) -> Divergence:
     """A child's finding as the run's: which process, and that steps there are its own."""
     note = (f"in child process child#{index} (the script started it; #{index} in creation "
-            "order): its steps, ops and lines were recorded in a capture of their own, "
-            "and step numbers count that process's own steps")
+            f"order): its steps, ops and lines were recorded in captures of their own "
+            f"({files[0]}, {files[1]} beside the runs'), and step numbers count that "
+            "process's own steps")
     return replace(div, process=f"child#{index}", notes=[note, *div.notes])

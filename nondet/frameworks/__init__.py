@@ -107,6 +107,13 @@ def finish_all(session: Session, status: str) -> str:
     return status
 
 
+def adopt(session: Session, backend: Backend) -> None:
+    """A backend made outside the import hooks (a recorded child process's own): it is
+    disabled in processes forked from there like every other."""
+    _installed.append(backend)
+    session.backends.append(backend)
+
+
 def disable_after_fork() -> None:
     for backend in _installed:
         backend.disable()

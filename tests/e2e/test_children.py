@@ -33,7 +33,8 @@ def test_a_race_between_forked_workers_is_found_at_the_childs_op_and_line(
     # The other worker wrote the shared weights between two of this child's steps: they
     # enter its forward pass from outside the ops it ran, at the line that reads them.
     assert found["process"] == "child#0", found
-    assert (found["kind"], found["op"]) == ("entry", "parameter 0.weight"), found
+    # (which one, the first layer's or a later one's, depends on where the write landed)
+    assert found["kind"] == "entry" and found["op"].startswith("parameter "), found
     line = _line_of(REPO / HOGWILD, "loss = torch.nn.functional.mse_loss(model(x), y)")
     assert found["source"] == f"{HOGWILD}:{line}", found
     assert sorted(p.name for p in (tmp_path / "out" / "latest").glob("*.h5")) == [

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("tensorflow")
 
 from nondet import recipe
-from nondet.records import Kind
+from nondet.records import Group, Kind
 from nondet.store import Capture
 from tests.frameworks.test_tf_capture import line_of, records, run_script
 
@@ -139,3 +139,43 @@ def test_no_fix_for_keras_3_passes_workers_to_fit(facts: dict[str, object]) -> N
                                          "entry_kind": "tf_data", "keras_version": "3.15.1",
                                          "tensorflow_version": "2.21.0"}, **facts}, limit=99):
         assert not re.search(r"\bfit\(.*workers", suggestion.fix), suggestion.recipe.id
+
+
+@pytest.mark.parametrize(("stage", "stateful"), [
+    ("lambda i: tf.fill((2, 4), tf.cast(i, tf.float32)) + tf.random.uniform(()), "
+     "num_parallel_calls=2", True),
+    ("lambda i: tf.fill((2, 4), tf.cast(i, tf.float32)), num_parallel_calls=2", False),
+    ("lambda i: tf.fill((2, 4), tf.cast(i, tf.float32)) + tf.random.uniform(()), "
+     "num_parallel_calls=1", False),
+])
+def test_a_parallel_stage_with_a_stateful_function_is_where_batches_are_made(
+        tmp_path: Path, stage: str, stateful: bool) -> None:
+    """keras-io's augmentation: random ops inside map(..., num_parallel_calls=N) take their
+    random state in thread-completion order although the elements come out in order."""
+    body = f"""
+    ds = tf.data.Dataset.range(16)
+    ds = ds.map({stage})  # MAP
+    """
+    c, _ = run_script(tmp_path, dedent(body) + EAGER_LOOP, op_steps=[1])
+    notes = [v for k, v in c.facts.items() if k == "capture_note.tf_data_stateful_parallel"]
+    map_line = line_of(tmp_path, "# MAP")
+    if stateful:
+        assert _data_lines(c, 1) == {map_line}
+        assert len(notes) == 1 and map_line in str(notes[0]), notes
+    else:
+        assert map_line not in _data_lines(c, 1)
+        assert notes == []
+
+
+def test_a_random_layers_seed_state_is_rng_state_not_a_buffer(tmp_path: Path) -> None:
+    """A Keras random layer used in a tf.data map bumps its SeedGenerator's state as far as
+    the pipeline has run ahead (thread timing): never training state a verdict follows."""
+    body = """
+    flip = keras.layers.RandomFlip("horizontal")
+    ds = tf.data.Dataset.range(16).map(lambda i: tf.fill((2, 4, 4, 1), tf.cast(i, tf.float32)))
+    ds = ds.map(lambda x: tf.reshape(flip(x), (2, 16))[:, :4]).prefetch(2)
+    """
+    c, _ = run_script(tmp_path, "import keras\n" + dedent(body) + EAGER_LOOP, op_steps=[1])
+    groups = {c.string(int(r["name"])): Group(int(r["group"])) for r in c.tensor_rows(1)}
+    seed_states = [g for name, g in groups.items() if "seed_generator_state" in name]
+    assert seed_states == [Group.DATA], groups

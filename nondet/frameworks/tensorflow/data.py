@@ -48,6 +48,13 @@ class DataHost(Protocol):
     def guarded(self) -> AbstractContextManager[None]: ...
 
 
+STATEFUL_STAGE_NOTE = (
+    "the tf.data stage built at {source} runs a stateful function (random ops, a Keras random "
+    "layer) on several elements at once: which element gets which random state depends on "
+    "thread timing, so its batches can differ between runs even when two runs agree; "
+    "tf.config.experimental.enable_op_determinism() runs it in order")
+
+
 def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) -> bool:
     """A stage built to run a stateful function on several elements at once (``map(f,
     num_parallel_calls=...)`` with a Keras random layer, whose seed is a variable read and
@@ -56,6 +63,10 @@ def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) ->
     batches that differ were made (keras-io's augmentation in ``train_ds.map(...)``)."""
     if not op_type.startswith(_PARALLEL_STAGES):
         return False
+    from tensorflow.python.framework import config
+
+    if config.is_op_determinism_enabled():  # not exported: tf.config has only enable/disable
+        return False  # tf.data then runs a stateful function on one element at a time
     # num_parallel_calls is the stage's last input; 1 runs the calls one after the other
     calls = inputs[-1] if inputs else None
     try:
@@ -70,7 +81,10 @@ def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) ->
         return False
     from tensorflow.python.eager import context
 
-    return bool(context.context().get_function_def(name).signature.is_stateful)
+    try:
+        return bool(context.context().get_function_def(name).signature.is_stateful)
+    except Exception:  # a function TF no longer holds: this is only about the line shown
+        return False
 
 
 def install(backend: DataHost) -> None:

@@ -16,7 +16,7 @@ from tensorflow.python.framework import op_callbacks
 
 from nondet.fingerprint import name_code
 from nondet.frameworks.fp import Fp, combined, resolve
-from nondet.frameworks.tensorflow.data import stateful_parallel_stage
+from nondet.frameworks.tensorflow.data import STATEFUL_STAGE_NOTE, stateful_parallel_stage
 from nondet.frameworks.tensorflow.graph import (
     DERIVED_OPS,
     ENTRY_KINDS_OF,
@@ -90,9 +90,14 @@ class TFOpRecorder(GraphRecorder):
         the one to fix, rather than where they were read."""
         pairs = dict(zip(attrs[::2], attrs[1::2], strict=False)) if attrs else {}
         flag = pairs.get("deterministic")
-        if (flag.decode() if isinstance(flag, bytes) else flag) == "false" \
-                or stateful_parallel_stage(op_type, inputs, pairs):
+        if (flag.decode() if isinstance(flag, bytes) else flag) == "false":
             self.reordering_stage = self.session.sources.here(4)
+        elif stateful_parallel_stage(op_type, inputs, pairs):
+            self.reordering_stage = self.session.sources.here(4)
+            # A race that did not strike in these two runs is still there: say so even
+            # when they repeat (shown with every report on this capture).
+            self.backend.note_once("tf_data_stateful_parallel", STATEFUL_STAGE_NOTE.format(
+                source=self.session.string(self.reordering_stage) or "?"))
 
     # -- eager ops -------------------------------------------------------------------------
     def _eager(self, op_type: str, inputs: Any, outputs: Any) -> None:

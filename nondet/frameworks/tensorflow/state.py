@@ -27,10 +27,17 @@ class TrackedVariable:
     group: Group  # PARAM (trainable), BUFFER, OPTIM or DATA (random generator states)
 
 
+#: Keras 3's SeedGenerator (every random layer's seed state) is made in this file.
+_KERAS_SEED_GENERATOR = os.path.join("keras", "src", "random", "seed_generator.py")
+
+
 def variable_group(variable: Any, creating_files: str) -> Group:
     """The group of a variable, from who made it (the files on the stack at creation)."""
-    if "stateful_random_ops" in creating_files:
-        return Group.DATA  # a random generator's state: reported with the RNG state
+    if "stateful_random_ops" in creating_files or _KERAS_SEED_GENERATOR in creating_files:
+        # a random generator's state (tf.random.Generator, Keras' SeedGenerator): reported
+        # with the RNG state. One a tf.data function draws from advances as far as the
+        # pipeline has run ahead, which thread timing decides: never training state.
+        return Group.DATA
     if "/optimizers/" in creating_files:
         return Group.OPTIM
     if getattr(variable, "trainable", False):

@@ -34,9 +34,11 @@ from typing import Any, Protocol
 
 import torch
 
+from nondet import frameworks
 from nondet.channel import CHILD_PARAMS_FACT
 from nondet.frameworks.base import Session, StopRun, group_fp
 from nondet.frameworks.torch.cache import FingerprintCache
+from nondet.records import INIT_STEP
 
 
 class ChildrenHost(Protocol):
@@ -74,6 +76,8 @@ def _tensors_in(values: Iterable[Any], depth: int = 2) -> list[torch.Tensor]:
 
 
 _FORKED = "forked"  # a key of ChildMain's config that is not ChildConfig's
+#: A child's first steps recorded op by op (beside the run's window).
+CHILD_OP_STEPS = 32
 #: Modules whose process targets make data, not training: DataLoader and Pool workers.
 _DATA_WORKERS = ("torch.utils.data", "multiprocessing")
 
@@ -83,12 +87,16 @@ def _child_config(backend: ChildrenHost, index: int) -> dict[str, Any] | None:
     ``index``, or None when this run has nowhere to put a child's frames."""
     config = backend.session.config
     children_dir = getattr(config, "children_dir", None)
-    if not children_dir:
-        return None
+    if not children_dir or config.dump is not None:
+        return None  # no file to write to; or a run that measures one of this process's ops
+    # No re-run can narrow a child down: ops are recorded at its first steps, where a race
+    # between workers shows first, and in the run's window (every step with --ops all).
+    op_steps = None if config.op_steps is None else sorted(
+        {*config.op_steps, *range(INIT_STEP, CHILD_OP_STEPS)})
     return {"label": f"{config.label}.child{index}", "seed": config.seed,
             "channel_fd": -1, "control_fd": -1, "script": config.script,
             "module": config.module, "args": list(config.args),
-            "op_steps": None, "children_dir": children_dir}
+            "op_steps": op_steps, "children_dir": children_dir}
 
 
 def install(backend: ChildrenHost) -> None:
@@ -218,7 +226,10 @@ def _open_session(config: dict[str, Any]) -> Any:
         base.HOST_RNGS["numpy"] = forked  # a spawned interpreter seeds it from entropy too
         backend = TorchBackend(session)
         torch.random.set_rng_state(rng)
-        session.backends.append(backend)
+        frameworks.adopt(session, backend)
+        # Its own forks (DataLoader workers) must not record into this child's file; a
+        # spawned interpreter never ran boot, which registers the same for the run.
+        os.register_at_fork(after_in_child=_forget_after_fork)
         return session
     except Exception:
         if session is not None:
@@ -226,6 +237,13 @@ def _open_session(config: dict[str, Any]) -> Any:
             session.writer.flush()
         session_module._CURRENT = None
         return None
+
+
+def _forget_after_fork() -> None:
+    from nondet import session as session_module
+
+    session_module._CURRENT = None
+    frameworks.disable_after_fork()
 
 
 def _close_session(session: Any, status: str, code: int, error: str) -> None:

@@ -100,7 +100,10 @@ def compare_captures_of_rank(a: Capture, b: Capture, rank: int) -> Comparison:
 def _order(rank: int, div: Divergence | None) -> tuple[int, int, int, int]:
     assert div is not None
     step = INIT_STEP if div.step is None else div.step
-    carried = int(is_collective(div.op) or not div.explained)
+    # Anything but an op that made the difference from matching inputs may have been
+    # carried in from another rank: a collective, an op whose inputs differed with no
+    # recorded cause, a value read afresh after a collective (an entry).
+    carried = int(div.kind != "op" or is_collective(div.op) or not div.explained)
     return (step, carried, div.op_index if div.op_index is not None else 1 << 30, rank)
 
 

@@ -102,6 +102,9 @@ def test_an_op_that_made_the_difference_outranks_a_collective_on_another_rank() 
     made = Divergence(kind="op", step=0, phase="backward", op="aten.index_put.default",
                       op_index=16)
     assert jobs._order(1, made) < jobs._order(0, carried)
+    read_after = Divergence(kind="entry", step=0, phase="optimizer",
+                            op="external:tensor float32[2000, 32]", op_index=3)
+    assert jobs._order(1, made) < jobs._order(0, read_after)
     later = Divergence(kind="op", step=1, phase="backward", op="aten.index_put.default",
                        op_index=1)
     assert jobs._order(0, carried) < jobs._order(1, later)  # an earlier step still wins

@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.torch import cuda
+from nondet.frameworks.torch import comm, cuda
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.cache import FingerprintCache, TorchHost
 from nondet.frameworks.torch.compiled import in_region
@@ -97,6 +97,8 @@ class OpRecorder(FingerprintCache):
             phase = int(self.backend.phase)
             module = self.backend.current_module()
             source = self.session.sources.here(2)
+        if info.comm:
+            phase = int(Phase.COMM)
         ctx = (phase, module, source)
 
         if info.view:
@@ -152,7 +154,12 @@ class OpRecorder(FingerprintCache):
             for t in aux:
                 self.remember(t, Fp(value=0))
         out_fps: list[Fp] = []
-        if info.uninit_output or garbage_moved:
+        if info.comm:  # still being written until the work's wait: read later (comm.py)
+            for t in comm.tensors_deep((args, tuple(kwargs.values()), out)):
+                self.note_write(t)
+                self.forget(t)
+            outputs = []
+        elif info.uninit_output or garbage_moved:
             for t in outputs:
                 self.remember(t, Fp(uninit=True))
         elif info.from_storage:

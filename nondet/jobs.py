@@ -44,7 +44,7 @@ def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
     target.check()
     if not outdir.is_own(options.out_dir):
         options.out_dir = outdir.start(options.out_dir).path
-    if options.apply or options.verify:
+    if options.verify:
         sink.stage("fixes are not verified for torchrun jobs yet: reporting the finding only")
     op_steps = None if options.ops_all else [INIT_STEP, 0]
     stop_after = options.max_steps - 1 if options.max_steps else None
@@ -136,13 +136,21 @@ def check_job(job: JobResult) -> JobResult:
         if result.hook_error:
             raise InternalChildError(result.hook_error)
     by_rank = {int(r.label.rsplit("rank", 1)[1]): r for r in job.ranks}
+    if job.stalled and not job.hung:
+        raise ScriptFailed(
+            f"run {job.label}: no rank reached nondet or sent anything for "
+            f"{job.silence:.0f} s (torchrun waiting for its rendezvous, or the ranks for "
+            f"each other?); the job was ended. Its output is in {job.log_path}",
+            details=_tail(job.log_path))
     if job.hung:
         names = ", ".join(str(r) for r in job.hung)
         steps = min((by_rank[r].steps for r in job.hung if r in by_rank), default=0)
+        silent = (f"sent nothing for {job.silence:.0f} s" if job.stalled
+                  else "went on after torchrun had exited")
         raise ScriptFailed(
-            f"run {job.label}: rank{'s' if len(job.hung) > 1 else ''} {names} sent nothing "
-            f"for too long after {steps} step(s) (a rank hangs, or waits in a collective for "
-            f"one that does); the job was ended. Its output is in {job.log_path}",
+            f"run {job.label}: rank{'s' if len(job.hung) > 1 else ''} {names} {silent}, "
+            f"after {steps} step(s) (a rank hangs, or waits in a collective for one that "
+            f"does); the job was ended. Its output is in {job.log_path}",
             details=_tail(job.log_path))
     # The rank that ended first: the others fail after it (a collective with a dead peer
     # raises) or are ended by torchrun.

@@ -108,3 +108,12 @@ def test_an_op_that_made_the_difference_outranks_a_collective_on_another_rank() 
     later = Divergence(kind="op", step=1, phase="backward", op="aten.index_put.default",
                        op_index=1)
     assert jobs._order(0, carried) < jobs._order(1, later)  # an earlier step still wins
+
+
+def test_a_job_silent_before_any_rank_connected_says_so() -> None:
+    # e.g. torchrun waiting for a rendezvous that never completes: not "before any rank
+    # started" with torchrun's exit code, which would blame the script
+    job = distributed.JobResult(label="a", agent_exit_code=-1, log_path=Path("run-a.log"),
+                                ranks=[], stalled=True, silence=120.0)
+    with pytest.raises(ScriptFailed, match="no rank reached nondet or sent anything for 120 s"):
+        jobs.check_job(job)

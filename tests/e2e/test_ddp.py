@@ -59,6 +59,9 @@ def test_ddp_race_is_found_at_the_backward_op_of_rank_1(tmp_path: Path) -> None:
         with h5py.File(run["path"], "r") as f:
             assert int(f.attrs["world_size"]) == 2
             assert int(f.attrs["rank"]) == int(run["path"][-4])
+    shown = run_cli("show", report["runs"][1]["path"]).stdout
+    assert any(line.split() == ["rank", "1"] for line in shown.splitlines())
+    assert any(line.split() == ["world_size", "2"] for line in shown.splitlines())
 
 
 def test_ddp_control_is_deterministic_and_keeps_the_users_omp_setting(

@@ -49,6 +49,7 @@ def test_a_collective_is_comm_and_its_output_is_read_afresh_by_its_consumer(
     after = rows[at + 1:]
     assert [Kind(int(r["kind"])) for r in after] == [Kind.ENTRY, Kind.OP]
     assert int(after[0]["out_fp"]) == int(after[1]["in_fp"])
+    assert ops[at + 1] == "comm:c10d.allreduce_.default"  # named after what wrote it
     assert y.sum().item() == sum(2 * i + 1 for i in range(6))  # the program is unchanged
 
 

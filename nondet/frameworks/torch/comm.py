@@ -8,13 +8,18 @@ would read buffers still being written, a difference nondet itself would create.
 collective's record holds its inputs' fingerprints (taken before the call) and no output
 fingerprint; its output tensors are forgotten by the fingerprint cache, and their first
 reader, which runs after the wait (DDP waits before the optimizer step, user code after
-``work.wait()``), fingerprints them afresh as an entry point.
+``work.wait()``), fingerprints them afresh as an entry point named after the collective
+(``comm:c10d.recv_.default``). ``nondet.jobs`` turns such an entry into a ``collective``
+finding when every rank's inputs to the collectives up to it matched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+
+#: Name of the entry a collective's output makes at its first reader: "comm:<op>".
+ENTRY_PREFIX = "comm:"
 
 #: Dispatcher namespaces of torch.distributed's collectives and point-to-point ops.
 COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})

@@ -45,6 +45,7 @@ The fingerprint cache and the derived fingerprints are described in ``cache.py``
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -155,9 +156,11 @@ class OpRecorder(FingerprintCache):
                 self.remember(t, Fp(value=0))
         out_fps: list[Fp] = []
         if info.comm:  # still being written until the work's wait: read later (comm.py)
+            written_by = comm.ENTRY_PREFIX + str(func)
             for t in comm.tensors_deep((args, tuple(kwargs.values()), out)):
                 self.note_write(t)
                 self.forget(t)
+                self.comm_outputs[id(t)] = (weakref.ref(t), written_by)
             outputs = []
         elif info.uninit_output or garbage_moved:
             for t in outputs:

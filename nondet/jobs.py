@@ -19,13 +19,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from nondet import channel, interventions, outdir
-from nondet.analysis import Comparison, compare_pair, with_notes, with_suggestions
+from nondet.analysis import Comparison, compare_pair, source_text, with_notes, with_suggestions
 from nondet.distributed import Job, JobResult
 from nondet.errors import NondetError, ScriptFailed
+from nondet.frameworks.torch.comm import ENTRY_PREFIX
 from nondet.launch import Plan, Target
 from nondet.recipe import Suggestion
-from nondet.records import INIT_STEP
+from nondet.records import INIT_STEP, Kind, Phase
 from nondet.report import Divergence, Report, RunSummary
 from nondet.schedule import InternalChildError
 from nondet.store import Capture, open_capture
@@ -74,8 +77,15 @@ def compare_jobs(a: JobResult, b: JobResult) -> tuple[Comparison, int]:
     if set(ranks_a) != set(ranks_b):
         raise NondetError(f"the two runs had different ranks ({sorted(ranks_a)} and "
                           f"{sorted(ranks_b)}): nothing to compare rank by rank")
-    per_rank = {r: compare_captures_of_rank(open_capture(ranks_a[r]), open_capture(ranks_b[r]),
-                                            r) for r in sorted(ranks_a)}
+    caps = {r: (open_capture(ranks_a[r]), open_capture(ranks_b[r])) for r in sorted(ranks_a)}
+    per_rank = {r: compare_captures_of_rank(*caps[r], r) for r in caps}
+    for r, c in per_rank.items():
+        div = c.first_divergence
+        made_here = any(_makes_difference(o.first_divergence) and _step_of(o.first_divergence)
+                        <= _step_of(div) for q, o in per_rank.items() if q != r)
+        collective = None if made_here else as_collective(div, r, caps)
+        if collective is not None:
+            per_rank[r] = replace(c, first_divergence=collective)
     found = [(r, c) for r, c in per_rank.items() if c.first_divergence is not None]
     if not found:
         return per_rank[min(per_rank)], min(per_rank)
@@ -97,13 +107,64 @@ def compare_captures_of_rank(a: Capture, b: Capture, rank: int) -> Comparison:
                                                    world_size=world))
 
 
+def as_collective(div: Divergence | None, rank: int,
+                  caps: dict[int, tuple[Capture, Capture]]) -> Divergence | None:
+    """A value first read after a collective (``comm:<op>``, frameworks/torch/comm.py) that
+    differs, where every rank's inputs to the collectives of that step up to it matched:
+    the collective made the difference (arrival order, reduction order). None otherwise."""
+    if div is None or div.kind != "entry" or div.step is None or div.op_index is None:
+        return None
+    a, _ = caps[rank]
+    names = [a.string(int(r["name"])) for r in a.ops(div.step)
+             if int(r["index"]) == div.op_index]
+    if not names or not names[0].startswith(ENTRY_PREFIX):
+        return None  # not a value a collective wrote
+    op = names[0].removeprefix(ENTRY_PREFIX)
+    comm_a = _comm_rows(a, div.step)
+    before = [(i, r) for i, r in enumerate(comm_a) if int(r["index"]) < div.op_index
+              and a.string(int(r["name"])) == op]
+    if not before:
+        return None
+    ordinal, row = before[-1]
+    for ca, cb in caps.values():
+        ra, rb = _comm_rows(ca, div.step), _comm_rows(cb, div.step)
+        upto = min(ordinal + 1, len(ra), len(rb))
+        if any(int(x["in_fp"]) != int(y["in_fp"]) for x, y in zip(ra[:upto], rb[:upto],
+                                                                   strict=True)):
+            return None
+    source = a.string(int(row["source"])) or None
+    return replace(div, kind="collective", phase="comm", op=op, op_index=int(row["index"]),
+                   module=a.string(int(row["module"])) or None, source=source,
+                   source_text=source_text(a, source), entry_kind=None, explained=True,
+                   notes=[*div.notes, f"its output differs while every rank's inputs to the "
+                          f"collectives up to it matched; the difference was first read at "
+                          f"record #{div.op_index}"])
+
+
+def _comm_rows(capture: Capture, step: int) -> list[np.void]:
+    return [r for r in capture.ops(step) if int(r["phase"]) == Phase.COMM
+            and int(r["kind"]) == Kind.OP]
+
+
+def _makes_difference(div: Divergence | None) -> bool:
+    return (div is not None and div.kind == "op" and div.explained
+            and not is_collective(div.op))
+
+
+def _step_of(div: Divergence | None) -> int:
+    if div is None or div.step is None:
+        return INIT_STEP if div is not None else 1 << 30
+    return div.step
+
+
 def _order(rank: int, div: Divergence | None) -> tuple[int, int, int, int]:
     assert div is not None
     step = INIT_STEP if div.step is None else div.step
     # Anything but an op that made the difference from matching inputs may have been
     # carried in from another rank: a collective, an op whose inputs differed with no
     # recorded cause, a value read afresh after a collective (an entry).
-    carried = int(div.kind != "op" or is_collective(div.op) or not div.explained)
+    carried = int(div.kind not in ("op", "collective") or (is_collective(div.op)
+                  and div.kind != "collective") or not div.explained)
     return (step, carried, div.op_index if div.op_index is not None else 1 << 30, rank)
 
 

@@ -107,3 +107,17 @@ def test_a_hanging_rank_ends_the_job_in_bounded_time_and_leaves_nothing(
     assert result.hung and 1 in result.hung
     assert _processes_mentioning(str(tmp_path)) == []
     assert all(not job._is_our_worker(s.pid) for s in job.ranks.values())
+
+
+def test_a_receive_from_any_source_is_a_collective_finding_on_rank_0(tmp_path: Path) -> None:
+    case = next(c for c in cases(FIXTURES)
+                if c.script.name == "anysource_recv.py" and not c.args)
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "--nproc-per-node", "3",
+                     str(case.script.relative_to(REPO)), cwd=REPO)
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    found = check_finding(case, result, report)
+    assert found is not None and found["rank"] == 0 and found["world_size"] == 3
+    assert "the collective c10d.recv_any_source_.default creates the difference" in \
+        result.stdout.splitlines()[0]

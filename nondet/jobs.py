@@ -134,7 +134,7 @@ def as_collective(div: Divergence | None, rank: int,
             return None
     source = a.string(int(row["source"])) or None
     return replace(div, kind="collective", phase="comm", op=op, op_index=int(row["index"]),
-                   module=a.string(int(row["module"])) or None, source=source,
+                   module=a.string(int(row["module"])), source=source,
                    source_text=source_text(a, source), entry_kind=None, explained=True,
                    notes=[*div.notes, f"its output differs while every rank's inputs to the "
                           f"collectives up to it matched; the difference was first read at "

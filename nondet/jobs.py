@@ -15,6 +15,7 @@ rank 0). Ties go to the lower rank. The finding's ``rank`` says where it is.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from nondet import channel, interventions, outdir
 from nondet.analysis import Comparison, compare_pair, source_text, with_notes, with_suggestions
 from nondet.distributed import Job, JobResult
 from nondet.errors import NondetError, ScriptFailed
+from nondet.exitcodes import ExitCode
 from nondet.frameworks.torch.comm import ENTRY_PREFIX
 from nondet.launch import Plan, Target
 from nondet.recipe import Suggestion
@@ -87,6 +89,14 @@ def compare_jobs(a: JobResult, b: JobResult) -> tuple[Comparison, int]:
         if collective is not None:
             per_rank[r] = replace(c, first_divergence=collective)
     found = [(r, c) for r, c in per_rank.items() if c.first_divergence is not None]
+    drift = first_desync({r: ca for r, (ca, _) in caps.items()}, a.label) or \
+        first_desync({r: cb for r, (_, cb) in caps.items()}, b.label)
+    if drift is not None and (not found or all(
+            _step_of(drift[1]) < _step_of(c.first_divergence) for _, c in found)):
+        rank = drift[0]
+        base = per_rank[min(per_rank)]
+        return replace(base, verdict="nondeterministic", exit_code=ExitCode.NONDETERMINISTIC,
+                       first_divergence=drift[1]), rank
     if not found:
         return per_rank[min(per_rank)], min(per_rank)
     rank, chosen = min(found, key=lambda rc: _order(rc[0], rc[1].first_divergence))
@@ -105,6 +115,35 @@ def compare_captures_of_rank(a: Capture, b: Capture, rank: int) -> Comparison:
     world = int(a.attrs.get("world_size", 1))
     return replace(found, first_divergence=replace(found.first_divergence, rank=rank,
                                                    world_size=world))
+
+
+def first_desync(caps: dict[int, Capture], label: str) -> tuple[int, Divergence] | None:
+    """Replica desync within one run: the first step after which a rank's parameters
+    differ from rank 0's, when they matched after the step before (or at init). Ranks
+    whose parameters differ from the start hold shards (model parallel, FSDP), not
+    replicas: never a desync."""
+    if len(caps) < 2 or 0 not in caps:
+        return None
+    rows = {r: {int(row["step"]): int(row["params_fp"]) for row in c.steps}
+            for r, c in caps.items()}
+    world = len(caps)
+    drifts: list[tuple[int, int, int]] = []  # (step, rank, step before)
+    for rank in sorted(caps):
+        common = sorted(set(rows[0]) & set(rows[rank]))
+        drifts += [(step, rank, before) for before, step in itertools.pairwise(common)
+                   if rows[0][before] == rows[rank][before]
+                   and rows[0][step] != rows[rank][step]]
+    if not drifts:
+        return None
+    step, rank, before = min(drifts)
+    return rank, Divergence(
+        kind="desync", step=step, phase="optimizer", rank=rank, world_size=world,
+        step_fields=["params"],
+        notes=[f"replica desync in run {label}: rank {rank}'s parameters differ from rank 0's "
+               f"after step {step} (they matched after "
+               f"{'init' if before == INIT_STEP else f'step {before}'}); DDP keeps replicas "
+               "equal only through their gradients: a parameter changed outside them (an "
+               "update on one rank, an unsynchronized parameter or buffer) drifts"])
 
 
 def as_collective(div: Divergence | None, rank: int,

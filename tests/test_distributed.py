@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 
 from nondet import channel, distributed, jobs
@@ -117,3 +120,22 @@ def test_a_job_silent_before_any_rank_connected_says_so() -> None:
                                 ranks=[], stalled=True, silence=120.0)
     with pytest.raises(ScriptFailed, match="no rank reached nondet or sent anything for 120 s"):
         jobs.check_job(job)
+
+
+def _steps(*fps: int) -> Any:
+    rows = np.array([(i - 1, fp) for i, fp in enumerate(fps)],
+                    dtype=[("step", "<i8"), ("params_fp", "<u8")])
+    return SimpleNamespace(steps=rows)  # what first_desync reads of a Capture
+
+
+def test_a_replica_that_stops_matching_rank_0_is_a_desync() -> None:
+    found = jobs.first_desync({0: _steps(1, 2, 3, 4), 1: _steps(1, 2, 9, 9)}, "a")
+    assert found is not None
+    rank, div = found
+    assert (rank, div.kind, div.step, div.rank) == (1, "desync", 1, 1)
+
+
+def test_shards_that_never_matched_are_not_replicas_and_never_a_desync() -> None:
+    # model parallel / FSDP: each rank holds other parameters from the start
+    assert jobs.first_desync({0: _steps(1, 2, 3), 1: _steps(5, 6, 7)}, "a") is None
+    assert jobs.first_desync({0: _steps(1, 2, 3), 1: _steps(1, 2, 3)}, "a") is None

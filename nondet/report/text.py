@@ -82,6 +82,7 @@ def _verdict(report: Report) -> str:
         "init": "the initial state already differs",
         "seed": f"{escape(div.op or 'a seeding call')} received a different seed",
         "collective": f"the collective {escape(div.op or '?')} creates the difference",
+        "desync": "a replica's parameters drift from rank 0's",
     }.get(div.kind, "the runs differ")
     if not div.localized:
         what = f"runs diverge ({escape(div.phase)})"
@@ -127,6 +128,9 @@ def _finding(div: Divergence) -> list[str]:
                                 f"{escape(div.op or '')}[/]"),
                 _row("", "its output differs while every rank's inputs matched: the "
                          "collective created the difference (arrival or reduction order)")]
+    elif div.kind == "desync":
+        out += [_row("finding", f"{step}: rank {div.rank}'s parameters differ from rank 0's "
+                                "(replica desync within one run)")]
     elif div.kind == "structure":
         out += [_row("finding", f"{step}, record #{div.op_index}: run a executed "
                                 f"{escape(str(div.op))}, run b {escape(str(div.op_b))}")]

@@ -121,3 +121,14 @@ def test_a_receive_from_any_source_is_a_collective_finding_on_rank_0(tmp_path: P
     assert found is not None and found["rank"] == 0 and found["world_size"] == 3
     assert "the collective c10d.recv_any_source_.default creates the difference" in \
         result.stdout.splitlines()[0]
+
+
+def test_a_replica_that_drifts_is_a_desync_even_when_the_runs_agree(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "--nproc-per-node", "2",
+                     str(CONTROL.relative_to(REPO)), "--drift-rank", "1", cwd=REPO)
+    assert result.returncode == 1, result.stdout + result.stderr
+    found = json.loads(report_path.read_text())["first_divergence"]
+    assert (found["kind"], found["step"], found["rank"]) == ("desync", 1, 1), result.stdout
+    assert "rank 1's parameters differ from rank 0's" in result.stdout

@@ -129,6 +129,7 @@ class RankStream(RunStream):
         self.world_size = int(hello["world_size"])
         self.pid = int(hello["pid"])
         self.last_frame = time.monotonic()
+        self.slowest = 0.0  # longest silence between two reads so far (a slow step)
         self.ended_at: float | None = None
         self._send_lock = threading.Lock()
         self.thread = threading.Thread(target=self._pump, daemon=True)
@@ -153,7 +154,9 @@ class RankStream(RunStream):
                     break
                 if not data:
                     break
-                self.last_frame = time.monotonic()
+                now = time.monotonic()
+                self.slowest = max(self.slowest, now - self.last_frame)
+                self.last_frame = now
                 for kind, payload in parser.feed(data):
                     self._handle(kind, payload)
         finally:
@@ -188,6 +191,8 @@ class JobResult:
     agent_exit_code: int
     log_path: Path
     hung: list[int] = field(default_factory=list)  # ranks silent when the job was ended
+    stalled: bool = False  # ended because nothing was heard for too long
+    silence: float = 0.0  # how long, then (seconds)
     ended_first: list[int] = field(default_factory=list)  # ranks in the order they ended
     world_size: int = 0
 
@@ -208,6 +213,7 @@ class Job:
         self.poll = poll
         self.ranks: dict[int, RankStream] = {}
         self._agent: subprocess.Popen[bytes] | None = None
+        self._output: threading.Thread | None = None
         self._sock_dir = ""
 
     def run(self) -> JobResult:
@@ -215,24 +221,28 @@ class Job:
         self._sock_dir = tempfile.mkdtemp(prefix="nondet-")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         hung: list[int] = []
-        code = -1
+        code, silence = -1, 0.0
         try:
             path = os.path.join(self._sock_dir, "s")
             listener.bind(path)
             listener.listen(64)
             listener.settimeout(self.poll)
             self._start_agent(path)
-            code, hung = self._serve(listener)
+            code, hung, silence = self._serve(listener)
+        except BaseException:
+            hung = sorted(self.ranks)  # Ctrl-C, SIGTERM: every capture closed, interrupted
+            raise
         finally:
             listener.close()
             self._end_everything()
             shutil.rmtree(self._sock_dir, ignore_errors=True)
-        streams = [self.ranks[r] for r in sorted(self.ranks)]
+            streams = [self.ranks[r] for r in sorted(self.ranks)]
+            results = [s.result(self.plan.label, self.log_path, s.rank in hung)
+                       for s in streams]
         order = sorted(streams, key=lambda s: s.ended_at or float("inf"))
         return JobResult(
-            label=self.plan.label,
-            ranks=[s.result(self.plan.label, self.log_path, s.rank in hung) for s in streams],
-            agent_exit_code=code, log_path=self.log_path, hung=hung,
+            label=self.plan.label, ranks=results, agent_exit_code=code,
+            log_path=self.log_path, hung=hung, stalled=silence > 0, silence=silence,
             ended_first=[s.rank for s in order],
             world_size=max((s.world_size for s in streams), default=0))
 
@@ -242,14 +252,34 @@ class Job:
         env = child_env(config, self.extra_env)
         command = [sys.executable, "-m", _RUN_MODULE, *(self.target.launcher or ()),
                    "--module", "nondet.boot"]
-        with open(self.log_path, "wb") as log:
-            self._agent = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
-                                           stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+        self._agent = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        self._output = threading.Thread(target=self._pump_output, daemon=True)
+        self._output.start()
 
-    def _serve(self, listener: socket.socket) -> tuple[int, list[int]]:
+    def _pump_output(self) -> None:
+        """The job's output (torchrun forwards its workers') to the log, and with
+        ``echo`` (--verbose) to our stderr too."""
+        assert self._agent is not None and self._agent.stdout is not None
+        prefix = f"[{self.plan.label}] ".encode()
+        with open(self.log_path, "wb") as log:
+            for line in iter(self._agent.stdout.readline, b""):
+                with contextlib.suppress(OSError):
+                    log.write(line)
+                    log.flush()
+                if self.echo:
+                    sys.stderr.buffer.write(prefix + line)
+                    sys.stderr.flush()
+
+    def _serve(self, listener: socket.socket) -> tuple[int, list[int], float]:
         """Accept ranks and watch the job until the agent and every rank have ended, or it
-        must be ended: (agent exit code, the ranks that were silent when it was)."""
+        must be ended: (agent exit code, the ranks that were silent when it was, and how
+        long nothing was heard if that is why: 0.0 otherwise).
+
+        Silence is judged like lockstep's stall (``schedule.Lockstep``): longer than
+        ``stall_after`` and than 5 x the slowest gap between two frames of a rank so far,
+        so that a job with long steps is not ended for computing."""
         assert self._agent is not None
         last_activity = time.monotonic()
         agent_done_at: float | None = None
@@ -264,12 +294,14 @@ class Job:
             code = self._agent.poll()
             if code is not None:
                 if not live:
-                    return code, []
+                    return code, [], 0.0
                 agent_done_at = agent_done_at or now
                 if now - agent_done_at > AGENT_EXIT_GRACE:
-                    return code, sorted(s.rank for s in live)
-            elif now - last_activity > self.stall_after:
-                return -1, self._behind(live)
+                    return code, sorted(s.rank for s in live), 0.0
+                continue
+            limit = max([self.stall_after, *(5 * s.slowest for s in self.ranks.values())])
+            if now - last_activity > limit:
+                return -1, self._behind(live), now - last_activity
 
     def _welcome(self, conn: socket.socket) -> None:
         conn.settimeout(30.0)  # a rank says who it is at once, or is dropped
@@ -312,6 +344,8 @@ class Job:
         if self._agent is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._agent.wait(timeout=KILL_GRACE)
+        if self._output is not None:
+            self._output.join(timeout=KILL_GRACE)
         for stream in self.ranks.values():
             stream.thread.join(timeout=KILL_GRACE)
             with contextlib.suppress(OSError):

@@ -15,17 +15,22 @@ rank 0). Ties go to the lower rank. The finding's ``rank`` says where it is.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from nondet import channel, interventions, outdir
-from nondet.analysis import Comparison, compare_pair, with_notes, with_suggestions
+from nondet.analysis import Comparison, compare_pair, source_text, with_notes, with_suggestions
 from nondet.distributed import Job, JobResult
 from nondet.errors import NondetError, ScriptFailed
+from nondet.exitcodes import ExitCode
+from nondet.frameworks.torch.comm import ENTRY_PREFIX
 from nondet.launch import Plan, Target
 from nondet.recipe import Suggestion
-from nondet.records import INIT_STEP
+from nondet.records import INIT_STEP, Kind, Phase
 from nondet.report import Divergence, Report, RunSummary
 from nondet.schedule import InternalChildError
 from nondet.store import Capture, open_capture
@@ -44,7 +49,7 @@ def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
     target.check()
     if not outdir.is_own(options.out_dir):
         options.out_dir = outdir.start(options.out_dir).path
-    if options.apply or options.verify:
+    if options.verify:
         sink.stage("fixes are not verified for torchrun jobs yet: reporting the finding only")
     op_steps = None if options.ops_all else [INIT_STEP, 0]
     stop_after = options.max_steps - 1 if options.max_steps else None
@@ -74,9 +79,24 @@ def compare_jobs(a: JobResult, b: JobResult) -> tuple[Comparison, int]:
     if set(ranks_a) != set(ranks_b):
         raise NondetError(f"the two runs had different ranks ({sorted(ranks_a)} and "
                           f"{sorted(ranks_b)}): nothing to compare rank by rank")
-    per_rank = {r: compare_captures_of_rank(open_capture(ranks_a[r]), open_capture(ranks_b[r]),
-                                            r) for r in sorted(ranks_a)}
+    caps = {r: (open_capture(ranks_a[r]), open_capture(ranks_b[r])) for r in sorted(ranks_a)}
+    per_rank = {r: compare_captures_of_rank(*caps[r], r) for r in caps}
+    for r, c in per_rank.items():
+        div = c.first_divergence
+        made_here = any(_makes_difference(o.first_divergence) and _step_of(o.first_divergence)
+                        <= _step_of(div) for q, o in per_rank.items() if q != r)
+        collective = None if made_here else as_collective(div, r, caps)
+        if collective is not None:
+            per_rank[r] = replace(c, first_divergence=collective)
     found = [(r, c) for r, c in per_rank.items() if c.first_divergence is not None]
+    drift = first_desync({r: ca for r, (ca, _) in caps.items()}, a.label) or \
+        first_desync({r: cb for r, (_, cb) in caps.items()}, b.label)
+    if drift is not None and (not found or all(
+            _step_of(drift[1]) < _step_of(c.first_divergence) for _, c in found)):
+        rank = drift[0]
+        base = per_rank[min(per_rank)]
+        return replace(base, verdict="nondeterministic", exit_code=ExitCode.NONDETERMINISTIC,
+                       first_divergence=drift[1]), rank
     if not found:
         return per_rank[min(per_rank)], min(per_rank)
     rank, chosen = min(found, key=lambda rc: _order(rc[0], rc[1].first_divergence))
@@ -97,10 +117,93 @@ def compare_captures_of_rank(a: Capture, b: Capture, rank: int) -> Comparison:
                                                    world_size=world))
 
 
+def first_desync(caps: dict[int, Capture], label: str) -> tuple[int, Divergence] | None:
+    """Replica desync within one run: the first step after which a rank's parameters
+    differ from rank 0's, when they matched after the step before (or at init). Ranks
+    whose parameters differ from the start hold shards (model parallel, FSDP), not
+    replicas: never a desync."""
+    if len(caps) < 2 or 0 not in caps:
+        return None
+    rows = {r: {int(row["step"]): int(row["params_fp"]) for row in c.steps}
+            for r, c in caps.items()}
+    world = len(caps)
+    drifts: list[tuple[int, int, int]] = []  # (step, rank, step before)
+    for rank in sorted(caps):
+        common = sorted(set(rows[0]) & set(rows[rank]))
+        drifts += [(step, rank, before) for before, step in itertools.pairwise(common)
+                   if rows[0][before] == rows[rank][before]
+                   and rows[0][step] != rows[rank][step]]
+    if not drifts:
+        return None
+    step, rank, before = min(drifts)
+    return rank, Divergence(
+        kind="desync", step=step, phase="optimizer", rank=rank, world_size=world,
+        step_fields=["params"],
+        notes=[f"replica desync in run {label}: rank {rank}'s parameters differ from rank 0's "
+               f"after step {step} (they matched after "
+               f"{'init' if before == INIT_STEP else f'step {before}'}); DDP keeps replicas "
+               "equal only through their gradients: a parameter changed outside them (an "
+               "update on one rank, an unsynchronized parameter or buffer) drifts"])
+
+
+def as_collective(div: Divergence | None, rank: int,
+                  caps: dict[int, tuple[Capture, Capture]]) -> Divergence | None:
+    """A value first read after a collective (``comm:<op>``, frameworks/torch/comm.py) that
+    differs, where every rank's inputs to the collectives of that step up to it matched:
+    the collective made the difference (arrival order, reduction order). None otherwise."""
+    if div is None or div.kind != "entry" or div.step is None or div.op_index is None:
+        return None
+    a, _ = caps[rank]
+    names = [a.string(int(r["name"])) for r in a.ops(div.step)
+             if int(r["index"]) == div.op_index]
+    if not names or not names[0].startswith(ENTRY_PREFIX):
+        return None  # not a value a collective wrote
+    op = names[0].removeprefix(ENTRY_PREFIX)
+    comm_a = _comm_rows(a, div.step)
+    before = [(i, r) for i, r in enumerate(comm_a) if int(r["index"]) < div.op_index
+              and a.string(int(r["name"])) == op]
+    if not before:
+        return None
+    ordinal, row = before[-1]
+    for ca, cb in caps.values():
+        ra, rb = _comm_rows(ca, div.step), _comm_rows(cb, div.step)
+        upto = min(ordinal + 1, len(ra), len(rb))
+        if any(int(x["in_fp"]) != int(y["in_fp"]) for x, y in zip(ra[:upto], rb[:upto],
+                                                                   strict=True)):
+            return None
+    source = a.string(int(row["source"])) or None
+    return replace(div, kind="collective", phase="comm", op=op, op_index=int(row["index"]),
+                   module=a.string(int(row["module"])), source=source,
+                   source_text=source_text(a, source), entry_kind=None, explained=True,
+                   notes=[*div.notes, f"its output differs while every rank's inputs to the "
+                          f"collectives up to it matched; the difference was first read at "
+                          f"record #{div.op_index}"])
+
+
+def _comm_rows(capture: Capture, step: int) -> list[np.void]:
+    return [r for r in capture.ops(step) if int(r["phase"]) == Phase.COMM
+            and int(r["kind"]) == Kind.OP]
+
+
+def _makes_difference(div: Divergence | None) -> bool:
+    return (div is not None and div.kind == "op" and div.explained
+            and not is_collective(div.op))
+
+
+def _step_of(div: Divergence | None) -> int:
+    if div is None or div.step is None:
+        return INIT_STEP if div is not None else 1 << 30
+    return div.step
+
+
 def _order(rank: int, div: Divergence | None) -> tuple[int, int, int, int]:
     assert div is not None
     step = INIT_STEP if div.step is None else div.step
-    carried = int(is_collective(div.op) or not div.explained)
+    # Anything but an op that made the difference from matching inputs may have been
+    # carried in from another rank: a collective, an op whose inputs differed with no
+    # recorded cause, a value read afresh after a collective (an entry).
+    carried = int(div.kind not in ("op", "collective") or (is_collective(div.op)
+                  and div.kind != "collective") or not div.explained)
     return (step, carried, div.op_index if div.op_index is not None else 1 << 30, rank)
 
 
@@ -133,13 +236,21 @@ def check_job(job: JobResult) -> JobResult:
         if result.hook_error:
             raise InternalChildError(result.hook_error)
     by_rank = {int(r.label.rsplit("rank", 1)[1]): r for r in job.ranks}
+    if job.stalled and not job.hung:
+        raise ScriptFailed(
+            f"run {job.label}: no rank reached nondet or sent anything for "
+            f"{job.silence:.0f} s (torchrun waiting for its rendezvous, or the ranks for "
+            f"each other?); the job was ended. Its output is in {job.log_path}",
+            details=_tail(job.log_path))
     if job.hung:
         names = ", ".join(str(r) for r in job.hung)
         steps = min((by_rank[r].steps for r in job.hung if r in by_rank), default=0)
+        silent = (f"sent nothing for {job.silence:.0f} s" if job.stalled
+                  else "went on after torchrun had exited")
         raise ScriptFailed(
-            f"run {job.label}: rank{'s' if len(job.hung) > 1 else ''} {names} sent nothing "
-            f"for too long after {steps} step(s) (a rank hangs, or waits in a collective for "
-            f"one that does); the job was ended. Its output is in {job.log_path}",
+            f"run {job.label}: rank{'s' if len(job.hung) > 1 else ''} {names} {silent}, "
+            f"after {steps} step(s) (a rank hangs, or waits in a collective for one that "
+            f"does); the job was ended. Its output is in {job.log_path}",
             details=_tail(job.log_path))
     # The rank that ended first: the others fail after it (a collective with a dead peer
     # raises) or are ended by torchrun.

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 
 from nondet import channel, distributed, jobs
@@ -102,6 +105,37 @@ def test_an_op_that_made_the_difference_outranks_a_collective_on_another_rank() 
     made = Divergence(kind="op", step=0, phase="backward", op="aten.index_put.default",
                       op_index=16)
     assert jobs._order(1, made) < jobs._order(0, carried)
+    read_after = Divergence(kind="entry", step=0, phase="optimizer",
+                            op="external:tensor float32[2000, 32]", op_index=3)
+    assert jobs._order(1, made) < jobs._order(0, read_after)
     later = Divergence(kind="op", step=1, phase="backward", op="aten.index_put.default",
                        op_index=1)
     assert jobs._order(0, carried) < jobs._order(1, later)  # an earlier step still wins
+
+
+def test_a_job_silent_before_any_rank_connected_says_so() -> None:
+    # e.g. torchrun waiting for a rendezvous that never completes: not "before any rank
+    # started" with torchrun's exit code, which would blame the script
+    job = distributed.JobResult(label="a", agent_exit_code=-1, log_path=Path("run-a.log"),
+                                ranks=[], stalled=True, silence=120.0)
+    with pytest.raises(ScriptFailed, match="no rank reached nondet or sent anything for 120 s"):
+        jobs.check_job(job)
+
+
+def _steps(*fps: int) -> Any:
+    rows = np.array([(i - 1, fp) for i, fp in enumerate(fps)],
+                    dtype=[("step", "<i8"), ("params_fp", "<u8")])
+    return SimpleNamespace(steps=rows)  # what first_desync reads of a Capture
+
+
+def test_a_replica_that_stops_matching_rank_0_is_a_desync() -> None:
+    found = jobs.first_desync({0: _steps(1, 2, 3, 4), 1: _steps(1, 2, 9, 9)}, "a")
+    assert found is not None
+    rank, div = found
+    assert (rank, div.kind, div.step, div.rank) == (1, "desync", 1, 1)
+
+
+def test_shards_that_never_matched_are_not_replicas_and_never_a_desync() -> None:
+    # model parallel / FSDP: each rank holds other parameters from the start
+    assert jobs.first_desync({0: _steps(1, 2, 3), 1: _steps(5, 6, 7)}, "a") is None
+    assert jobs.first_desync({0: _steps(1, 2, 3), 1: _steps(1, 2, 3)}, "a") is None

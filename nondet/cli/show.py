@@ -37,7 +37,10 @@ def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int
     out = app.out
     info = Table(title=cell(capture), show_header=False, box=None)
     for key in ("label", "status", "exit_code", "steps", "command", "script", "module", "seed",
-                "started", "op_steps", "nondet_format_version", "nondet_version"):
+                "started", "op_steps", "rank", "world_size", "nondet_format_version",
+                "nondet_version"):
+        if key in ("rank", "world_size") and int(c.attrs.get("world_size", 1)) <= 1:
+            continue  # one process: nothing to say
         if key in c.attrs and c.attrs[key] != "":
             info.add_row(key, cell(c.attrs[key]))
     out.print(info)

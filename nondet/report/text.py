@@ -81,6 +81,8 @@ def _verdict(report: Report) -> str:
         "structure": "the runs execute different ops",
         "init": "the initial state already differs",
         "seed": f"{escape(div.op or 'a seeding call')} received a different seed",
+        "collective": f"the collective {escape(div.op or '?')} creates the difference",
+        "desync": "a replica's parameters drift from rank 0's",
     }.get(div.kind, "the runs differ")
     if not div.localized:
         what = f"runs diverge ({escape(div.phase)})"
@@ -121,6 +123,14 @@ def _finding(div: Divergence) -> list[str]:
         out += [_row("finding", f"{step}: [bold]{escape(div.op or '')}[/] was called with "
                                 "a different seed in each run"),
                 _row("", "every value drawn from what it seeds differs from here on")]
+    elif div.kind == "collective":
+        out += [_row("finding", f"{step}, comm, op #{div.op_index}: [bold]"
+                                f"{escape(div.op or '')}[/]"),
+                _row("", "its output differs while every rank's inputs matched: the "
+                         "collective created the difference (arrival or reduction order)")]
+    elif div.kind == "desync":
+        out += [_row("finding", f"{step}: rank {div.rank}'s parameters differ from rank 0's "
+                                "(replica desync within one run)")]
     elif div.kind == "structure":
         out += [_row("finding", f"{step}, record #{div.op_index}: run a executed "
                                 f"{escape(str(div.op))}, run b {escape(str(div.op_b))}")]

@@ -59,6 +59,9 @@ def test_ddp_race_is_found_at_the_backward_op_of_rank_1(tmp_path: Path) -> None:
         with h5py.File(run["path"], "r") as f:
             assert int(f.attrs["world_size"]) == 2
             assert int(f.attrs["rank"]) == int(run["path"][-4])
+    shown = run_cli("show", report["runs"][1]["path"]).stdout
+    assert any(line.split() == ["rank", "1"] for line in shown.splitlines())
+    assert any(line.split() == ["world_size", "2"] for line in shown.splitlines())
 
 
 def test_ddp_control_is_deterministic_and_keeps_the_users_omp_setting(
@@ -104,3 +107,28 @@ def test_a_hanging_rank_ends_the_job_in_bounded_time_and_leaves_nothing(
     assert result.hung and 1 in result.hung
     assert _processes_mentioning(str(tmp_path)) == []
     assert all(not job._is_our_worker(s.pid) for s in job.ranks.values())
+
+
+def test_a_receive_from_any_source_is_a_collective_finding_on_rank_0(tmp_path: Path) -> None:
+    case = next(c for c in cases(FIXTURES)
+                if c.script.name == "anysource_recv.py" and not c.args)
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "--nproc-per-node", "3",
+                     str(case.script.relative_to(REPO)), cwd=REPO)
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    found = check_finding(case, result, report)
+    assert found is not None and found["rank"] == 0 and found["world_size"] == 3
+    assert "the collective c10d.recv_any_source_.default creates the difference" in \
+        result.stdout.splitlines()[0]
+
+
+def test_a_replica_that_drifts_is_a_desync_even_when_the_runs_agree(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "--nproc-per-node", "2",
+                     str(CONTROL.relative_to(REPO)), "--drift-rank", "1", cwd=REPO)
+    assert result.returncode == 1, result.stdout + result.stderr
+    found = json.loads(report_path.read_text())["first_divergence"]
+    assert (found["kind"], found["step"], found["rank"]) == ("desync", 1, 1), result.stdout
+    assert "rank 1's parameters differ from rank 0's" in result.stdout

@@ -86,6 +86,9 @@ class FingerprintCache:
         self.infos: dict[Any, OpInfo] = {}
         self.stamp: tuple[list[torch.Tensor], int, int] | None = None
         self.creating: tuple[str, str] | None = None  # entry label while a wrapper runs
+        # tensors a collective wrote, read afresh by their first reader: its entry is named
+        # after the collective ("comm:<op>", frameworks/torch/comm.py)
+        self.comm_outputs: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
         self.dump_at = self.session.config.dump
         self.keep_outputs = self.session.config.keep_bytes > 0
@@ -177,6 +180,7 @@ class FingerprintCache:
     def prune(self) -> None:
         """Drop cache entries of tensors that no longer exist."""
         self.cache = {k: e for k, e in self.cache.items() if e[0]() is not None}
+        self.comm_outputs = {k: e for k, e in self.comm_outputs.items() if e[0]() is not None}
 
     def forget(self, t: torch.Tensor) -> None:
         """Treat ``t`` as never seen: its next use is an entry point with a fresh fingerprint.
@@ -243,6 +247,9 @@ class FingerprintCache:
         return self.session.intern("external:tensor from a storage (aten.set_)")
 
     def entry_name(self, t: torch.Tensor) -> int:
+        comm = self.comm_outputs.pop(id(t), None)
+        if comm is not None and comm[0]() is t:
+            return self.session.intern(comm[1])
         if self.creating is not None:
             kind, what = self.creating
         else:

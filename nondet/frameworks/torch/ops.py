@@ -45,6 +45,7 @@ The fingerprint cache and the derived fingerprints are described in ``cache.py``
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.torch import cuda
+from nondet.frameworks.torch import comm, cuda
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.cache import FingerprintCache, TorchHost
 from nondet.frameworks.torch.compiled import in_region
@@ -97,6 +98,8 @@ class OpRecorder(FingerprintCache):
             phase = int(self.backend.phase)
             module = self.backend.current_module()
             source = self.session.sources.here(2)
+        if info.comm:
+            phase = int(Phase.COMM)
         ctx = (phase, module, source)
 
         if info.view:
@@ -152,7 +155,14 @@ class OpRecorder(FingerprintCache):
             for t in aux:
                 self.remember(t, Fp(value=0))
         out_fps: list[Fp] = []
-        if info.uninit_output or garbage_moved:
+        if info.comm:  # still being written until the work's wait: read later (comm.py)
+            written_by = comm.ENTRY_PREFIX + str(func)
+            for t in comm.tensors_deep((args, tuple(kwargs.values()), out)):
+                self.note_write(t)
+                self.forget(t)
+                self.comm_outputs[id(t)] = (weakref.ref(t), written_by)
+            outputs = []
+        elif info.uninit_output or garbage_moved:
             for t in outputs:
                 self.remember(t, Fp(uninit=True))
         elif info.from_storage:

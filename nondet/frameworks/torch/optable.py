@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nondet.fingerprint import name_code
+from nondet.frameworks.torch import comm
 from nondet.records import Flag
 
 #: In-place ops whose result does not depend on the old value of the tensor they write.
@@ -100,6 +101,7 @@ class OpInfo:
     pointwise: bool = False  # output derived from inputs (Note [Derived fingerprints])
     code: int = 0  # stable code of the op name
     aux: tuple[int, ...] = ()  # positions of outputs never hashed nor compared (AUX_OUTPUTS)
+    comm: bool = False  # a torch.distributed collective (comm.py): phase comm, outputs later
 
 
 
@@ -137,5 +139,5 @@ def op_info(func: Any, name_id: int) -> OpInfo:
     return OpInfo(name_id, view, frozenset(mutated_args), frozenset(mutated_kwargs),
                   frozenset(over_args), frozenset(over_kwargs), uninit, int(flags),
                   from_storage, handle, base in MOVE_OPS, pointwise, name_code(str(func)),
-                  AUX_OUTPUTS.get(base, ()))
+                  AUX_OUTPUTS.get(base, ()), comm.is_comm(func))
 

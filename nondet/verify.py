@@ -89,7 +89,8 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
                 suggestion.verified, suggestion.verify_note = True, (
                     f"verified with {interventions.describe([fix_id])}: the runs repeat over "
                     f"{outcome.steps} steps" + (f" ({'; '.join(notes)})" if notes else ""))
-                suggestion.cost_ratio = _ratio(outcome.step_time, base_time)
+                suggestion.cost_ratio = ratio(outcome.step_time, base_time)
+                suggestion.verified_with = fix_id
                 winner = suggestion
                 break
             notes.append(f"{interventions.describe([fix_id])}: " + _failure(outcome))
@@ -170,7 +171,7 @@ def step_time(*runs: np.ndarray) -> float | None:
     return statistics.median(fallback) if fallback else None
 
 
-def _ratio(with_fix: float | None, without: float | None) -> float | None:
+def ratio(with_fix: float | None, without: float | None) -> float | None:
     if not with_fix or not without:
         return None
     return round(with_fix / without, 2)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nondet.exitcodes import ExitCode
 from nondet.recipe import Suggestion
+
+if TYPE_CHECKING:
+    from nondet.sources import CombinedFix, Source
 
 REPORT_VERSION = 1
 
@@ -143,6 +146,8 @@ class Report:
     environment_drift: list[dict[str, str]] = field(default_factory=list)  # allowed drift
     # differences that never reached the training state (the verdict ignores them)
     contained: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)  # every source, in order
+    combined_fix: CombinedFix | None = None  # every verified fix together
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -166,6 +171,8 @@ class Report:
             "baseline": self.baseline,
             "environment_drift": self.environment_drift,
             "contained": self.contained,
+            "sources": [s.to_json() for s in self.sources],
+            "combined_fix": self.combined_fix.to_json() if self.combined_fix else None,
         }
 
 

@@ -278,9 +278,11 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
         from nondet.rerun import PipelineSteps  # it uses this module's steps
 
         steps = PipelineSteps(target, options, progress)
-        suggestions, written = steps.verify((), options.out_dir, suggestions, (a, b))
+        div = found.first_divergence
+        suggestions, written = steps.verify((), options.out_dir, suggestions, (a, b),
+                                            INIT_STEP if div.step is None else div.step)
         extra += written
-        first = sources.Source(found.first_divergence, suggestions)
+        first = sources.Source(div, suggestions)
         every, combined, written = sources.every_source(
             first, (a, b), steps, options.out_dir, options.budget, progress.stage,
             whole_script=result_a.status == result_b.status == "complete")

@@ -41,11 +41,12 @@ class PipelineSteps:
         return found.first_divergence, suggestions, written
 
     def verify(self, apply: tuple[str, ...], folder: Path, suggestions: list[Suggestion],
-               pair: tuple[Capture, Capture]) -> tuple[list[Suggestion], list[str]]:
+               pair: tuple[Capture, Capture], finding_step: int,
+               ) -> tuple[list[Suggestion], list[str]]:
         def run_fixed(plans: tuple[Plan, Plan], ids: tuple[str, ...],
                       ) -> tuple[RunResult, RunResult]:
             return pipeline._run_pair(self.target, plans, self._with(apply + ids, folder),
                              self.progress, judge=pipeline._until_different)
 
         return verify.verify(suggestions, pair, run_fixed, self.progress.stage,
-                             pipeline._op_steps_of(pair[0]))
+                             pipeline._op_steps_of(pair[0]), finding_step)

@@ -98,7 +98,8 @@ class Steps(Protocol):
         ...
 
     def verify(self, apply: tuple[str, ...], folder: Path, suggestions: list[Suggestion],
-               pair: tuple[Capture, Capture]) -> tuple[list[Suggestion], list[str]]:
+               pair: tuple[Capture, Capture], finding_step: int,
+               ) -> tuple[list[Suggestion], list[str]]:
         """``verify.verify`` with ``apply`` kept applied under every candidate."""
         ...
 
@@ -117,7 +118,7 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
     sources = [first]
     written: list[str] = []
     fix = first.fix
-    if (whole_script and budget.steps is None and fix is not None
+    if (whole_script and budget.steps is None and fix is not None and fix.parts_again is None
             and fix.verified_steps == _training_steps(*pair)):
         combined = _combined(sources, (fix.verified_with,))
         combined.verified, combined.verified_steps = True, fix.verified_steps
@@ -138,10 +139,15 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
         if spent >= budget.seconds:
             return sources, _combined(sources, applied, note=_out_of_time(budget, len(sources),
                                                                           "run on")), written
-        stage(f"running on with {interventions.describe(applied)}: do the runs now repeat?")
-        a, b = (open_capture(p) for p in steps.run_on(
-            applied, folder, None if budget.steps is None else budget.steps - 1))
-        written += [str(a.path), str(b.path)]
+        if last.fix.parts_again is not None:
+            # the verifying pair already ran on with every fix and parted: localize from it
+            a, b = (open_capture(p) for p in last.fix.verified_captures)
+        else:
+            stage(f"running on with {interventions.describe(applied)}: do the runs now "
+                  "repeat?")
+            a, b = (open_capture(p) for p in steps.run_on(
+                applied, folder, None if budget.steps is None else budget.steps - 1))
+            written += [str(a.path), str(b.path)]
         parted = compare.first_step_divergence(a.steps, b.steps)
         compared = _training_steps(a, b)
         if parted is None:
@@ -165,10 +171,31 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
             return sources, _combined(sources, applied, steps=compared, note=(
                 f"the runs still part {where}, but the difference could not be localized"
                 )), written
+        again = _same_as_before(sources, div)
+        if again is not None:
+            # the op an earlier fix was verified for parts the runs again: that fix only
+            # happened to hold past its step, so it is not verified after all
+            fix = again.fix
+            assert fix is not None
+            fix.verified, fix.parts_again = False, None
+            fix.verify_note = (f"did not hold: with it the same op parted the runs again "
+                               f"{where}")
+            return sources, _combined(sources, applied[:-1], steps=compared, note=(
+                f"the fix for source {sources.index(again) + 1} did not hold: the same op "
+                f"parted the runs again {where}")), written
         if suggestions and time.monotonic() - started < budget.seconds:
-            suggestions, extra = steps.verify(applied, folder, suggestions, (a, b))
+            suggestions, extra = steps.verify(applied, folder, suggestions, (a, b),
+                                              -1 if div.step is None else div.step)
             written += extra
         sources.append(Source(div, suggestions, applied))
+
+
+def _same_as_before(sources: list[Source], div: Divergence) -> Source | None:
+    for source in sources:
+        d = source.first_divergence
+        if (d.kind, d.op, d.source, d.module) == (div.kind, div.op, div.source, div.module):
+            return source
+    return None
 
 
 def _out_of_time(budget: Budget, found: int, where: str) -> str:

@@ -9,6 +9,7 @@ from nondet import recipe, sources, verify
 from nondet.exitcodes import ExitCode
 from nondet.launch import Plan, RunResult
 from nondet.report import Divergence, Report, RunSummary
+from nondet.report.junit import summary_line
 from nondet.report.text import lines
 from nondet.store import Capture, open_capture
 from tests.conftest import step_rows, write_capture
@@ -119,12 +120,18 @@ def test_each_source_is_found_with_the_earlier_fixes_applied_and_combined(
     assert combined.code == ["torch.use_deterministic_algorithms(True)",
                              "DataLoader(..., in_order=True)  # at train.py:30"]
     assert combined.note == "" and len(written) == 4  # source 2 verified, then run on
-    out = "\n".join(lines(Report("nondeterministic", ExitCode.NONDETERMINISTIC,
-                                 [RunSummary("a", 0, 6, True, "complete")] * 2,
-                                 first.first_divergence, first.suggestions, sources=found,
-                                 combined_fix=combined)))
+    report = Report("nondeterministic", ExitCode.NONDETERMINISTIC,
+                    [RunSummary("a", 0, 6, True, "complete")] * 2, first.first_divergence,
+                    first.suggestions, sources=found, combined_fix=combined)
+    out = "\n".join(lines(report))
     assert "2. step 2 (data): batch from DataLoader#0 at train.py:30" in out
     assert "with all of these, 2 runs repeat over 6 steps, step time 1.20x" in out
+    # the JUnit failure message and the GitHub annotation carry the combined fix
+    assert ("2 sources, all fixes: torch.use_deterministic_algorithms(True); "
+            "DataLoader(..., in_order=True)  # at train.py:30 (verified together over 6 "
+            "steps, step time 1.20x)") in summary_line(report)
+    assert [s["first_divergence"]["step"] for s in report.to_json()["sources"]] == [0, 2]
+    assert report.to_json()["combined_fix"]["verified_steps"] == 6
 
 
 def test_a_source_without_a_verifiable_fix_ends_the_search_and_says_so(tmp_path: Path) -> None:

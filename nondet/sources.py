@@ -223,8 +223,9 @@ def _combined(sources: list[Source], applied: tuple[str, ...], steps: int | None
             continue
         line = fix.fix
         where = source.first_divergence.source
-        if intervention.how == "patch" and where:
-            line += f"  # at {where}"
+        if intervention.how == "patch" and where:  # the user's change goes at that line
+            line = (line.replace("  # ", f"  # at {where}: ", 1) if "  # " in line
+                    else f"{line}  # at {where}")
         if line not in combined.code:
             combined.code.append(line)
     return combined

@@ -115,6 +115,7 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
     further pair is run for it)."""
     started = time.monotonic()
     base_time = verify.step_time(pair[0].steps, pair[1].steps)
+    first_last = int(max(pair[0].steps["step"].max(), pair[1].steps["step"].max()))
     sources = [first]
     written: list[str] = []
     fix = first.fix
@@ -153,7 +154,7 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
         if parted is None:
             combined = _combined(sources, applied)
             combined.verified, combined.verified_steps = compared > 0, compared
-            combined.cost_ratio = verify.ratio(verify.step_time(a.steps, b.steps), base_time)
+            combined.cost_ratio = verify.ratio(_step_time_upto(a, b, first_last), base_time)
             return sources, combined, written
         where = f"at step {parted.step}" if parted.step >= 0 else "at init"
         if len(applied) >= budget.max_fixes:
@@ -229,6 +230,12 @@ def _combined(sources: list[Source], applied: tuple[str, ...], steps: int | None
         if line not in combined.code:
             combined.code.append(line)
     return combined
+
+
+def _step_time_upto(a: Capture, b: Capture, last: int) -> float | None:
+    """Step time over the steps the first pair ran (like with like: the first steps of a
+    job, tracing and warm-up included, cost more than the later ones)."""
+    return verify.step_time(a.steps[a.steps["step"] <= last], b.steps[b.steps["step"] <= last])
 
 
 def _training_steps(a: Capture, b: Capture) -> int:

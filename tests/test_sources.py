@@ -205,3 +205,16 @@ def test_a_fix_whose_runs_still_part_at_its_own_step_is_not_verified(tmp_path: P
     (only,), _ = verify.verify(_suggestions("DATA-PT-INORDER"), pair, run_pair,
                                lambda _t: None, None, 2)
     assert only.verified is False and only.parts_again is None
+
+
+def test_bad_budgets_are_usage_errors(tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    for option, value in (("--max-fixes", "0"), ("--verify-steps", "0"),
+                          ("--verify-budget", "-5")):
+        result = run_cli("run", option, value, "--out", str(tmp_path / "out"), str(script))
+        assert result.returncode == 2, (option, result.stderr)
+        assert option in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything ran

@@ -60,6 +60,11 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
                  "every DataLoader made with in_order=True"),
     Intervention("tf.data_deterministic", "patch",
                  "every tf.data Options given with_options() made deterministic=True"),
+    Intervention("keras.pydataset_one_worker", "patch",
+                 "every keras.utils.PyDataset made with workers=1"),
+    Intervention("seeding.pin_seeds", "patch",
+                 "every seeding call (torch.manual_seed, np.random.seed, random.seed, "
+                 "tf.random.set_seed, ...) given a fixed seed instead of its value"),
     Intervention("numpy.seed_unseeded_generators", "patch",
                  "np.random.default_rng() without a seed gets one (the run's seed + its "
                  "call number)"),
@@ -192,7 +197,32 @@ def _numpy_seed_unseeded_generators(seed: int) -> None:
     setattr(np.random, "default_rng", default_rng)  # noqa: B010 - typed stubs refuse it
 
 
+def _keras_pydataset_one_worker(_seed: int) -> None:
+    import keras
+
+    cls = keras.utils.PyDataset
+    original = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        # PyDataset(workers=1, use_multiprocessing=False, max_queue_size=10) in Keras 3
+        if args:
+            args = (1, *args[1:])
+        else:
+            kwargs["workers"] = 1
+        original(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+def _seeding_pin_seeds(seed: int) -> None:
+    from nondet import seeding
+
+    seeding.PINNED = seed  # read by every recorded seeding call (seeding.SeedLog.wrap)
+
+
 _CHILD: dict[str, Callable[[int], None]] = {
+    "seeding.pin_seeds": _seeding_pin_seeds,
+    "keras.pydataset_one_worker": _keras_pydataset_one_worker,
     "torch.deterministic": _torch_deterministic,
     "torch.deterministic_warn_only": _torch_deterministic_warn_only,
     "torch.one_thread": _torch_one_thread,

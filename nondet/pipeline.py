@@ -9,7 +9,8 @@
 3. Apply the injection rule to the op records; then re-run both once more up to the
    finding and save its outputs, to count how many elements differ and by how much.
 4. Look the finding up in the recipe table; with ``Options.verify``, re-run the pair with
-   each suggested fix applied from outside until one makes the runs repeat (``verify``).
+   each suggested fix applied from outside until one makes the runs repeat (``verify``),
+   then run on with it applied to find every further source (``sources``).
 5. Build the report once from these parts.
 """
 
@@ -18,13 +19,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import baseline, compare, environment, interventions, jobs, outdir, schedule, verify
+from nondet import baseline, compare, environment, interventions, jobs, outdir, schedule, sources
 from nondet.analysis import (
     GROWTH_STEPS,
     Comparison,
@@ -66,6 +67,7 @@ class Options:
     schedule: str = "lockstep"  # or "sequential" (see nondet.schedule, default_schedule)
     apply: tuple[str, ...] = ()  # interventions applied to every run (nondet.interventions)
     verify: bool = False  # re-run with the suggested fixes applied (nondet.verify)
+    budget: sources.Budget = field(default_factory=sources.Budget)  # every source's search
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -274,18 +276,26 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
     """Compare two finished runs; narrow down, measure and explain what differs."""
     a, b = open_capture(result_a.path), open_capture(result_b.path)
     found, suggestions, extra = _explain(target, options, progress, a, b)
+    every: list[sources.Source] = []
+    combined = None
     if options.verify and found.first_divergence is not None and suggestions:
-        def run_fixed(plans: tuple[Plan, Plan], ids: tuple[str, ...],
-                      ) -> tuple[RunResult, RunResult]:
-            return _run_pair(target, plans, replace(options, apply=ids), progress,
-                             judge=_until_different)
+        from nondet.rerun import PipelineSteps  # it uses this module's steps
 
-        suggestions, written = verify.verify(suggestions, (a, b), run_fixed, progress.stage,
-                                             _op_steps_of(a))
+        steps = PipelineSteps(target, options, progress)
+        div = found.first_divergence
+        suggestions, written = steps.verify((), options.out_dir, suggestions, (a, b),
+                                            INIT_STEP if div.step is None else div.step)
         extra += written
-    return found.report(runs=[_summary(r) for r in (result_a, result_b)],
-                        captures=[str(a.path), str(b.path), *extra],
-                        command=target.describe(), suggestions=suggestions)
+        first = sources.Source(div, suggestions)
+        every, combined, written = sources.every_source(
+            first, (a, b), steps, options.out_dir, options.budget, progress.stage,
+            whole_script=result_a.status == result_b.status == "complete")
+        extra += written
+    report = found.report(runs=[_summary(r) for r in (result_a, result_b)],
+                          captures=[str(a.path), str(b.path), *extra],
+                          command=target.describe(), suggestions=suggestions)
+    report.sources, report.combined_fix = every, combined
+    return report
 
 
 def _explain(target: Target, options: Options, progress: ProgressSink, a: Capture,

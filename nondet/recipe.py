@@ -81,13 +81,18 @@ class Suggestion:
     verified_steps: int | None = None  # steps the two verifying runs compared
     cost_ratio: float | None = None  # step time with the fix / without it
     verify_note: str = ""  # what verification found, one line ("did not help", the error)
+    verified_with: str = ""  # the intervention id under which the runs repeated
+    parts_again: int | None = None  # verified for this source; another parts them here
+    verified_captures: tuple[str, ...] = ()  # the verifying pair (to localize parts_again)
 
     def to_json(self) -> dict[str, Any]:
         r = self.recipe
         return {
             "id": r.id, "cause": r.cause, "fix": self.fix, "verified": self.verified,
             "verified_steps": self.verified_steps, "cost_ratio": self.cost_ratio,
-            "verify_note": self.verify_note, "apply": list(r.apply),
+            "verify_note": self.verify_note, "verified_with": self.verified_with or None,
+            "parts_again_at": self.parts_again,
+            "apply": list(r.apply),
             "title": r.title, "fix_kind": self.fix_kind, "where": r.where,
             "applies": self.applies, "applies_here": self.applies_here, "cost": r.cost,
             "note": self.note or r.note, "details": self.details, "sources": list(r.sources),

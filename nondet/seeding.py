@@ -51,6 +51,12 @@ FRAMEWORK_PACKAGES = frozenset({"nondet", "torch", "tensorflow", "keras", "tf_ke
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: Set by the ``seeding.pin_seeds`` intervention (``nondet.interventions``): every seeding
+#: call from outside the frameworks then receives this base plus its call number instead of
+#: the number it was given (a seed read from the clock included), so a fix for a varying
+#: seed can be verified without editing the script.
+PINNED: int | None = None
+
 
 @dataclass(frozen=True)
 class CallSite:
@@ -105,6 +111,7 @@ class SeedLog:
         self._users: dict[CodeType, bool] = {}  # is_users per code object (a dataset may
         # seed once per sample: the walk stays a few dict lookups)
         self.disabled = False
+        self._pins = 0  # seeding calls pinned so far (see PINNED)
         script = getattr(session.config, "script", None)
         self._root = os.path.realpath(os.path.dirname(os.path.abspath(script)) if script
                                       else os.getcwd()) + os.sep
@@ -194,6 +201,8 @@ class SeedLog:
         @functools.wraps(function)
         def seeding(*args: Any, **kwargs: Any) -> Any:
             if not getattr(log._local, "depth", 0):
+                if PINNED is not None:
+                    args, kwargs = log.pinned(args, kwargs, sys._getframe(1))
                 log.record(api, _safe_seed(seed_of, args, kwargs), sys._getframe(1))
             log._local.depth = getattr(log._local, "depth", 0) + 1
             try:
@@ -202,6 +211,27 @@ class SeedLog:
                 log._local.depth -= 1
 
         return seeding  # type: ignore[return-value]
+
+    def pinned(self, args: tuple[Any, ...], kwargs: dict[str, Any], frame: FrameType,
+               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments with a plain-number seed replaced by ``PINNED`` plus the call
+        number (calls the frameworks make themselves keep theirs). Never raises: on any
+        trouble the arguments are returned as they were."""
+        try:
+            if PINNED is None or self.call_site(frame) is None:
+                return args, kwargs
+            def number(x: Any) -> bool:
+                return isinstance(x, int | float) and not isinstance(x, bool)
+            value = (PINNED + self._pins) % 2**31
+            if args and number(args[0]):
+                self._pins += 1
+                return (type(args[0])(value), *args[1:]), kwargs
+            if number(kwargs.get("seed")):
+                self._pins += 1
+                return args, {**kwargs, "seed": type(kwargs["seed"])(value)}
+        except Exception:
+            self.failed()
+        return args, kwargs
 
     def nested(self) -> bool:
         """Inside a recorded seeding call (its own seeding calls are not recorded again)."""

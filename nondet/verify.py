@@ -12,6 +12,11 @@ help (its error line is kept), and the next is tried; one the child could not ap
 with no intervention are a code change only the user can make (``verified`` stays None).
 At most ``MAX_TRIES`` pairs are run per finding.
 
+Given the finding's step, a fix also counts as verified when the runs with it repeat
+through that step and part only later: it removed this source, and what parts them then
+is another one (``Suggestion.parts_again``; ``nondet.sources`` localizes it from the
+verifying pair's captures, ``Suggestion.verified_captures``).
+
 The cost is the median step time of the fixed pair against the first pair's, from the
 step rows' wall clock (steps without op records, so the op window does not count),
 else wall time per step.
@@ -50,11 +55,13 @@ class Outcome:
     error: str = ""  # the script failed with the intervention: its error line
     captures: tuple[str, ...] = ()
     not_applied: str = ""  # the child could not apply it: its line (see apply_requested)
+    parted_at: int | None = None  # the step the runs with it parted, if they did
 
 
 def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
            run_pair: RunPair, stage: Callable[[str], None],
-           op_steps: list[int] | None = None) -> tuple[list[Suggestion], list[str]]:
+           op_steps: list[int] | None = None, finding_step: int | None = None,
+           ) -> tuple[list[Suggestion], list[str]]:
     """The suggestions with ``verified``, steps and cost filled in (the verified one first),
     and the captures the verification runs wrote."""
     a, b = first
@@ -85,11 +92,20 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
                 tried[fix_id] = outcome
                 written += outcome.captures
             suggestion.verified_steps = outcome.steps
-            if outcome.repeated:
+            removed = (finding_step is not None and outcome.parted_at is not None
+                       and outcome.parted_at > finding_step and not outcome.not_applied)
+            if outcome.repeated or removed:
+                repeat = (f"the runs repeat over {outcome.steps} steps" if outcome.repeated
+                          else f"the runs repeat past step {_name(finding_step)} and part "
+                               f"again at step {outcome.parted_at} (another source)")
                 suggestion.verified, suggestion.verify_note = True, (
-                    f"verified with {interventions.describe([fix_id])}: the runs repeat over "
-                    f"{outcome.steps} steps" + (f" ({'; '.join(notes)})" if notes else ""))
-                suggestion.cost_ratio = _ratio(outcome.step_time, base_time)
+                    f"verified with {interventions.describe([fix_id])}: {repeat}"
+                    + (f" ({'; '.join(notes)})" if notes else ""))
+                if removed:
+                    suggestion.parts_again = outcome.parted_at
+                    suggestion.verified_captures = outcome.captures
+                suggestion.cost_ratio = ratio(outcome.step_time, base_time)
+                suggestion.verified_with = fix_id
                 winner = suggestion
                 break
             notes.append(f"{interventions.describe([fix_id])}: " + _failure(outcome))
@@ -130,8 +146,15 @@ def _try(fix_id: str, number: int, last: int, op_steps: list[int] | None,
     steps = len({s for s in ca.steps["step"].tolist() if s >= 0}
                 & set(cb.steps["step"].tolist()))  # training steps: init is not one
     not_applied = _not_applied(ra, fix_id) or _not_applied(rb, fix_id)
+    if parted is not None:  # steps repeated: those before the one they parted at
+        steps = len({s for s in ca.steps["step"].tolist() if 0 <= s < parted.step})
     return Outcome(repeated and not not_applied, steps, step_time(ca.steps, cb.steps),
-                   captures=captures, not_applied=not_applied)
+                   captures=captures, not_applied=not_applied,
+                   parted_at=None if parted is None else parted.step)
+
+
+def _name(step: int | None) -> str:
+    return "init" if step is None or step < 0 else str(step)
 
 
 def _not_applied(result: RunResult, fix_id: str) -> str:
@@ -170,7 +193,7 @@ def step_time(*runs: np.ndarray) -> float | None:
     return statistics.median(fallback) if fallback else None
 
 
-def _ratio(with_fix: float | None, without: float | None) -> float | None:
+def ratio(with_fix: float | None, without: float | None) -> float | None:
     if not with_fix or not without:
         return None
     return round(with_fix / without, 2)

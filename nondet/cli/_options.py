@@ -88,6 +88,25 @@ def _remember_nproc(ctx: click.Context, _param: click.Parameter,
     ctx.meta["nondet.nproc_per_node"] = value  # read by make_target (run and check alike)
 
 
+def verify_options(command: F) -> F:
+    """--max-fixes, --verify-steps, --verify-budget: how far fix verification goes."""
+    for option in reversed([
+        click.option("--max-fixes", type=click.IntRange(min=1), default=3, show_default=True,
+                     metavar="N",
+                     help="Verify fixes for at most N sources (each verified fix stays "
+                          "applied while the next source is looked for)."),
+        click.option("--verify-steps", type=click.IntRange(min=1), metavar="N",
+                     help="Steps the runs with every verified fix compare (default: the whole "
+                          "script, or --max-steps)."),
+        click.option("--verify-budget", type=click.FloatRange(min=0, min_open=True),
+                     default=900, show_default=True, metavar="SECONDS",
+                     help="Wall time for finding further sources; what is left unexamined "
+                          "when it runs out is said in the report."),
+    ]):
+        command = option(command)
+    return command
+
+
 def _known_fixes(_ctx: click.Context, _param: click.Parameter,
                  value: tuple[str, ...]) -> tuple[str, ...]:
     from nondet import interventions
@@ -213,13 +232,17 @@ def invocation(out_dir: Path) -> Iterator[Path]:
 
 
 def make_options(*, seed: int, out_dir: Path, ops: str, max_steps: int | None, schedule: str,
-                 verbose: bool, apply: tuple[str, ...] = (), verify: bool = False) -> Any:
+                 verbose: bool, apply: tuple[str, ...] = (), verify: bool = False,
+                 max_fixes: int = 3, verify_steps: int | None = None,
+                 verify_budget: float = 900) -> Any:
     from nondet import pipeline
+    from nondet.sources import Budget
 
     return pipeline.Options(
         seed=seed, out_dir=out_dir, ops_all=ops == "all", max_steps=max_steps, echo=verbose,
         schedule=pipeline.default_schedule() if schedule == "auto" else schedule,
-        apply=tuple(apply), verify=verify)
+        apply=tuple(apply), verify=verify,
+        budget=Budget(max_fixes=max_fixes, steps=verify_steps, seconds=verify_budget))
 
 
 def check_html_file(path: Path | None) -> None:

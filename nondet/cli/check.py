@@ -19,6 +19,7 @@ from nondet.cli._options import (
     require_utf8,
     source_root,
     target_options,
+    verify_options,
     write_html,
     write_output,
 )
@@ -77,13 +78,15 @@ def _raw_value(args: list[str], option: str) -> str | None:
 @click.option("--verify-fix", is_flag=True,
               help="When the runs differ, re-run with the suggested fixes applied to verify "
                    "them (as `nondet run` does).")
+@verify_options
 @click.option("-v", "--verbose", is_flag=True,
               help="Progress, the script's own output and the full report.")
 @click.pass_obj
 def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Path | None,
           html_path: Path | None, ops: str, max_steps: int | None, runs: int, schedule: str,
           apply: tuple[str, ...],
-          verify_fix: bool, junit_path: Path | None,
+          verify_fix: bool, max_fixes: int, verify_steps: int | None, verify_budget: float,
+          junit_path: Path | None,
           baseline_path: Path | None, update_baseline: bool, allow_env_drift: bool,
           allow_script_change: bool, verbose: bool, script_and_args: tuple[str, ...]) -> int:
     """Check that SCRIPT is deterministic: exit 0 if its runs are bitwise identical, 1 if not.
@@ -114,7 +117,9 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
         with invocation(out_dir) as own_dir:
             options = make_options(seed=seed, out_dir=own_dir, ops=ops, max_steps=max_steps,
                                    schedule=schedule, verbose=verbose,
-                                   apply=apply, verify=verify_fix and not apply)
+                                   apply=apply, verify=verify_fix and not apply,
+                                   max_fixes=max_fixes, verify_steps=verify_steps,
+                                   verify_budget=verify_budget)
             with Progress(app.err, quiet=not verbose) as progress:
                 if update_baseline:
                     assert baseline_path is not None

@@ -16,6 +16,7 @@ from nondet.cli._options import (
     make_target,
     source_root,
     target_options,
+    verify_options,
     write_html,
     write_output,
 )
@@ -30,13 +31,15 @@ from nondet.exitcodes import EPILOG
 @target_options
 @click.option("--no-verify", is_flag=True,
               help="Do not re-run with the suggested fixes applied to verify them.")
+@verify_options
 @click.option("-q", "--quiet", is_flag=True, help="Only the report, no progress.")
 @click.option("-v", "--verbose", is_flag=True, help="Also show the script's own output.")
 @click.pass_obj
 def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Path | None,
         html_path: Path | None, ops: str, max_steps: int | None, runs: int, schedule: str,
         apply: tuple[str, ...],
-        no_verify: bool, quiet: bool, verbose: bool,
+        no_verify: bool, max_fixes: int, verify_steps: int | None, verify_budget: float,
+        quiet: bool, verbose: bool,
         script_and_args: tuple[str, ...]) -> int:
     """Run SCRIPT twice with the same seed and find where the runs first differ.
 
@@ -54,7 +57,8 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
     with invocation(out_dir) as own_dir:
         options = make_options(seed=seed, out_dir=own_dir, ops=ops, max_steps=max_steps,
                                schedule=schedule, verbose=verbose, apply=apply,
-                               verify=not no_verify and not apply)
+                               verify=not no_verify and not apply, max_fixes=max_fixes,
+                               verify_steps=verify_steps, verify_budget=verify_budget)
         with Progress(app.err, quiet=quiet) as progress:
             if runs > 2:
                 report = pipeline.repeat(target, options, progress, runs)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nondet.exitcodes import ExitCode
 from nondet.recipe import Suggestion
+
+if TYPE_CHECKING:
+    from nondet.sources import CombinedFix, Source
 
 REPORT_VERSION = 1
 
@@ -204,6 +207,8 @@ class Report:
     contained: list[dict[str, Any]] = field(default_factory=list)
     # what run a ran on (versions, hardware, the variables that change numbers)
     environment: dict[str, str] = field(default_factory=dict)
+    sources: list[Source] = field(default_factory=list)  # every source, in order
+    combined_fix: CombinedFix | None = None  # every verified fix together
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -228,6 +233,8 @@ class Report:
             "environment_drift": self.environment_drift,
             "contained": self.contained,
             "environment": self.environment,
+            "sources": [s.to_json() for s in self.sources],
+            "combined_fix": self.combined_fix.to_json() if self.combined_fix else None,
         }
 
 

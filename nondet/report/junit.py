@@ -77,4 +77,11 @@ def summary_line(report: Report) -> str:
         if first.verified:  # re-run with it applied: the runs repeated
             cost = f", cost {first.cost_ratio:.2f}x step time" if first.cost_ratio else ""
             line += f" (verified over {first.verified_steps} steps{cost})"
+    combined = report.combined_fix
+    if combined is not None and len(report.sources) > 1:
+        fixes = "; ".join([f"{k}={v}" for k, v in combined.env.items()] + combined.code)
+        line += f"; {len(report.sources)} sources, all fixes: {fixes}"
+        if combined.verified:
+            cost = f", step time {combined.cost_ratio:.2f}x" if combined.cost_ratio else ""
+            line += f" (verified together over {combined.verified_steps} steps{cost})"
     return line

@@ -58,6 +58,8 @@ def lines(report: Report) -> list[str]:
         out += ["", *_suggestions(report)]
     if report.growth and div is not None:
         out += ["", *_growth(report)]
+    if report.combined_fix is not None:
+        out += ["", *_sources(report)]
     notes = [*(div.notes if div else []), *report.notes]
     if notes:
         out += [""] + [_row("note" if i == 0 else "", escape(n)) for i, n in enumerate(notes)]
@@ -191,6 +193,39 @@ def _suggestions(report: Report) -> list[str]:
         out.append(_row("also" if i == 0 else "",
                         f"[{escape(s.recipe.id)}] {escape(s.recipe.title)}: {escape(s.fix)}"
                         + (f" ({escape(_verification(s))})" if s.verified is not None else "")))
+    return out
+
+
+def _sources(report: Report) -> list[str]:
+    """Every source in order with its verified fix, then the combined fix."""
+    out = []
+    for n, source in enumerate(report.sources, start=1):
+        d = source.first_divergence
+        where = "init" if d.step is None else f"step {d.step}"
+        what = d.op or ", ".join(d.step_fields) or d.kind
+        line = f"{n}. {where} ({d.phase}): {what}"
+        line += (f" at {d.source}" if d.source else "") + (f" in {d.module}" if d.module else "")
+        out.append(_row("sources" if n == 1 else "", escape(line)))
+        fix = source.fix
+        if fix is not None:
+            out.append(_row("", escape(f"   [{fix.recipe.id}] {fix.fix} ({_verification(fix)})")))
+        elif source.suggestions:
+            first = source.suggestions[0]
+            why = f": {first.verify_note}" if first.verify_note else ""
+            out.append(_row("", escape(f"   [{first.recipe.id}] {first.fix} (no fix verified"
+                                       f"{why})")))
+    combined = report.combined_fix
+    assert combined is not None
+    lines = [f"{k}={v}" for k, v in combined.env.items()] + combined.code
+    for i, text in enumerate(lines):
+        out.append(_row("all fixes" if i == 0 else "", f"[bold]{escape(text)}[/]"))
+    runs = len(report.runs)
+    if combined.verified:
+        cost = f", step time {combined.cost_ratio:.2f}x" if combined.cost_ratio else ""
+        out.append(_row("", f"with all of these, {runs} runs repeat over "
+                            f"{combined.verified_steps} steps{cost}"))
+    if combined.note:
+        out.append(_row("", escape(combined.note)))
     return out
 
 

@@ -1,0 +1,220 @@
+"""Every source (nondet.sources): the search after the first verified fix, on synthetic
+captures, with the pipeline's steps replaced by a fake that records what it was asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nondet import recipe, sources, verify
+from nondet.exitcodes import ExitCode
+from nondet.launch import Plan, RunResult
+from nondet.report import Divergence, Report, RunSummary
+from nondet.report.junit import summary_line
+from nondet.report.text import lines
+from nondet.store import Capture, open_capture
+from tests.conftest import step_rows, write_capture
+
+
+def _suggestions(*ids: str) -> list[recipe.Suggestion]:
+    by_id = {r.id: r for r in recipe.load()}
+    return [recipe.Suggestion(by_id[i], by_id[i].fix, by_id[i].fix_kind, "", True)
+            for i in ids]
+
+
+class _Files:
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.count = folder, 0
+
+    def pair(self, a: list[int], b: list[int], wall: float = 1.0) -> tuple[Path, Path]:
+        self.count += 1
+        out = []
+        for name, params in (("a", a), ("b", b)):
+            rows = step_rows(*({"step": i, "params_fp": p, "wall": (i + 1) * wall}
+                               for i, p in enumerate(params)))
+            out.append(write_capture(self.folder / f"{name}{self.count}.h5", rows))
+        return out[0], out[1]
+
+
+def _results(pa: Path, pb: Path) -> tuple[RunResult, RunResult]:
+    out = []
+    for p in (pa, pb):
+        p.with_suffix(".log").write_text("")
+        out.append(RunResult(p.stem, p, p.with_suffix(".log"), "complete", 0, 3))
+    return out[0], out[1]
+
+
+SAME = [1, 2, 3, 4, 5, 6]
+
+
+class _Job:
+    """A job with sources at step 0 (threads, fixed by torch.deterministic), step 2 (data
+    order, fixed by torch.dataloader_in_order) and, if ``third``, step 4 (fixed by nothing
+    nondet can apply)."""
+
+    def __init__(self, files: _Files, third: bool = False, wall_all: float = 1.2) -> None:
+        self.files, self.third, self.wall_all = files, third, wall_all
+        self.explained: list[tuple[str, ...]] = []
+        self.ran_on: list[tuple[str, ...]] = []
+
+    def _pair(self, applied: tuple[str, ...], wall: float = 1.0) -> tuple[Path, Path]:
+        parts = [s for s, fix in ((0, "torch.deterministic"), (2, "torch.dataloader_in_order"),
+                                  (4, "none") if self.third else (99, "")) if fix not in applied]
+        if not parts or parts[0] >= len(SAME):
+            return self.files.pair(SAME, SAME, wall)
+        at = parts[0]
+        return self.files.pair(SAME, SAME[:at] + [x + 100 for x in SAME[at:]], wall)
+
+    def run_on(self, apply: tuple[str, ...], folder: Path,
+               stop_after: int | None) -> tuple[Path, Path]:
+        assert folder.is_dir()
+        self.ran_on.append(apply)
+        return self._pair(apply, self.wall_all)
+
+    def explain(self, apply: tuple[str, ...], folder: Path, a: Capture, b: Capture,
+                ) -> tuple[Divergence | None, list[recipe.Suggestion], list[str]]:
+        self.explained.append(apply)
+        step = next(int(r["step"]) for r, s in zip(a.steps, b.steps, strict=False)
+                    if r["params_fp"] != s["params_fp"])
+        if step == 2:
+            return (Divergence("entry", 2, "data", op="batch from DataLoader#0",
+                               source="train.py:30"), _suggestions("DATA-PT-INORDER"), [])
+        if step == 0:  # the first source again
+            return (Divergence("op", 0, "backward", op="aten.index_put.default",
+                               source="train.py:12"), _suggestions("PT-GETITEM-CPU"), [])
+        return (Divergence("entry", step, "forward", op="torch.from_numpy",
+                           source="train.py:40"), _suggestions("PY-NP-GENERATOR"), [])
+
+    def verify(self, apply: tuple[str, ...], folder: Path, suggestions: list[recipe.Suggestion],
+               pair: tuple[Capture, Capture], finding_step: int,
+               ) -> tuple[list[recipe.Suggestion], list[str]]:
+        def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]
+                     ) -> tuple[RunResult, RunResult]:
+            return _results(*self._pair(apply + ids))
+
+        return verify.verify(suggestions, pair, run_pair, lambda _t: None, None, finding_step)
+
+
+def _first(job: _Job) -> tuple[sources.Source, tuple[Capture, Capture]]:
+    pa, pb = job._pair(())
+    pair = (open_capture(pa), open_capture(pb))
+    div = Divergence("op", 0, "backward", op="aten.index_put.default", source="train.py:12")
+    suggestions, _ = job.verify((), job.files.folder, _suggestions("PT-GETITEM-CPU"), pair, 0)
+    return sources.Source(div, suggestions), pair
+
+
+def test_each_source_is_found_with_the_earlier_fixes_applied_and_combined(
+        tmp_path: Path) -> None:
+    job = _Job(_Files(tmp_path))
+    first, pair = _first(job)
+    # the fix for step 0 removed that source; the runs with it part again at step 2
+    assert first.fix is not None and first.fix.parts_again == 2
+    found, combined, written = sources.every_source(first, pair, job, tmp_path,
+                                                    sources.Budget(), lambda _t: None)
+    assert [(s.first_divergence.step, s.suggestions[0].recipe.id, s.suggestions[0].verified)
+            for s in found] == [(0, "PT-GETITEM-CPU", True), (2, "DATA-PT-INORDER", True)]
+    assert found[1].applied == ("torch.deterministic",)  # found with the first fix in place
+    assert job.explained == [("torch.deterministic",)]
+    assert job.ran_on == [("torch.deterministic", "torch.dataloader_in_order")]
+    assert combined is not None and combined.verified is True
+    assert (combined.verified_steps, combined.cost_ratio) == (6, 1.2)
+    assert combined.code == ["torch.use_deterministic_algorithms(True)",
+                             "DataLoader(..., in_order=True)  # at train.py:30"]
+    assert combined.note == "" and len(written) == 4  # source 2 verified, then run on
+    report = Report("nondeterministic", ExitCode.NONDETERMINISTIC,
+                    [RunSummary("a", 0, 6, True, "complete")] * 2, first.first_divergence,
+                    first.suggestions, sources=found, combined_fix=combined)
+    out = "\n".join(lines(report))
+    assert "2. step 2 (data): batch from DataLoader#0 at train.py:30" in out
+    assert "with all of these, 2 runs repeat over 6 steps, step time 1.20x" in out
+    # the JUnit failure message and the GitHub annotation carry the combined fix
+    assert ("2 sources, all fixes: torch.use_deterministic_algorithms(True); "
+            "DataLoader(..., in_order=True)  # at train.py:30 (verified together over 6 "
+            "steps, step time 1.20x)") in summary_line(report)
+    assert [s["first_divergence"]["step"] for s in report.to_json()["sources"]] == [0, 2]
+    assert report.to_json()["combined_fix"]["verified_steps"] == 6
+
+
+def test_a_source_without_a_verifiable_fix_ends_the_search_and_says_so(tmp_path: Path) -> None:
+    job = _Job(_Files(tmp_path), third=True)
+    first, pair = _first(job)
+    found, combined, _ = sources.every_source(first, pair, job, tmp_path, sources.Budget(),
+                                              lambda _t: None)
+    assert [s.first_divergence.step for s in found] == [0, 2, 4]
+    assert found[2].fix is None  # PY-NP-GENERATOR's patch did not help this fake source
+    assert combined is not None and combined.verified is False
+    assert "source 3 has no fix nondet could verify" in combined.note
+    assert combined.apply == ("torch.deterministic", "torch.dataloader_in_order")
+
+
+def test_max_fixes_stops_the_search_and_says_what_was_left(tmp_path: Path) -> None:
+    job = _Job(_Files(tmp_path))
+    first, pair = _first(job)
+    first.fix.parts_again = None  # type: ignore[union-attr]  # so the search runs on itself
+    found, combined, _ = sources.every_source(first, pair, job, tmp_path,
+                                              sources.Budget(max_fixes=1), lambda _t: None)
+    assert len(found) == 1 and job.explained == []
+    assert combined is not None and combined.verified is False
+    assert "still part at step 2" in combined.note and "--max-fixes" in combined.note
+
+
+def test_the_time_budget_stops_the_search_and_says_what_was_left(tmp_path: Path) -> None:
+    job = _Job(_Files(tmp_path))
+    first, pair = _first(job)
+    found, combined, _ = sources.every_source(first, pair, job, tmp_path,
+                                              sources.Budget(seconds=1e-9), lambda _t: None)
+    assert len(found) == 1 and job.explained == [] and job.ran_on == []
+    assert combined is not None and combined.verified is False
+    assert "--verify-budget" in combined.note and "not examined" in combined.note
+
+
+def test_a_fix_whose_op_parts_the_runs_again_is_withdrawn(tmp_path: Path) -> None:
+    """A race that happened not to strike at its step in the verifying pair: the same op
+    parts the runs later, so the fix was not verified after all."""
+    job = _Job(_Files(tmp_path))
+    first, pair = _first(job)
+    job._pair = lambda applied, wall=1.0: job.files.pair(  # type: ignore[method-assign]
+        SAME, SAME[:2] + [x + 100 for x in SAME[2:]], wall)
+    job.explain = lambda apply, folder, a, b: (  # type: ignore[method-assign]
+        Divergence("op", 3, "backward", op="aten.index_put.default", source="train.py:12"),
+        _suggestions("PT-GETITEM-CPU"), [])
+    found, combined, _ = sources.every_source(first, pair, job, tmp_path, sources.Budget(),
+                                              lambda _t: None)
+    assert found[0].suggestions[0].verified is False
+    assert "did not hold" in found[0].suggestions[0].verify_note
+    assert combined is not None and combined.verified is False
+
+
+def test_no_search_without_a_verified_first_fix(tmp_path: Path) -> None:
+    job = _Job(_Files(tmp_path))
+    pa, pb = job._pair(())
+    pair = (open_capture(pa), open_capture(pb))
+    first = sources.Source(Divergence("op", 0, "backward"), _suggestions("PY-SEED-VARIES"))
+    found, combined, written = sources.every_source(first, pair, job, tmp_path,
+                                                    sources.Budget(), lambda _t: None)
+    assert (len(found), combined, written, job.ran_on) == (1, None, [], [])
+
+
+def test_a_fix_whose_runs_still_part_at_its_own_step_is_not_verified(tmp_path: Path) -> None:
+    files = _Files(tmp_path)
+    pa, pb = files.pair(SAME, [*SAME[:2], 0, 0, 0, 0])
+    pair = (open_capture(pa), open_capture(pb))
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        return _results(*files.pair(SAME, [*SAME[:2], 0, 0, 0, 0]))  # parts at step 2 still
+
+    (only,), _ = verify.verify(_suggestions("DATA-PT-INORDER"), pair, run_pair,
+                               lambda _t: None, None, 2)
+    assert only.verified is False and only.parts_again is None
+
+
+def test_bad_budgets_are_usage_errors(tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    for option, value in (("--max-fixes", "0"), ("--verify-steps", "0"),
+                          ("--verify-budget", "-5")):
+        result = run_cli("run", option, value, "--out", str(tmp_path / "out"), str(script))
+        assert result.returncode == 2, (option, result.stderr)
+        assert option in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything ran

@@ -25,6 +25,7 @@ class TrackedVariable:
     name: str
     source: str
     group: Group  # PARAM (trainable), BUFFER, OPTIM or DATA (random generator states)
+    initialized: bool = False  # known to be (asked on the host until it is: statehash.py)
 
 
 def variable_group(variable: Any, creating_files: str) -> Group:

@@ -68,6 +68,9 @@ class Plan:
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
     lockstep: bool = False  # take turns with another run (schedule.Lockstep)
     keep_bytes: int = 0  # keep op outputs of op-captured steps, for dump requests
+    # op_steps is the first pair's default window: a framework whose op-level capture costs
+    # the whole run (TensorFlow) may record none and say so (session.ChildConfig)
+    ops_optional: bool = False
 
 
 @dataclass
@@ -131,6 +134,7 @@ class CapturedRun(RunStream):
             module=self.target.module, args=list(self.target.args),
             op_steps=self.plan.op_steps, stop_after=self.plan.stop_after, dump=self.plan.dump,
             lockstep=self.plan.lockstep, keep_bytes=self.plan.keep_bytes,
+            ops_optional=self.plan.ops_optional,
         )
         try:
             ensure_space(self.path, 0)

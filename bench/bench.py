@@ -1,18 +1,22 @@
 """nondet's benchmark: overheads as ratios against a plain run in the same invocation.
 
-    python bench/bench.py [--framework torch|tensorflow] [--steps N] [--repeat K]
-                          [--write docs/benchmarks.md]
+    python bench/bench.py [--framework torch|tensorflow] [--model reference|narrow]
+                          [--steps N] [--repeat K] [--write docs/benchmarks.md]
 
-Measures, for each framework on its reference CPU model (bench/model_torch.py and
-bench/model_tf.py: the same small CNN with batch norm, dropout and Adam):
+Measures, for each framework on two CPU models (bench/model_torch.py and bench/model_tf.py:
+the reference CNN with batch norm, dropout and Adam, and its narrow-activation variant,
+``--narrow``, with 16-32 channels and a step of about 25 ms):
 
 - step-level capture: median step time captured / plain (target <= 1.05)
 - op-level capture of every op: median step time captured / plain (target <= 1.5 torch,
-  <= 2 TensorFlow)
-- ``nondet run`` on the deterministic script: wall time / one plain run (target <= 2.2)
+  <= 2 TensorFlow), and per op against PyTorch's DebugMode logging a tensor hash of every
+  op output (torch only; target: no dearer, or within 1.2x)
+- ``nondet run`` on the deterministic script: wall time / one plain run (target <= 2.2),
+  and its peak resident memory (nondet and both runs) / twice one plain run's
 - ``nondet run`` on a variant that diverges at step 0: wall time / one plain run of that
   variant (target <= 1.3)
-- bytes per op record: in memory and on disk after compression (target <= 64)
+- capture size: bytes per op record in memory and on disk (target <= 64), file bytes per
+  step of a step-level and of an op-level capture
 
 Each round runs every configuration right after a plain run and takes the ratio of the
 two; the result is the median over ``--repeat`` rounds (on a noisy shared machine the
@@ -24,133 +28,141 @@ from __future__ import annotations
 
 import argparse
 import platform
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from measure import (  # noqa: E402
+    capture_per_step,
+    captured_run,
+    logged_ops,
+    median_ms,
+    nondet_run,
+    op_record_bytes,
+    plain_run,
+    timed,
+)
+
 MODELS = {"torch": REPO / "bench" / "model_torch.py",
           "tensorflow": REPO / "bench" / "model_tf.py"}
-sys.path.insert(0, str(REPO))
-
-TARGETS = {"step": 1.05, "run_det": 2.2, "run_div": 1.3, "bytes": 64}
+VARIANTS = {"reference": [], "narrow": ["--narrow"]}
+TARGETS = {"step": 1.05, "run_det": 2.2, "run_div": 1.3, "bytes": 64, "per_op": 1.2}
 OPS_TARGET = {"torch": 1.5, "tensorflow": 2.0}  # DESIGN.md section 9
-
-
-def plain_run(model: Path, args: list[str]) -> tuple[float, float]:
-    """(wall seconds, median step ms) of the script run directly with Python."""
-    start = time.perf_counter()
-    out = subprocess.run([sys.executable, str(model), *args], capture_output=True, text=True,
-                         check=True).stdout
-    return time.perf_counter() - start, _median_ms(out)
-
-
-def captured_run(model: Path, args: list[str], op_steps: list[int] | None,
-                 out_dir: Path) -> tuple[float, Path]:
-    """Median step ms of one run under nondet's capture (no comparison), and its capture."""
-    from nondet.launch import CapturedRun, Plan, Target
-
-    run = CapturedRun(Target(str(model), None, tuple(args)),
-                      Plan("ops" if op_steps is None else "step", op_steps), 0, out_dir)
-    run.start()
-    result = run.wait()
-    if result.status != "complete":
-        raise SystemExit(f"captured run failed: {result.log_tail()}")
-    return _median_ms(result.log_path.read_text()), result.path
-
-
-def nondet_run(model: Path, args: list[str], out_dir: Path, *flags: str) -> float:
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", "--out", str(out_dir),
-                           *flags, str(model), *args], capture_output=True, text=True)
-    if proc.returncode not in (0, 1):
-        raise SystemExit(f"nondet run failed: {proc.stderr}")
-    return time.perf_counter() - start
-
-
-def op_record_bytes(capture: Path) -> tuple[int, float]:
-    import h5py
-
-    with h5py.File(capture, "r") as f:
-        ops = f["ops"]
-        return ops.dtype.itemsize, ops.id.get_storage_size() / max(1, ops.shape[0])
-
-
-def _median_ms(output: str) -> float:
-    hit = re.search(r"median_step_ms ([0-9.]+)", output)
-    if not hit:
-        raise SystemExit(f"no median_step_ms in the script's output:\n{output[-2000:]}")
-    return float(hit.group(1))
+DEBUG_HASHES = ("norm", "hash_tensor")  # torch.utils._debug_mode's two built-in hashes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--framework", choices=sorted(MODELS), action="append",
                         help="benchmark only this framework (repeatable; default: both)")
+    parser.add_argument("--model", choices=sorted(VARIANTS), action="append",
+                        help="benchmark only this model (repeatable; default: both)")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--repeat", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--write", type=Path, help="update this Markdown file's results table")
     opts = parser.parse_args()
-    texts = [bench(framework, opts.steps, opts.repeat)
-             for framework in (opts.framework or ["torch", "tensorflow"])]
-    text = "\n".join(texts)
-    print(text)
-    if opts.write:
-        _update(opts.write, text)
+    texts: list[str] = []
+    for framework in opts.framework or ["torch", "tensorflow"]:
+        for variant in opts.model or ["reference", "narrow"]:
+            texts.append(bench(framework, variant, opts.steps, opts.repeat))
+            print(texts[-1], flush=True)
+            if opts.write:  # after each table: a long benchmark keeps what it measured
+                _update(opts.write, "\n".join(texts))
 
 
-def bench(framework: str, steps: int, repeat: int) -> str:
-    """One framework's results table, as Markdown."""
+def one_round(framework: str, variant: str, steps: int, out: Path) -> dict[str, float]:
+    """Every measure once, each right after its own plain run (neighbours in time share the
+    machine's mood, so the ratio of the two is steadier than either time)."""
     model = MODELS[framework]
-    args = ["--steps", str(steps)]
+    args = ["--steps", str(steps), *VARIANTS[variant]]
     noisy = [*args, "--unseeded-noise"]
-    rounds: list[dict[str, float]] = []
+    r: dict[str, float] = {}
+    wall, step_ms, plain_peak = plain_run(model, args)
+    r.update(plain_step=step_ms, plain_wall=wall)
+    step_level, step_capture = captured_run(model, args, [], out / "step")
+    r["step"] = step_level / step_ms
+    _, step_ms, _ = plain_run(model, args)
+    op_level, op_capture = captured_run(model, args, None, out / "ops")
+    r["ops"] = op_level / step_ms
+    r["step_bytes"], _ = capture_per_step(step_capture)
+    r["op_bytes"], ops_per_step = capture_per_step(op_capture)
+    r["record"], r["record_disk"] = op_record_bytes(op_capture)
+    r["ops_per_step"] = ops_per_step
+    r["per_op_us"] = (op_level - step_ms) * 1000 / ops_per_step
+    if framework == "torch":
+        for name in DEBUG_HASHES:
+            _, step_ms, _ = plain_run(model, args)
+            _, output, _ = timed([sys.executable, str(model), *args, "--debug-mode", name])
+            debug_ms = median_ms(output)
+            r[f"debug_{name}"] = debug_ms / step_ms
+            r[f"debug_{name}_per_op_us"] = (debug_ms - step_ms) * 1000 / logged_ops(output)
+        cheaper = min(r[f"debug_{n}_per_op_us"] for n in DEBUG_HASHES)
+        r["per_op_vs_debug"] = r["per_op_us"] / cheaper
+    wall, _, plain_peak2 = plain_run(model, args)
+    det, det_peak = nondet_run(model, args, out / "det")
+    r["run_det"] = det / wall
+    r["memory"] = det_peak / (2 * max(plain_peak, plain_peak2))
+    wall, _, _ = plain_run(model, noisy)
+    div, _ = nondet_run(model, noisy, out / "div", "--no-verify")  # diagnosis alone
+    r["run_div"] = div / wall
+    if variant == "reference":  # and with fix verification on (costs a pair per fix tried)
+        wall, _, _ = plain_run(model, noisy)
+        verified, _ = nondet_run(model, noisy, out / "verify")
+        r["run_verify"] = verified / wall
+    return r
+
+
+def bench(framework: str, variant: str, steps: int, repeat: int) -> str:
+    """One framework's results table for one model, as Markdown."""
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
         for i in range(repeat):
-            print(f"{framework}: round {i + 1}/{repeat}", file=sys.stderr)
-            # Each configuration right after its own plain run: neighbours in time share
-            # the machine's mood, so the ratio of the two is steadier than either time.
-            wall, step_ms = plain_run(model, args)
-            step_level, _ = captured_run(model, args, [], out / "step")
-            _, step_ms2 = plain_run(model, args)
-            op_level, capture = captured_run(model, args, None, out / "ops")
-            wall2, _ = plain_run(model, args)
-            det = nondet_run(model, args, out / "det")
-            wall_noisy, _ = plain_run(model, noisy)
-            # Diagnosis alone (as before fixes were verified), then with verification on.
-            div = nondet_run(model, noisy, out / "div", "--no-verify")
-            wall_noisy2, _ = plain_run(model, noisy)
-            verified = nondet_run(model, noisy, out / "verify")
-            rounds.append({"step": step_level / step_ms, "ops": op_level / step_ms2,
-                           "run_det": det / wall2, "run_div": div / wall_noisy,
-                           "run_verify": verified / wall_noisy2,
-                           "plain_step": step_ms, "plain_wall": wall})
-        record, on_disk = op_record_bytes(capture)
-    results = {key: statistics.median(r[key] for r in rounds)
-               for key in ("step", "ops", "run_det", "run_div", "run_verify")}
-    best = {"plain_step": min(r["plain_step"] for r in rounds),
-            "plain_wall": min(r["plain_wall"] for r in rounds)}
-    rows = [
-        ("step-level capture, step time", results["step"], TARGETS["step"], "x"),
-        ("op-level capture (every op), step time", results["ops"], OPS_TARGET[framework], "x"),
-        ("`nondet run`, deterministic script, wall", results["run_det"], TARGETS["run_det"], "x"),
-        ("`nondet run --no-verify`, diverges at step 0, wall", results["run_div"],
-         TARGETS["run_div"], "x"),
-        ("`nondet run` (fixes verified), diverges at step 0, wall", results["run_verify"],
-         None, "x"),
-        ("op record, in memory (bytes)", record, TARGETS["bytes"], ""),
-        ("op record, on disk after compression (bytes)", on_disk, TARGETS["bytes"], ""),
+            print(f"{framework} {variant}: round {i + 1}/{repeat}", file=sys.stderr)
+            rounds.append(one_round(framework, variant, steps, Path(tmp) / str(i)))
+    result = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    best = {key: min(r[key] for r in rounds) for key in ("plain_step", "plain_wall")}
+    rows: list[tuple[str, float | None, float | None, str]] = [
+        ("step-level capture, step time", result["step"], TARGETS["step"], "x"),
+        ("op-level capture (every op), step time", result["ops"], OPS_TARGET[framework], "x"),
     ]
-    table = [f"### {framework} ({model.relative_to(REPO)})", "",
+    if framework == "torch":
+        rows += [(f"DebugMode + `log_tensor_hashes(\"{name}\")`, step time",
+                  result[f"debug_{name}"], None, "x") for name in DEBUG_HASHES]
+        rows += [("op-level capture, cost per op (us)", result["per_op_us"], None, "us")]
+        rows += [(f"DebugMode + {name} hash, cost per op (us)",
+                  result[f"debug_{name}_per_op_us"], None, "us") for name in DEBUG_HASHES]
+        rows += [("op-level capture per op / cheaper DebugMode per op",
+                  result["per_op_vs_debug"], TARGETS["per_op"], "x")]
+    rows += [
+        ("`nondet run`, deterministic script, wall", result["run_det"], TARGETS["run_det"], "x"),
+        ("`nondet run --no-verify`, diverges at step 0, wall", result["run_div"],
+         TARGETS["run_div"], "x"),
+    ]
+    if "run_verify" in result:
+        rows.append(("`nondet run` (fixes verified), diverges at step 0, wall",
+                     result["run_verify"], None, "x"))
+    rows += [
+        ("`nondet run` peak resident memory / two plain runs'", result["memory"], None, "x"),
+        ("step-level capture, file bytes per step", result["step_bytes"], None, ""),
+        ("op-level capture, file bytes per step", result["op_bytes"], None, ""),
+        ("op records per step", result["ops_per_step"], None, ""),
+        ("op record, in memory (bytes)", result["record"], TARGETS["bytes"], ""),
+        ("op record, on disk after compression (bytes)", result["record_disk"],
+         TARGETS["bytes"], ""),
+    ]
+    model = MODELS[framework].relative_to(REPO)
+    flags = " ".join(VARIANTS[variant])
+    table = [f"### {framework}, {variant} model ({model}{' ' + flags if flags else ''})", "",
              "| measure | result | target | met |", "| --- | --- | --- | --- |"]
     for name, value, target, unit in rows:
-        shown = f"{value:.2f}{unit}" if unit else f"{value:.1f}"
+        assert value is not None
+        shown = f"{value:.2f}{unit}" if unit else f"{value:,.1f}"
         if target is None:  # reported, no target set
             table.append(f"| {name} | {shown} | - | - |")
             continue

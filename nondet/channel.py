@@ -40,6 +40,7 @@ KINDS = (META, STRINGS, STEP, TENSORS, OPS, FACTS, DUMP, END, HELLO)
 META_ENV = "env"  # dict: environment entries (versions, devices, variables)
 META_HOOK_ERROR = "hook_error"  # str: traceback of an exception inside nondet's hooks
 META_DUMP_DONE = "dump_done"  # [step, index, count]: every kept output of a dump request sent
+META_OP_STEPS = "op_steps"  # list: the run records ops at these steps, not the planned ones
 
 # -- END payload -------------------------------------------------------------------------------
 END_STATUS = "status"

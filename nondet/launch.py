@@ -73,6 +73,9 @@ class Plan:
     dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
     lockstep: bool = False  # take turns with another run (schedule.Lockstep)
     keep_bytes: int = 0  # keep op outputs of op-captured steps, for dump requests
+    # op_steps is the first pair's default window: a framework whose op-level capture costs
+    # the whole run (TensorFlow) may record none and say so (session.ChildConfig)
+    ops_optional: bool = False
 
 
 @dataclass
@@ -108,7 +111,7 @@ def child_config(target: Target, plan: Plan, seed: int) -> ChildConfig:
         script=os.path.abspath(target.script) if target.script else None,
         module=target.module, args=list(target.args),
         op_steps=plan.op_steps, stop_after=plan.stop_after, dump=plan.dump,
-        lockstep=plan.lockstep, keep_bytes=plan.keep_bytes,
+        lockstep=plan.lockstep, keep_bytes=plan.keep_bytes, ops_optional=plan.ops_optional,
     )
 
 

@@ -152,8 +152,7 @@ def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report
     progress.stage(f"runs a and b of {target.describe()}, seed {options.seed}, "
                    f"compared step by step ({options.schedule})")
     live = _LiveCompare(progress)
-    result_a, result_b = _run_pair(target, (Plan("a", *_first_plan(options)),
-                                            Plan("b", *_first_plan(options))),
+    result_a, result_b = _run_pair(target, (_first(options, "a"), _first(options, "b")),
                                    options, progress, judge=live.judge)
     return explain(target, options, progress, result_a, result_b)
 
@@ -165,8 +164,7 @@ def repeat(target: Target, options: Options, progress: ProgressSink, count: int)
     results = []
     for i in range(1, count + 1):
         progress.stage(f"run {i} of {count}: {target.describe()}")
-        results.append(_run_single(target, Plan(f"r{i}", *_first_plan(options)), options,
-                                   progress))
+        results.append(_run_single(target, _first(options, f"r{i}"), options, progress))
     captures = [open_capture(r.path) for r in results]
     rows = _repeat_rows(results, captures)
     differing = next((i for i in range(1, count)
@@ -271,6 +269,13 @@ def _first_plan(options: Options) -> tuple[list[int] | None, int | None]:
     return op_steps, options.max_steps - 1 if options.max_steps else None
 
 
+def _first(options: Options, label: str) -> Plan:
+    """A run that starts a diagnosis; its default op window may be declined by a framework
+    for which it would cost the whole run (TensorFlow: ``ChildConfig.ops_optional``)."""
+    op_steps, stop_after = _first_plan(options)
+    return Plan(label, op_steps, stop_after, ops_optional=op_steps is not None)
+
+
 def explain(target: Target, options: Options, progress: ProgressSink, result_a: RunResult,
             result_b: RunResult) -> Report:
     """Compare two finished runs; narrow down, measure and explain what differs."""
@@ -315,7 +320,10 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
     # Data named from the step rows alone (it entered at a step the op window did not cover)
     # may not say where it entered; the op records of that step always do.
     unplaced_entry = div.kind == "entry" and div.op_index is None and not div.source
-    if (not div.localized or unplaced_entry) and step_div is not None and step_div.step >= 1:
+    # A first pair's framework may also have declined step 0 of its op window (``_first``).
+    covered = _op_steps_of(a)
+    if (not div.localized or unplaced_entry) and step_div is not None and (
+            step_div.step >= 1 or (covered is not None and step_div.step not in covered)):
         narrowed, written = _narrow(target, options, progress, step_div.step)
         extra += written
         if narrowed is None:
@@ -355,8 +363,10 @@ def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
     elsewhere (or not at all by ``step``), the second attempt captures every op and runs
     until the runs first differ, wherever that is.
     """
+    first: tuple[str, list[int]] = ((f"steps {_step_name(step - 1)} and {step}", [step - 1, step])
+                                    if step > INIT_STEP else ("the init step", [step]))
     attempts: list[tuple[str, list[int] | None, Any]] = [
-        (f"steps {step - 1} and {step}", [step - 1, step], lambda k, _a, _b: k < step),
+        (*first, lambda k, _a, _b: k < step),
         ("every step until the runs differ", None, _until_different),
     ]
     written: list[str] = []
@@ -365,7 +375,8 @@ def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
         progress.stage(f"narrowing down: op-level recording of {scope}, in two new runs{again}")
         # In lockstep the judge stops both runs (held, so they can be asked for the outputs
         # they kept); one after the other, the first attempt's runs stop themselves.
-        stop_after = step if options.schedule != "lockstep" and window is not None else None
+        stop_after = max(step, 0) if options.schedule != "lockstep" and window is not None \
+            else None
         ra, rb = _run_pair(target, (Plan("a-ops", window, stop_after=stop_after),
                                     Plan("b-ops", window, stop_after=stop_after)),
                            options, progress, judge=judge)

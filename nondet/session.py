@@ -56,6 +56,10 @@ class ChildConfig:
     keep_bytes: int = 0  # lockstep: keep op outputs of op-captured steps up to this many bytes
     children_dir: str | None = None  # where recorded child processes write their frames
     socket: str | None = None  # distributed job: each rank connects here (channel.connect)
+    # op_steps is only the first pair's default: a backend whose op-level capture would cost
+    # the rest of the run may record no ops (``decline_op_steps``); the pipeline then finds
+    # the op by re-running the differing step, as it does for later steps
+    ops_optional: bool = False
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -119,6 +123,12 @@ class Session:
     # -- steps -----------------------------------------------------------------------------
     def captures_ops(self, step: int | None = None) -> bool:
         return self.config.captures_ops(self.step if step is None else step)
+
+    def decline_op_steps(self, kept: list[int]) -> None:
+        """Op-level capture only at the ``kept`` steps of the planned ones (allowed by
+        ``ChildConfig.ops_optional``); the capture says so in its ``op_steps`` attribute."""
+        self.config.op_steps = list(kept)
+        self.send_meta({channel.META_OP_STEPS: list(kept)})
 
     def new_step_row(self) -> np.ndarray:
         row = np.zeros(1, dtype=STEP_DTYPE)
@@ -213,6 +223,9 @@ class SourceLocator:
     def __init__(self, session: Session) -> None:
         self._session = session
         self._is_user: dict[CodeType, bool] = {}
+        # by file name: resolving a path costs a dozen system calls, and TensorFlow asks
+        # for every frame of every graph op it traces (tens of thousands per trace)
+        self._user_files: dict[str, bool] = {}
         self._ids: dict[tuple[str, int], int] = {}
         paths = sysconfig.get_paths()
         prefixes = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
@@ -222,10 +235,12 @@ class SourceLocator:
         self._cwd = os.getcwd()
 
     def user_file(self, filename: str) -> bool:
-        if filename.startswith("<") or "__autograph_generated_file" in filename:
-            return False
-        real = os.path.realpath(filename)
-        return not real.startswith(self._excluded)
+        known = self._user_files.get(filename)
+        if known is None:
+            known = self._user_files[filename] = not (
+                filename.startswith("<") or "__autograph_generated_file" in filename
+                or os.path.realpath(filename).startswith(self._excluded))
+        return known
 
     def intern_location(self, filename: str, line: int) -> int:
         key = (filename, line)

@@ -147,6 +147,8 @@ class RunStream:
         meta = json.loads(payload)
         if channel.META_ENV in meta:
             self.writer.add_env(meta[channel.META_ENV])
+        if channel.META_OP_STEPS in meta:
+            self.writer.set_op_steps(list(meta[channel.META_OP_STEPS]))
         if channel.META_HOOK_ERROR in meta:
             self.hook_error = meta[channel.META_HOOK_ERROR]
         if channel.META_DUMP_DONE in meta:

@@ -93,6 +93,11 @@ class CaptureWriter:
         with _H5_LOCK:
             self._set("env", env)
 
+    def set_op_steps(self, steps: list[int]) -> None:
+        """The steps the run records ops at, when it says they differ from its plan."""
+        with _H5_LOCK:
+            self._set("", {"op_steps": [int(s) for s in steps]})
+
     def add_facts(self, facts: dict[str, Any]) -> None:
         with _H5_LOCK:
             self._set("facts", {key: json.dumps(value) for key, value in facts.items()})

@@ -40,7 +40,7 @@ from nondet.frameworks.tensorflow.state import (
     variable_group,
 )
 from nondet.frameworks.tensorflow.statehash import StateHasher
-from nondet.records import Group, Kind, Phase
+from nondet.records import INIT_STEP, Group, Kind, Phase
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -63,6 +63,14 @@ class TFBackend(StepLifecycle):
         super().__init__(session)
         try:
             tf.random.set_seed(session.config.seed)
+            planned = session.config.op_steps
+            if session.config.ops_optional and planned and max(planned) > INIT_STEP:
+                # The first pair's default window (init and step 0) would instrument the
+                # training step, traced at step 0, and a graph keeps its guards: seconds of
+                # tracing and a dearer step for the whole run. Init (eager: variables made
+                # and initialized) is kept; a difference from step 0 on is found by
+                # re-running the differing step with op-level capture (pipeline._narrow).
+                session.decline_op_steps([s for s in planned if s <= INIT_STEP])
             self.recorder = TFOpRecorder(self)
             self._install_hooks()
             data.install(self)  # tf.data options, Keras PyDataset workers

@@ -25,6 +25,7 @@ class TrackedVariable:
     name: str
     source: str
     group: Group  # PARAM (trainable), BUFFER, OPTIM or DATA (random generator states)
+    initialized: bool = False  # known to be (asked on the host until it is: statehash.py)
 
 
 #: Keras 3's SeedGenerator (every random layer's seed state) is made in this file.

@@ -1,13 +1,19 @@
 """Step-level state of a TensorFlow run hashed where the variables live.
 
-At each step end every tracked variable is fingerprinted by a ``tf.function`` (traced once
-per set of variables) that returns all the step row needs as one int64 vector: one
+At each step end every tracked variable is fingerprinted by one computation that returns
+all the step row needs as one int64 vector: one
 content sum per group (parameters, buffers, optimizer state), one per random-generator
 state, the parameters' float64 sum and, in detailed steps, each variable's content, sum,
 largest magnitude and size. The vector is read back once per step; no variable is copied
 to the host. A group's content is ``sum_i content_i * chunk_keys[i]`` mod 2**64 (the same
 weighting as chunks in Note [Fingerprint definition]), its fingerprint that content
 combined with every member's dtype and shape.
+
+Tracing that computation costs a fraction of a second per variable set, and the set changes
+in the first steps (optimizer slots appear at the first update), so the first call with a
+set runs eagerly and the second traces it: one trace per run, not one per set. Whether a
+variable is initialized is asked once per variable, on the host (a ``tf.cond`` per variable
+doubled the trace time); one not yet initialized counts as zeros.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from nondet.records import Group
 _GROUPS = (Group.PARAM, Group.BUFFER, Group.OPTIM)
 #: Per variable in detailed steps: content, float64 sum, float64 largest magnitude, size.
 _PER_VARIABLE = 4
+#: Traced state functions kept (one per variable set and detail level; a run has two or three).
+_KEPT_FUNCTIONS = 8
 
 
 class StateHasher:
@@ -36,31 +44,50 @@ class StateHasher:
 
     def __init__(self, hasher: GraphHasher) -> None:
         self.hasher = hasher
-        self._key: tuple[Any, ...] | None = None
-        self._function: Callable[..., tf.Tensor] | None = None
+        # per variable set (and detail level) seen: its traced function, once called twice
+        self._functions: dict[tuple[Any, ...], Callable[..., tf.Tensor] | None] = {}
 
     def state(self, tracked: list[tuple[TrackedVariable, Any]], detailed: bool) -> StepState:
         """The step-level state of the live tracked variables (those of a dtype that can be
         hashed; a variable not yet initialized counts as zeros)."""
         live = [(t, v) for t, v in tracked if getattr(v, "dtype", None) in HASHABLE]
-        # The function depends only on each variable's group, dtype and shape; the
-        # variables are passed as arguments, so it holds no reference to them.
-        key = (tuple((int(t.group), v.dtype.name, str(v.shape)) for t, v in live), detailed)
-        if key != self._key or self._function is None:
-            self._function = self._build([t.group for t, _ in live], detailed)
-            self._key = key
-        values = to_host(self._function(*(v for _, v in live)))
+        for t, v in live:
+            if not t.initialized:  # asked until true: a variable never becomes uninitialized
+                t.initialized = bool(v.is_initialized())
+        ready = [t.initialized for t, _ in live]
+        # The computation depends only on each variable's group, dtype, shape and whether it
+        # is initialized; the variables are passed as arguments, so it holds no reference.
+        key = (tuple((int(t.group), v.dtype.name, str(v.shape), t.initialized)
+                     for t, v in live), detailed)
+        variables = [v for _, v in live]
+        groups = [t.group for t, _ in live]
+        if key not in self._functions:  # a new set: eager this once (module docstring)
+            if len(self._functions) >= _KEPT_FUNCTIONS:  # the sets keep changing
+                self._functions.clear()
+            self._functions[key] = None
+            values = to_host(self._computation(groups, ready, detailed)(*variables))
+        else:
+            function = self._functions[key]
+            if function is None:
+                function = tf.function(self._computation(groups, ready, detailed),
+                                       autograph=False)
+                self._functions[key] = function
+            values = to_host(function(*variables))
         return _unpack(values, live, detailed)
 
-    def _build(self, groups: list[Group], detailed: bool) -> Callable[..., tf.Tensor]:
+    def _computation(self, groups: list[Group], ready: list[bool],
+                     detailed: bool) -> Callable[..., tf.Tensor]:
+        """Every fingerprint of variables in ``groups`` (``ready``: initialized) as one int64
+        vector, laid out as ``_unpack`` reads it; run eagerly or traced."""
         hasher = self.hasher
+        initialized = dict(enumerate(ready))
 
-        def content(v: Any) -> tf.Tensor:
-            return tf.cond(v.is_initialized(), lambda: hasher.content(v.read_value()),
-                           lambda: tf.constant(0, tf.int64))
+        def value(i: int, v: Any) -> tf.Tensor:
+            return v.read_value() if initialized[i] else tf.zeros(v.shape, v.dtype)
 
-        def total(v: Any) -> tf.Tensor:
-            return tf.reduce_sum(tf.cast(v.read_value(), tf.float64))
+        def content(i: int, v: Any) -> tf.Tensor:
+            return hasher.content(v.read_value()) if initialized[i] \
+                else tf.constant(0, tf.int64)
 
         def bits(x: tf.Tensor) -> tf.Tensor:
             return tf.bitcast(x, tf.int64)
@@ -69,8 +96,9 @@ class StateHasher:
             members = {g: [v for v, h in zip(everyone, groups, strict=True) if h == g]
                        for g in _GROUPS}
             rngs = [v for v, h in zip(everyone, groups, strict=True) if h == Group.DATA]
-            floats = [v for v in members[Group.PARAM] if v.dtype.is_floating]
-            contents = {id(v): content(v) for v in everyone}
+            floats = [(i, v) for i, (v, h) in enumerate(zip(everyone, groups, strict=True))
+                      if h == Group.PARAM and v.dtype.is_floating]
+            contents = {id(v): content(i, v) for i, v in enumerate(everyone)}
             out = []
             for group in _GROUPS:
                 vs = members[group]
@@ -81,19 +109,20 @@ class StateHasher:
                 # int64 products and sums wrap modulo 2**64, as the definition wants
                 out.append(tf.reduce_sum(tf.stack([contents[id(v)] for v in vs]) * weights))
             out.extend(contents[id(v)] for v in rngs)
-            out.append(bits(tf.add_n([total(v) for v in floats]) if floats
+            out.append(bits(tf.add_n([tf.reduce_sum(tf.cast(value(i, v), tf.float64))
+                                      for i, v in floats]) if floats
                             else tf.constant(math.nan, tf.float64)))
             if detailed:
-                for v in everyone:
-                    value = tf.cast(v.read_value(), tf.float64) if v.dtype.is_floating \
+                for i, v in enumerate(everyone):
+                    wide = tf.cast(value(i, v), tf.float64) if v.dtype.is_floating \
                         else tf.zeros([1], tf.float64)
-                    largest = tf.reduce_max(tf.abs(value)) if v.dtype.is_floating \
+                    largest = tf.reduce_max(tf.abs(wide)) if v.dtype.is_floating \
                         else tf.constant(math.nan, tf.float64)
-                    out.extend([contents[id(v)], bits(tf.reduce_sum(value)), bits(largest),
+                    out.extend([contents[id(v)], bits(tf.reduce_sum(wide)), bits(largest),
                                 tf.size(v, out_type=tf.int64)])
             return tf.stack(out)
 
-        return tf.function(compute, autograph=False)  # type: ignore[no-any-return]
+        return compute
 
 
 def _meta(v: Any) -> tuple[int, ...]:

@@ -68,7 +68,7 @@ from nondet.frameworks.tensorflow.graph import (
     numel,
 )
 from nondet.frameworks.tensorflow.hashing import hashable
-from nondet.records import NODE_SEP, Kind, Phase
+from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
 
 
 class TFHost(RecorderHost, Protocol):
@@ -130,6 +130,8 @@ class GraphRecorder:
         outputs = list(outputs or ())
         if op_type in SKIPPED_OPS or op_type in LATE_OPS:
             return None
+        if op_type not in DATA_OPS and not self._window_ahead():
+            return None  # traced after the last op-captured step: a guard would never open
         if self.next_slot + len(outputs) + SLOT_MARGIN > CAPACITY:
             self._stop_instrumenting()
             return None
@@ -210,6 +212,13 @@ class GraphRecorder:
             self.where[(gid, output.name)] = (index, position)
         record.numel = numel(op.outputs[0]) if op.outputs else -1
         return self.where.get((gid, t.name), (-1, 0))
+
+    def _window_ahead(self) -> bool:
+        """Op-level capture is on now or at a later step: ops traced now need guards. A
+        graph traced after the last op-captured step is instrumented for its data only, so
+        it runs as a plain one (module Note)."""
+        steps = self.session.config.op_steps
+        return steps is None or max(steps, default=INIT_STEP - 1) >= self.session.step
 
     def _slot(self) -> int:
         if self.next_slot >= CAPACITY:  # SLOT_MARGIN makes this a nondet bug

@@ -30,10 +30,11 @@ def test_a_race_between_forked_workers_is_found_at_the_childs_op_and_line(
                      HOGWILD, "--main-steps", "0", "--worker-steps", "300", cwd=REPO)
     assert result.returncode == 1, result.stdout + result.stderr
     found = json.loads(report_path.read_text())["first_divergence"]
-    # The other worker wrote the shared weights between two of this child's steps: they
-    # enter its forward pass from outside the ops it ran, at the line that reads them.
+    # The other worker wrote the shared weights while this child ran: they enter its
+    # forward pass (or the backward that reads them again) from outside the ops it ran,
+    # at the line of that forward. Which weight, and forward or backward, depends on where
+    # the write landed; never an op of this child "creating" the difference.
     assert found["process"] == "child#0", found
-    # (which one, the first layer's or a later one's, depends on where the write landed)
     assert found["kind"] == "entry" and found["op"].startswith("parameter "), found
     line = _line_of(REPO / HOGWILD, "loss = torch.nn.functional.mse_loss(model(x), y)")
     assert found["source"] == f"{HOGWILD}:{line}", found

@@ -30,13 +30,15 @@ def test_a_race_between_forked_workers_is_found_at_the_childs_op_and_line(
                      HOGWILD, "--main-steps", "0", "--worker-steps", "300", cwd=REPO)
     assert result.returncode == 1, result.stdout + result.stderr
     found = json.loads(report_path.read_text())["first_divergence"]
-    # The other worker wrote the shared weights between two of this child's steps: they
-    # enter its forward pass from outside the ops it ran, at the line that reads them.
+    # The other worker wrote the shared weights while this child ran: they enter its
+    # forward pass, the backward that reads them again (shown at the forward's line) or its
+    # optimizer update, from outside the ops it ran. Which weight, and where, depends on
+    # where the write landed; never an op of this child "creating" the difference.
     assert found["process"] == "child#0", found
-    # (which one, the first layer's or a later one's, depends on where the write landed)
     assert found["kind"] == "entry" and found["op"].startswith("parameter "), found
-    line = _line_of(REPO / HOGWILD, "loss = torch.nn.functional.mse_loss(model(x), y)")
-    assert found["source"] == f"{HOGWILD}:{line}", found
+    lines = {_line_of(REPO / HOGWILD, "loss = torch.nn.functional.mse_loss(model(x), y)"),
+             _line_of(REPO / HOGWILD, "opt.step()  # lock-free")}
+    assert found["source"] in {f"{HOGWILD}:{n}" for n in lines}, found
     assert sorted(p.name for p in (tmp_path / "out" / "latest").glob("*.h5")) == [
         "run-a.child0.h5", "run-a.child1.h5", "run-a.h5",
         "run-b.child0.h5", "run-b.child1.h5", "run-b.h5"]

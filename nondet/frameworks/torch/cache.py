@@ -92,6 +92,10 @@ class FingerprintCache:
         self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
         self.dump_at = self.session.config.dump
         self.keep_outputs = self.session.config.keep_bytes > 0
+        #: A child process the script started (children.py): memory it shares with other
+        #: processes (Hogwild weights) may be written by them at any moment, unseen by this
+        #: process's version counters, so every read of it is an entry, hashed afresh.
+        self.shared_is_volatile = False
 
     # -- fingerprints -----------------------------------------------------------------------
     def fingerprint(self, t: torch.Tensor, fp: Fp | None = None) -> Fp:
@@ -207,6 +211,8 @@ class FingerprintCache:
 
     def lookup(self, t: torch.Tensor, ctx: tuple[int, int, int], materialize: bool = True) -> Fp:
         """Fingerprint of an op input; records an entry point for a tensor never seen."""
+        if self.shared_is_volatile and _shared(t):
+            self.forget(t)
         hit = self._hit(t)
         if hit is not None:
             stamp, fp = hit
@@ -254,11 +260,21 @@ class FingerprintCache:
             kind, what = self.creating
         else:
             kind = "external"
-            name = self.backend.tensor_name(t)
+            name = self.backend.tensor_name(t) or self._view_name(t)
             sizes = safe.shape(t)
             dims = "[nested]" if sizes is None else str(list(sizes))
             what = name or f"tensor {str(t.dtype).removeprefix('torch.')}{dims}"
         return self.session.intern(f"{kind}:{what}")
+
+    def _view_name(self, t: torch.Tensor) -> str | None:
+        """"parameter 2.weight (a view)": a view of a named parameter (the transposed weight
+        a backward op reads), so an entry there names what it views."""
+        try:
+            base = t._base
+        except Exception:
+            return None
+        name = None if base is None else self.backend.tensor_name(base)
+        return f"{name} (a view)" if name else None
 
     def resolve(self, floats: Sequence[torch.Tensor] = ()) -> list[float]:
         """Copy pending device sums (and ``floats``, float64 device scalars) to the host in
@@ -313,3 +329,10 @@ class FingerprintCache:
         self.records = []
         return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)
 
+
+def _shared(t: torch.Tensor) -> bool:
+    """``t`` lives in memory shared with other processes (never raises)."""
+    try:
+        return bool(t.is_shared())  # type: ignore[no-untyped-call]
+    except Exception:
+        return False

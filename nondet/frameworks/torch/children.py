@@ -226,6 +226,7 @@ def _open_session(config: dict[str, Any]) -> Any:
         base.HOST_RNGS["numpy"] = forked  # a spawned interpreter seeds it from entropy too
         backend = TorchBackend(session)
         torch.random.set_rng_state(rng)
+        backend.recorder.shared_is_volatile = True  # other workers write shared weights
         frameworks.adopt(session, backend)
         # Its own forks (DataLoader workers) must not record into this child's file; a
         # spawned interpreter never ran boot, which registers the same for the run.

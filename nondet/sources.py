@@ -43,6 +43,7 @@ class Budget:
     max_fixes: int = DEFAULT_MAX_FIXES
     steps: int | None = None  # steps the runs with every fix compare (None: to the end)
     seconds: float = DEFAULT_BUDGET_SECONDS
+    pairs: int = 1  # pairs a fix must hold in to be verified (--verify-pairs)
 
 
 @dataclass

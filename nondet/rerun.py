@@ -49,4 +49,5 @@ class PipelineSteps:
                              self.progress, judge=pipeline._until_different)
 
         return verify.verify(suggestions, pair, run_fixed, self.progress.stage,
-                             pipeline._op_steps_of(pair[0]), finding_step)
+                             pipeline._op_steps_of(pair[0]), finding_step,
+                             self.options.budget.pairs)

@@ -43,6 +43,7 @@ class Budget:
     max_fixes: int = DEFAULT_MAX_FIXES
     steps: int | None = None  # steps the runs with every fix compare (None: to the end)
     seconds: float = DEFAULT_BUDGET_SECONDS
+    pairs: int = 1  # pairs a fix must hold in to be verified (--verify-pairs)
 
 
 @dataclass
@@ -115,7 +116,7 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
     further pair is run for it)."""
     started = time.monotonic()
     base_time = verify.step_time(pair[0].steps, pair[1].steps)
-    first_last = int(max(pair[0].steps["step"].max(), pair[1].steps["step"].max()))
+    first_last = max((int(x) for c in pair for x in c.steps["step"]), default=0)
     sources = [first]
     written: list[str] = []
     fix = first.fix
@@ -181,7 +182,8 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
             fix.verified, fix.parts_again = False, None
             fix.verify_note = (f"did not hold: with it the same op parted the runs again "
                                f"{where}")
-            return sources, _combined(sources, applied[:-1], steps=compared, note=(
+            kept = tuple(s.fix.verified_with for s in sources if s.fix is not None)
+            return sources, _combined(sources, kept, steps=compared, note=(
                 f"the fix for source {sources.index(again) + 1} did not hold: the same op "
                 f"parted the runs again {where}")), written
         if suggestions and time.monotonic() - started < budget.seconds:

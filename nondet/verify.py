@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -56,14 +56,17 @@ class Outcome:
     captures: tuple[str, ...] = ()
     not_applied: str = ""  # the child could not apply it: its line (see apply_requested)
     parted_at: int | None = None  # the step the runs with it parted, if they did
+    unstable: str = ""  # held in the first pair, not in a later one (--verify-pairs)
+    confirmed: int = 0  # pairs it held in, when re-checked
 
 
 def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
            run_pair: RunPair, stage: Callable[[str], None],
            op_steps: list[int] | None = None, finding_step: int | None = None,
-           ) -> tuple[list[Suggestion], list[str]]:
+           pairs: int = 1) -> tuple[list[Suggestion], list[str]]:
     """The suggestions with ``verified``, steps and cost filled in (the verified one first),
-    and the captures the verification runs wrote."""
+    and the captures the verification runs wrote. With ``pairs`` > 1 a fix is verified only
+    if it holds in that many pairs (``--verify-pairs``: a race may miss one pair by chance)."""
     a, b = first
     last = _last_common_step(a.steps, b.steps)
     if last is None or compare.first_step_divergence(a.steps, b.steps) is None:
@@ -88,16 +91,28 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
                 continue
             if outcome is None:
                 stage(f"verifying a fix: both runs again with {interventions.describe([fix_id])}")
-                outcome = _try(fix_id, len(tried) + 1, last, op_steps, run_pair)
-                tried[fix_id] = outcome
+                number = len(tried) + 1
+                outcome = _try(fix_id, str(number), last, op_steps, run_pair)
                 written += outcome.captures
+                for k in range(2, pairs + 1):
+                    if not _holds(outcome, finding_step):
+                        break
+                    stage(f"re-checking the fix: pair {k} of {pairs}")
+                    again = _try(fix_id, f"{number}-{k}", last, op_steps, run_pair)
+                    written += again.captures
+                    if not _holds(again, finding_step):
+                        outcome = replace(again, unstable=f"held in {k - 1} of {k} pairs")
+                if pairs > 1 and _holds(outcome, finding_step):
+                    outcome.confirmed = pairs
+                tried[fix_id] = outcome
             suggestion.verified_steps = outcome.steps
-            removed = (finding_step is not None and outcome.parted_at is not None
-                       and outcome.parted_at > finding_step and not outcome.not_applied)
+            removed = not outcome.repeated and _holds(outcome, finding_step)
             if outcome.repeated or removed:
                 repeat = (f"the runs repeat over {outcome.steps} steps" if outcome.repeated
                           else f"the runs repeat past step {_name(finding_step)} and part "
                                f"again at step {outcome.parted_at} (another source)")
+                if outcome.confirmed:
+                    repeat += f", in each of {outcome.confirmed} pairs"
                 suggestion.verified, suggestion.verify_note = True, (
                     f"verified with {interventions.describe([fix_id])}: {repeat}"
                     + (f" ({'; '.join(notes)})" if notes else ""))
@@ -121,7 +136,18 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
     return ordered, written
 
 
+def _holds(outcome: Outcome, finding_step: int | None) -> bool:
+    """The runs repeated with the fix, or repeated past the finding's step (another source
+    parts them later)."""
+    if outcome.unstable or outcome.not_applied:
+        return False
+    return outcome.repeated or (finding_step is not None and outcome.parted_at is not None
+                                and outcome.parted_at > finding_step)
+
+
 def _failure(outcome: Outcome) -> str:
+    if outcome.unstable:
+        return f"did not hold in every pair ({outcome.unstable})"
     if outcome.not_applied:
         return f"could not be applied from outside ({outcome.not_applied})"
     if outcome.error:
@@ -129,7 +155,7 @@ def _failure(outcome: Outcome) -> str:
     return "did not help (the runs still part)"
 
 
-def _try(fix_id: str, number: int, last: int, op_steps: list[int] | None,
+def _try(fix_id: str, number: str, last: int, op_steps: list[int] | None,
          run_pair: RunPair) -> Outcome:
     plans = (Plan(f"a-fix{number}", op_steps, stop_after=last),
              Plan(f"b-fix{number}", op_steps, stop_after=last))

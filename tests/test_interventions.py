@@ -160,13 +160,13 @@ def test_the_fix_under_which_the_runs_repeat_is_verified_and_ranks_first(
                   else _pair(tmp_path, [1, 2, 3], [1, 2, 4]))
         return _results(pa, pb)
 
-    ordered, written = verify.verify(_suggestions("PT-GETITEM-CPU", "PY-SEED-VARIES",
+    ordered, written = verify.verify(_suggestions("PT-GETITEM-CPU", "PY-ENTROPY",
                                                   "PT-CPU-THREADS", "DATA-PT-INORDER"),
                                      first, run_pair, lambda _text: None, [-1, 0])
     assert tried == [("torch.deterministic",), ("torch.deterministic_warn_only",),
                      ("torch.one_thread",)]
     assert [s.recipe.id for s in ordered] == ["PT-CPU-THREADS", "PT-GETITEM-CPU",
-                                             "PY-SEED-VARIES", "DATA-PT-INORDER"]
+                                             "PY-ENTROPY", "DATA-PT-INORDER"]
     won, failed, code, untried = ordered
     assert (won.verified, won.verified_steps, won.cost_ratio) == (True, 3, 1.5)
     assert failed.verified is False and "did not help" in failed.verify_note
@@ -246,7 +246,7 @@ def test_at_most_max_tries_pairs_are_run(tmp_path: Path) -> None:
 def test_the_text_report_marks_the_verified_fix_with_its_cost() -> None:
     from nondet.report import text
 
-    won, lost, code = _suggestions("PT-GETITEM-CPU", "PT-CPU-THREADS", "PY-SEED-VARIES")
+    won, lost, code = _suggestions("PT-GETITEM-CPU", "PT-CPU-THREADS", "PY-ENTROPY")
     won.verified, won.verified_steps, won.cost_ratio = True, 4, 1.07
     won.verify_note = "verified with torch.use_deterministic_algorithms(True): the runs repeat"
     lost.verified, lost.verify_note = False, "torch.set_num_threads(1): did not help"

@@ -102,6 +102,10 @@ def verify_options(command: F) -> F:
                      default=900, show_default=True, metavar="SECONDS",
                      help="Wall time for finding further sources; what is left unexamined "
                           "when it runs out is said in the report."),
+        click.option("--verify-pairs", type=click.IntRange(min=1), default=1,
+                     show_default=True, metavar="N",
+                     help="A fix is verified only if the runs repeat with it in N pairs "
+                          "(more confidence for rare races; each pair is two more runs)."),
     ]):
         command = option(command)
     return command
@@ -234,7 +238,7 @@ def invocation(out_dir: Path) -> Iterator[Path]:
 def make_options(*, seed: int, out_dir: Path, ops: str, max_steps: int | None, schedule: str,
                  verbose: bool, apply: tuple[str, ...] = (), verify: bool = False,
                  max_fixes: int = 3, verify_steps: int | None = None,
-                 verify_budget: float = 900) -> Any:
+                 verify_budget: float = 900, verify_pairs: int = 1) -> Any:
     from nondet import pipeline
     from nondet.sources import Budget
 
@@ -242,7 +246,8 @@ def make_options(*, seed: int, out_dir: Path, ops: str, max_steps: int | None, s
         seed=seed, out_dir=out_dir, ops_all=ops == "all", max_steps=max_steps, echo=verbose,
         schedule=pipeline.default_schedule() if schedule == "auto" else schedule,
         apply=tuple(apply), verify=verify,
-        budget=Budget(max_fixes=max_fixes, steps=verify_steps, seconds=verify_budget))
+        budget=Budget(max_fixes=max_fixes, steps=verify_steps, seconds=verify_budget,
+                      pairs=verify_pairs))
 
 
 def check_html_file(path: Path | None) -> None:

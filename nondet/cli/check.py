@@ -86,6 +86,7 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
           html_path: Path | None, ops: str, max_steps: int | None, runs: int, schedule: str,
           apply: tuple[str, ...],
           verify_fix: bool, max_fixes: int, verify_steps: int | None, verify_budget: float,
+          verify_pairs: int,
           junit_path: Path | None,
           baseline_path: Path | None, update_baseline: bool, allow_env_drift: bool,
           allow_script_change: bool, verbose: bool, script_and_args: tuple[str, ...]) -> int:
@@ -119,7 +120,8 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
                                    schedule=schedule, verbose=verbose,
                                    apply=apply, verify=verify_fix and not apply,
                                    max_fixes=max_fixes, verify_steps=verify_steps,
-                                   verify_budget=verify_budget)
+                                   verify_budget=verify_budget,
+                                   verify_pairs=verify_pairs)
             with Progress(app.err, quiet=not verbose) as progress:
                 if update_baseline:
                     assert baseline_path is not None

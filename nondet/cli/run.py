@@ -39,6 +39,7 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
         html_path: Path | None, ops: str, max_steps: int | None, runs: int, schedule: str,
         apply: tuple[str, ...],
         no_verify: bool, max_fixes: int, verify_steps: int | None, verify_budget: float,
+        verify_pairs: int,
         quiet: bool, verbose: bool,
         script_and_args: tuple[str, ...]) -> int:
     """Run SCRIPT twice with the same seed and find where the runs first differ.
@@ -58,7 +59,8 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
         options = make_options(seed=seed, out_dir=own_dir, ops=ops, max_steps=max_steps,
                                schedule=schedule, verbose=verbose, apply=apply,
                                verify=not no_verify and not apply, max_fixes=max_fixes,
-                               verify_steps=verify_steps, verify_budget=verify_budget)
+                               verify_steps=verify_steps, verify_budget=verify_budget,
+                               verify_pairs=verify_pairs)
         with Progress(app.err, quiet=quiet) as progress:
             if runs > 2:
                 report = pipeline.repeat(target, options, progress, runs)

@@ -1,7 +1,7 @@
 """Every source end to end: a job with two or three independent sources of nondeterminism
 (fixtures/sources/three_sources.py) gets each found in order, each with its verified fix
 (found and verified with the earlier fixes kept applied), and the combined fix verified
-over the whole script, with its cost. Each case costs about ten short pairs of runs."""
+over the whole script, with its cost."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ pytestmark = pytest.mark.e2e
 SCRIPT = FIXTURES / "sources" / "three_sources.py"
 
 
+# The two-source variant (--only 1,3) passes the same test; only the three-source case runs
+# in the suite (each case is ten pairs of runs: about 3 minutes on 2 busy cores).
 @pytest.mark.parametrize(("only", "recipes"), [
-    ("1,3", {"PT-GETITEM-CPU", "PY-NP-GENERATOR"}),
     ("1,2,3", {"PT-GETITEM-CPU", "DATA-PT-INORDER", "PY-NP-GENERATOR"}),
 ])
 def test_every_source_is_found_in_order_with_its_verified_fix(

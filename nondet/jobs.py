@@ -30,7 +30,7 @@ from nondet.exitcodes import ExitCode
 from nondet.frameworks.torch.comm import ENTRY_PREFIX
 from nondet.launch import Plan, Target
 from nondet.recipe import Suggestion
-from nondet.records import INIT_STEP, Kind, Phase
+from nondet.records import INIT_STEP, STEP_COMPONENTS, Kind, Phase
 from nondet.report import Divergence, Report, RunSummary
 from nondet.schedule import InternalChildError
 from nondet.store import Capture, open_capture
@@ -102,6 +102,8 @@ def compare_jobs(a: JobResult, b: JobResult) -> tuple[Comparison, int]:
     rank, chosen = min(found, key=lambda rc: _order(rc[0], rc[1].first_divergence))
     div = chosen.first_divergence
     assert div is not None
+    if div.step is not None:
+        div = with_notes(div, phase_table(caps, div.step))
     others = [f"rank {r}: {_describe(c.first_divergence)}" for r, c in found if r != rank]
     if others:
         div = with_notes(div, "the other ranks' first differences: " + "; ".join(others))
@@ -115,6 +117,47 @@ def compare_captures_of_rank(a: Capture, b: Capture, rank: int) -> Comparison:
     world = int(a.attrs.get("world_size", 1))
     return replace(found, first_divergence=replace(found.first_divergence, rank=rank,
                                                    world_size=world))
+
+
+#: Columns of the rank x phase table, in the order a step runs.
+_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.COMM, Phase.OPTIMIZER)
+
+
+def phase_table(caps: dict[int, tuple[Capture, Capture]], step: int) -> str:
+    """Where runs a and b agree at ``step``, rank by rank and phase by phase: the step
+    rows' fields (``records.STEP_COMPONENTS``) and, with op records, the records of each
+    phase (comm has op records only)."""
+    lines = [f"runs a and b at step {step}, rank x phase (= same, x differs, . not seen): "
+             + " ".join(p.label for p in _PHASES)]
+    for rank, (a, b) in sorted(caps.items()):
+        row_a = next((r for r in a.steps if int(r["step"]) == step), None)
+        row_b = next((r for r in b.steps if int(r["step"]) == step), None)
+        marks = []
+        for phase in _PHASES:
+            seen, differs = False, False
+            if row_a is not None and row_b is not None:
+                for name, where in STEP_COMPONENTS:
+                    if where == phase and (int(row_a[name]) or int(row_b[name])):
+                        seen = True
+                        differs = differs or int(row_a[name]) != int(row_b[name])
+            ops_a = [r for r in a.ops(step) if _phase_of(a, r) == phase]
+            ops_b = [r for r in b.ops(step) if _phase_of(b, r) == phase]
+            if ops_a or ops_b:
+                seen = True
+                differs = differs or len(ops_a) != len(ops_b) or any(
+                    int(x["out_fp"]) != int(y["out_fp"]) or int(x["in_fp"]) != int(y["in_fp"])
+                    for x, y in zip(ops_a, ops_b, strict=False))
+            marks.append("x" if differs else "=" if seen else ".")
+        lines.append(f"rank {rank}: " + " ".join(marks))
+    return "; ".join(lines)
+
+
+def _phase_of(capture: Capture, row: np.void) -> int:
+    """A record's phase; a collective's output, read afresh later, counts as comm."""
+    if int(row["kind"]) == Kind.ENTRY and capture.string(int(row["name"])).startswith(
+            ENTRY_PREFIX):
+        return int(Phase.COMM)
+    return int(row["phase"])
 
 
 def first_desync(caps: dict[int, Capture], label: str) -> tuple[int, Divergence] | None:

@@ -121,6 +121,11 @@ def test_a_receive_from_any_source_is_a_collective_finding_on_rank_0(tmp_path: P
     assert found is not None and found["rank"] == 0 and found["world_size"] == 3
     assert "the collective c10d.recv_any_source_.default creates the difference" in \
         result.stdout.splitlines()[0]
+    table = next(n for n in found["notes"] if "rank x phase" in n)
+    rows = dict(part.split(": ", 1) for part in table.split("; ")[1:])
+    columns = table.split("; ")[0].rsplit(": ", 1)[1].split()
+    assert rows["rank 0"].split()[columns.index("comm")] == "x"  # where it was made
+    assert set(rows["rank 1"].split()) <= {"=", "."} and set(rows["rank 2"].split()) <= {"=", "."}
 
 
 def test_a_replica_that_drifts_is_a_desync_even_when_the_runs_agree(tmp_path: Path) -> None:

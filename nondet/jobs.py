@@ -28,7 +28,7 @@ from nondet.distributed import Job, JobResult
 from nondet.errors import NondetError, ScriptFailed
 from nondet.exitcodes import ExitCode
 from nondet.frameworks.torch.comm import ENTRY_PREFIX
-from nondet.launch import Plan, Target
+from nondet.launch import Plan, RunResult, Target
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP, STEP_COMPONENTS, Kind, Phase
 from nondet.report import Divergence, Report, RunSummary
@@ -60,7 +60,37 @@ def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
                   options.out_dir, extra_env=interventions.environment(options.apply),
                   echo=options.echo)
         jobs.append(check_job(job.run()))
-    found, rank = compare_jobs(jobs[0], jobs[1])
+    return _report(jobs[0], jobs[1], target.describe())
+
+
+def diff_dirs(dir_a: Path, dir_b: Path) -> Report:
+    """``nondet diff DIR DIR``: two run directories of a job (``run-a/``, ``run-b/``, each
+    holding ``rank<R>.h5``), compared rank by rank as ``run`` does."""
+    return _report(_job_of_dir(dir_a), _job_of_dir(dir_b), f"diff {dir_a} {dir_b}")
+
+
+def _job_of_dir(path: Path) -> JobResult:
+    files = sorted(path.glob("rank*.h5"))
+    if not files:
+        raise NondetError(f"{path} holds no rank<R>.h5 capture: give two run directories of "
+                          "a torchrun job (run-a/, run-b/) or two .h5 files")
+    ranks = []
+    for file in files:
+        capture = open_capture(file)
+        capture.verify()  # untrusted: damage is exit 2, never a verdict
+        rank = int(capture.attrs.get("rank", 0))
+        if file.name != f"rank{rank}.h5":
+            raise NondetError(f"{file} holds rank {rank}'s capture: rename it rank{rank}.h5")
+        ranks.append(RunResult(label=f"{path.name}/rank{rank}", path=file, log_path=file,
+                               status=str(capture.attrs.get("status", "")),
+                               exit_code=int(capture.attrs.get("exit_code", -1)),
+                               steps=capture.n_steps))
+    return JobResult(label=path.name, ranks=ranks, agent_exit_code=0, log_path=path)
+
+
+def _report(job_a: JobResult, job_b: JobResult, command: str) -> Report:
+    jobs = [job_a, job_b]
+    found, rank = compare_jobs(job_a, job_b)
     suggestions: list[Suggestion] = []
     if found.first_divergence is not None:
         found, suggestions = with_suggestions(found, open_capture(_rank_path(jobs[0], rank)))
@@ -68,7 +98,7 @@ def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
                        complete=r.complete, status=r.status, label=r.label,
                        final_params_fp=r.final.get("final_params_fp"))
             for job in jobs for r in job.ranks]
-    return found.report(runs=runs, captures=[s.path for s in runs], command=target.describe(),
+    return found.report(runs=runs, captures=[s.path for s in runs], command=command,
                         suggestions=suggestions)
 
 

@@ -59,6 +59,12 @@ def test_ddp_race_is_found_at_the_backward_op_of_rank_1(tmp_path: Path) -> None:
         with h5py.File(run["path"], "r") as f:
             assert int(f.attrs["world_size"]) == 2
             assert int(f.attrs["rank"]) == int(run["path"][-4])
+    run_dir = Path(report["runs"][0]["path"]).parents[1]
+    again = run_cli("diff", "--json", str(tmp_path / "diff.json"), str(run_dir / "run-a"),
+                    str(run_dir / "run-b"))
+    assert again.returncode == 1, again.stdout + again.stderr
+    diffed = json.loads((tmp_path / "diff.json").read_text())["first_divergence"]
+    assert (diffed["kind"], diffed["op"], diffed["rank"]) == ("op", found["op"], 1)
     shown = run_cli("show", report["runs"][1]["path"]).stdout
     assert any(line.split() == ["rank", "1"] for line in shown.splitlines())
     assert any(line.split() == ["world_size", "2"] for line in shown.splitlines())

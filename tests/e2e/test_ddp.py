@@ -143,3 +143,30 @@ def test_a_replica_that_drifts_is_a_desync_even_when_the_runs_agree(tmp_path: Pa
     found = json.loads(report_path.read_text())["first_divergence"]
     assert (found["kind"], found["step"], found["rank"]) == ("desync", 1, 1), result.stdout
     assert "rank 1's parameters differ from rank 0's" in result.stdout
+
+
+def test_two_node_agents_on_one_machine_each_capture_their_own_ranks(tmp_path: Path) -> None:
+    """Multi-node as on a cluster: the same command on every node (here two nondet
+    processes on 127.0.0.1, one rank each); each node's runs a and b rendezvous with the
+    other node's, each node captures and compares its own ranks."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    env = {**os.environ, "NO_COLOR": "1"}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "nondet", "run", "-q", "--no-verify", "--out",
+         str(tmp_path / f"node{n}"), "--json", str(tmp_path / f"node{n}.json"), "torchrun",
+         "--nnodes", "2", "--node-rank", str(n), "--master-addr", "127.0.0.1",
+         "--master-port", port, "--nproc-per-node", "1", str(CONTROL.relative_to(REPO))],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for n in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    for n, (node, output) in enumerate(zip(nodes, outputs, strict=True)):
+        assert node.returncode == 0, output
+        report = json.loads((tmp_path / f"node{n}.json").read_text())
+        assert report["verdict"] == "deterministic"
+        assert sorted(Path(r["path"]).name for r in report["runs"]) == [f"rank{n}.h5"] * 2

@@ -113,8 +113,11 @@ def compare_jobs(a: JobResult, b: JobResult) -> tuple[Comparison, int]:
     per_rank = {r: compare_captures_of_rank(*caps[r], r) for r in caps}
     for r, c in per_rank.items():
         div = c.first_divergence
-        made_here = any(_makes_difference(o.first_divergence) and _step_of(o.first_divergence)
-                        <= _step_of(div) for q, o in per_rank.items() if q != r)
+        # Any other rank that differs by then on its own account (an op, data, a seed: not
+        # a collective's output) may have fed the collective: then it is not the cause.
+        made_here = any(_own_difference(o.first_divergence, caps[q][0])
+                        and _step_of(o.first_divergence) <= _step_of(div)
+                        for q, o in per_rank.items() if q != r)
         collective = None if made_here else as_collective(div, r, caps)
         if collective is not None:
             per_rank[r] = replace(c, first_divergence=collective)
@@ -258,9 +261,15 @@ def _comm_rows(capture: Capture, step: int) -> list[np.void]:
             and int(r["kind"]) == Kind.OP]
 
 
-def _makes_difference(div: Divergence | None) -> bool:
-    return (div is not None and div.kind == "op" and div.explained
-            and not is_collective(div.op))
+def _own_difference(div: Divergence | None, capture: Capture) -> bool:
+    """Did this rank's first difference arise on this rank (not read from a collective)?"""
+    if div is None:
+        return False
+    if div.kind == "entry" and div.step is not None and div.op_index is not None:
+        names = [capture.string(int(r["name"])) for r in capture.ops(div.step)
+                 if int(r["index"]) == div.op_index]
+        return not (names and names[0].startswith(ENTRY_PREFIX))
+    return not is_collective(div.op) and div.kind != "collective"
 
 
 def _step_of(div: Divergence | None) -> int:

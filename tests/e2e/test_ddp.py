@@ -170,3 +170,16 @@ def test_two_node_agents_on_one_machine_each_capture_their_own_ranks(tmp_path: P
         report = json.loads((tmp_path / f"node{n}.json").read_text())
         assert report["verdict"] == "deterministic"
         assert sorted(Path(r["path"]).name for r in report["runs"]) == [f"rank{n}.h5"] * 2
+
+
+def test_a_data_shard_that_differs_on_one_rank_is_found_on_that_rank(tmp_path: Path) -> None:
+    # and not as a collective on rank 0, whose all-reduce received rank 1's difference
+    case = next(c for c in cases(FIXTURES)
+                if c.script.name == "shard_one_rank.py" and not c.args)
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "--nproc-per-node", "2",
+                     str(case.script.relative_to(REPO)), cwd=REPO)
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    found = check_finding(case, result, report)
+    assert found is not None and found["rank"] == int(case.expected["rank"])

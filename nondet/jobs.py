@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -35,8 +35,22 @@ from nondet.report import Divergence, Report, RunSummary
 from nondet.schedule import InternalChildError
 from nondet.store import Capture, open_capture
 
-if TYPE_CHECKING:  # pipeline imports this module when a job is run
-    from nondet.pipeline import Options, ProgressSink
+
+class Options(Protocol):
+    """What a job's diagnosis reads of ``pipeline.Options`` (pipeline imports this module,
+    not the other way round)."""
+
+    seed: int
+    out_dir: Path
+    ops_all: bool
+    max_steps: int | None
+    echo: bool
+    apply: tuple[str, ...]
+    verify: bool
+
+
+class ProgressSink(Protocol):
+    def stage(self, text: str) -> None: ...
 
 UNSUPPORTED = ("--runs and --baseline are not available for torchrun jobs yet: run "
                "`nondet run torchrun ...` (two runs, compared rank by rank)")

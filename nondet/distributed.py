@@ -96,6 +96,16 @@ def parse_launch_line(words: tuple[str, ...], module: str | None) -> Target:
                   args=script_args, launcher=tuple(options))
 
 
+def multi_node(launcher: tuple[str, ...]) -> bool:
+    """Does torchrun's ``--nnodes`` allow more than one node (``2``, ``1:4``)?"""
+    for i, word in enumerate(launcher):
+        if word.startswith(("--nnodes", "--nnodes_")):
+            value = word.split("=", 1)[1] if "=" in word else (
+                launcher[i + 1] if i + 1 < len(launcher) else "1")
+            return value.split(":")[-1] != "1"
+    return False
+
+
 def shorthand(nproc_per_node: int, target: Target) -> Target:
     """``--nproc-per-node N SCRIPT``: a single-node torchrun job."""
     return Target(script=target.script, module=target.module, args=target.args,
@@ -195,6 +205,7 @@ class JobResult:
     silence: float = 0.0  # how long, then (seconds)
     ended_first: list[int] = field(default_factory=list)  # ranks in the order they ended
     world_size: int = 0
+    multi_node: bool = False  # this node's ranks only: the others report to their own nondet
 
 
 class Job:
@@ -244,7 +255,8 @@ class Job:
             label=self.plan.label, ranks=results, agent_exit_code=code,
             log_path=self.log_path, hung=hung, stalled=silence > 0, silence=silence,
             ended_first=[s.rank for s in order],
-            world_size=max((s.world_size for s in streams), default=0))
+            world_size=max((s.world_size for s in streams), default=0),
+            multi_node=multi_node(self.target.launcher or ()))
 
     def _start_agent(self, sock_path: str) -> None:
         config = child_config(self.target, self.plan, self.seed)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -28,15 +28,29 @@ from nondet.distributed import Job, JobResult
 from nondet.errors import NondetError, ScriptFailed
 from nondet.exitcodes import ExitCode
 from nondet.frameworks.torch.comm import ENTRY_PREFIX
-from nondet.launch import Plan, Target
+from nondet.launch import Plan, RunResult, Target
 from nondet.recipe import Suggestion
-from nondet.records import INIT_STEP, Kind, Phase
+from nondet.records import INIT_STEP, STEP_COMPONENTS, Kind, Phase
 from nondet.report import Divergence, Report, RunSummary
 from nondet.schedule import InternalChildError
 from nondet.store import Capture, open_capture
 
-if TYPE_CHECKING:  # pipeline imports this module when a job is run
-    from nondet.pipeline import Options, ProgressSink
+
+class Options(Protocol):
+    """What a job's diagnosis reads of ``pipeline.Options`` (pipeline imports this module,
+    not the other way round)."""
+
+    seed: int
+    out_dir: Path
+    ops_all: bool
+    max_steps: int | None
+    echo: bool
+    apply: tuple[str, ...]
+    verify: bool
+
+
+class ProgressSink(Protocol):
+    def stage(self, text: str) -> None: ...
 
 UNSUPPORTED = ("--runs and --baseline are not available for torchrun jobs yet: run "
                "`nondet run torchrun ...` (two runs, compared rank by rank)")
@@ -60,7 +74,37 @@ def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
                   options.out_dir, extra_env=interventions.environment(options.apply),
                   echo=options.echo)
         jobs.append(check_job(job.run()))
-    found, rank = compare_jobs(jobs[0], jobs[1])
+    return _report(jobs[0], jobs[1], target.describe())
+
+
+def diff_dirs(dir_a: Path, dir_b: Path) -> Report:
+    """``nondet diff DIR DIR``: two run directories of a job (``run-a/``, ``run-b/``, each
+    holding ``rank<R>.h5``), compared rank by rank as ``run`` does."""
+    return _report(_job_of_dir(dir_a), _job_of_dir(dir_b), f"diff {dir_a} {dir_b}")
+
+
+def _job_of_dir(path: Path) -> JobResult:
+    files = sorted(path.glob("rank*.h5"))
+    if not files:
+        raise NondetError(f"{path} holds no rank<R>.h5 capture: give two run directories of "
+                          "a torchrun job (run-a/, run-b/) or two .h5 files")
+    ranks = []
+    for file in files:
+        capture = open_capture(file)
+        capture.verify()  # untrusted: damage is exit 2, never a verdict
+        rank = int(capture.attrs.get("rank", 0))
+        if file.name != f"rank{rank}.h5":
+            raise NondetError(f"{file} holds rank {rank}'s capture: rename it rank{rank}.h5")
+        ranks.append(RunResult(label=f"{path.name}/rank{rank}", path=file, log_path=file,
+                               status=str(capture.attrs.get("status", "")),
+                               exit_code=int(capture.attrs.get("exit_code", -1)),
+                               steps=capture.n_steps))
+    return JobResult(label=path.name, ranks=ranks, agent_exit_code=0, log_path=path)
+
+
+def _report(job_a: JobResult, job_b: JobResult, command: str) -> Report:
+    jobs = [job_a, job_b]
+    found, rank = compare_jobs(job_a, job_b)
     suggestions: list[Suggestion] = []
     if found.first_divergence is not None:
         found, suggestions = with_suggestions(found, open_capture(_rank_path(jobs[0], rank)))
@@ -68,7 +112,7 @@ def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
                        complete=r.complete, status=r.status, label=r.label,
                        final_params_fp=r.final.get("final_params_fp"))
             for job in jobs for r in job.ranks]
-    return found.report(runs=runs, captures=[s.path for s in runs], command=target.describe(),
+    return found.report(runs=runs, captures=[s.path for s in runs], command=command,
                         suggestions=suggestions)
 
 
@@ -83,8 +127,11 @@ def compare_jobs(a: JobResult, b: JobResult) -> tuple[Comparison, int]:
     per_rank = {r: compare_captures_of_rank(*caps[r], r) for r in caps}
     for r, c in per_rank.items():
         div = c.first_divergence
-        made_here = any(_makes_difference(o.first_divergence) and _step_of(o.first_divergence)
-                        <= _step_of(div) for q, o in per_rank.items() if q != r)
+        # Any other rank that differs by then on its own account (an op, data, a seed: not
+        # a collective's output) may have fed the collective: then it is not the cause.
+        made_here = any(_own_difference(o.first_divergence, caps[q][0])
+                        and _step_of(o.first_divergence) <= _step_of(div)
+                        for q, o in per_rank.items() if q != r)
         collective = None if made_here else as_collective(div, r, caps)
         if collective is not None:
             per_rank[r] = replace(c, first_divergence=collective)
@@ -102,6 +149,8 @@ def compare_jobs(a: JobResult, b: JobResult) -> tuple[Comparison, int]:
     rank, chosen = min(found, key=lambda rc: _order(rc[0], rc[1].first_divergence))
     div = chosen.first_divergence
     assert div is not None
+    if div.step is not None:
+        div = with_notes(div, phase_table(caps, div.step))
     others = [f"rank {r}: {_describe(c.first_divergence)}" for r, c in found if r != rank]
     if others:
         div = with_notes(div, "the other ranks' first differences: " + "; ".join(others))
@@ -115,6 +164,47 @@ def compare_captures_of_rank(a: Capture, b: Capture, rank: int) -> Comparison:
     world = int(a.attrs.get("world_size", 1))
     return replace(found, first_divergence=replace(found.first_divergence, rank=rank,
                                                    world_size=world))
+
+
+#: Columns of the rank x phase table, in the order a step runs.
+_PHASES = (Phase.DATA, Phase.FORWARD, Phase.BACKWARD, Phase.COMM, Phase.OPTIMIZER)
+
+
+def phase_table(caps: dict[int, tuple[Capture, Capture]], step: int) -> str:
+    """Where runs a and b agree at ``step``, rank by rank and phase by phase: the step
+    rows' fields (``records.STEP_COMPONENTS``) and, with op records, the records of each
+    phase (comm has op records only)."""
+    lines = [f"runs a and b at step {step}, rank x phase (= same, x differs, . not seen): "
+             + " ".join(p.label for p in _PHASES)]
+    for rank, (a, b) in sorted(caps.items()):
+        row_a = next((r for r in a.steps if int(r["step"]) == step), None)
+        row_b = next((r for r in b.steps if int(r["step"]) == step), None)
+        marks = []
+        for phase in _PHASES:
+            seen, differs = False, False
+            if row_a is not None and row_b is not None:
+                for name, where in STEP_COMPONENTS:
+                    if where == phase and (int(row_a[name]) or int(row_b[name])):
+                        seen = True
+                        differs = differs or int(row_a[name]) != int(row_b[name])
+            ops_a = [r for r in a.ops(step) if _phase_of(a, r) == phase]
+            ops_b = [r for r in b.ops(step) if _phase_of(b, r) == phase]
+            if ops_a or ops_b:
+                seen = True
+                differs = differs or len(ops_a) != len(ops_b) or any(
+                    int(x["out_fp"]) != int(y["out_fp"]) or int(x["in_fp"]) != int(y["in_fp"])
+                    for x, y in zip(ops_a, ops_b, strict=False))
+            marks.append("x" if differs else "=" if seen else ".")
+        lines.append(f"rank {rank}: " + " ".join(marks))
+    return "; ".join(lines)
+
+
+def _phase_of(capture: Capture, row: np.void) -> int:
+    """A record's phase; a collective's output, read afresh later, counts as comm."""
+    if int(row["kind"]) == Kind.ENTRY and capture.string(int(row["name"])).startswith(
+            ENTRY_PREFIX):
+        return int(Phase.COMM)
+    return int(row["phase"])
 
 
 def first_desync(caps: dict[int, Capture], label: str) -> tuple[int, Divergence] | None:
@@ -185,9 +275,15 @@ def _comm_rows(capture: Capture, step: int) -> list[np.void]:
             and int(r["kind"]) == Kind.OP]
 
 
-def _makes_difference(div: Divergence | None) -> bool:
-    return (div is not None and div.kind == "op" and div.explained
-            and not is_collective(div.op))
+def _own_difference(div: Divergence | None, capture: Capture) -> bool:
+    """Did this rank's first difference arise on this rank (not read from a collective)?"""
+    if div is None:
+        return False
+    if div.kind == "entry" and div.step is not None and div.op_index is not None:
+        names = [capture.string(int(r["name"])) for r in capture.ops(div.step)
+                 if int(r["index"]) == div.op_index]
+        return not (names and names[0].startswith(ENTRY_PREFIX))
+    return not is_collective(div.op) and div.kind != "collective"
 
 
 def _step_of(div: Divergence | None) -> int:
@@ -266,7 +362,7 @@ def check_job(job: JobResult) -> JobResult:
                            + (f": {last}" if last else "")
                            + f"; the job's output is in {job.log_path}",
                            details=first.error or _tail(job.log_path))
-    if job.world_size and len(job.ranks) < job.world_size:
+    if job.world_size and len(job.ranks) < job.world_size and not job.multi_node:
         raise ScriptFailed(f"run {job.label}: only {len(job.ranks)} of {job.world_size} ranks "
                            f"reached nondet (the others may run on another node); the job's "
                            f"output is in {job.log_path}")

@@ -139,3 +139,14 @@ def test_shards_that_never_matched_are_not_replicas_and_never_a_desync() -> None
     # model parallel / FSDP: each rank holds other parameters from the start
     assert jobs.first_desync({0: _steps(1, 2, 3), 1: _steps(5, 6, 7)}, "a") is None
     assert jobs.first_desync({0: _steps(1, 2, 3), 1: _steps(1, 2, 3)}, "a") is None
+
+
+def test_diff_takes_two_run_directories_or_two_files_not_one_of_each(tmp_path: Path) -> None:
+    (tmp_path / "run-a").mkdir()
+    (tmp_path / "b.h5").write_bytes(b"")
+    mixed = run_cli("diff", str(tmp_path / "run-a"), str(tmp_path / "b.h5"))
+    assert mixed.returncode == 2 and "not one of each" in mixed.stderr
+    (tmp_path / "run-b").mkdir()
+    empty = run_cli("diff", str(tmp_path / "run-a"), str(tmp_path / "run-b"))
+    assert empty.returncode == 2 and "holds no rank<R>.h5 capture" in empty.stderr
+    assert "Traceback" not in empty.stderr

@@ -12,8 +12,8 @@ from nondet.exitcodes import EPILOG
 
 
 @click.command(epilog=EPILOG)
-@click.argument("capture_a", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("capture_b", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("capture_a", type=click.Path(path_type=Path))
+@click.argument("capture_b", type=click.Path(path_type=Path))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the report as JSON to this file.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -22,12 +22,27 @@ from nondet.exitcodes import EPILOG
 @click.pass_obj
 def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
          html_path: Path | None) -> int:
-    """Compare two captures: environment differences first, then the first divergence."""
+    """Compare two captures: environment differences first, then the first divergence.
+
+    Two run directories of a torchrun job (run-a/, run-b/ with rank<R>.h5) are compared
+    rank by rank."""
     from nondet import analysis
     from nondet.report import json_file, text
     from nondet.store import open_capture
 
     check_html_file(html_path)
+    if capture_a.is_dir() or capture_b.is_dir():
+        if not (capture_a.is_dir() and capture_b.is_dir()):
+            raise click.UsageError("give two capture files or two run directories, not one "
+                                   "of each")
+        from nondet import jobs
+
+        report = jobs.diff_dirs(capture_a, capture_b)
+        if json_path is not None:
+            json_file.write(report, json_path)
+        text.render(report, app.out)
+        write_html(html_path, report, Path.cwd())
+        return int(report.exit_code)
     a, b = open_capture(capture_a), open_capture(capture_b)
     a.verify()  # damage anywhere is exit 2, never a verdict (checksums checked as read)
     b.verify()

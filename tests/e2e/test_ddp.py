@@ -59,6 +59,12 @@ def test_ddp_race_is_found_at_the_backward_op_of_rank_1(tmp_path: Path) -> None:
         with h5py.File(run["path"], "r") as f:
             assert int(f.attrs["world_size"]) == 2
             assert int(f.attrs["rank"]) == int(run["path"][-4])
+    run_dir = Path(report["runs"][0]["path"]).parents[1]
+    again = run_cli("diff", "--json", str(tmp_path / "diff.json"), str(run_dir / "run-a"),
+                    str(run_dir / "run-b"))
+    assert again.returncode == 1, again.stdout + again.stderr
+    diffed = json.loads((tmp_path / "diff.json").read_text())["first_divergence"]
+    assert (diffed["kind"], diffed["op"], diffed["rank"]) == ("op", found["op"], 1)
     shown = run_cli("show", report["runs"][1]["path"]).stdout
     assert any(line.split() == ["rank", "1"] for line in shown.splitlines())
     assert any(line.split() == ["world_size", "2"] for line in shown.splitlines())
@@ -121,6 +127,11 @@ def test_a_receive_from_any_source_is_a_collective_finding_on_rank_0(tmp_path: P
     assert found is not None and found["rank"] == 0 and found["world_size"] == 3
     assert "the collective c10d.recv_any_source_.default creates the difference" in \
         result.stdout.splitlines()[0]
+    table = next(n for n in found["notes"] if "rank x phase" in n)
+    rows = dict(part.split(": ", 1) for part in table.split("; ")[1:])
+    columns = table.split("; ")[0].rsplit(": ", 1)[1].split()
+    assert rows["rank 0"].split()[columns.index("comm")] == "x"  # where it was made
+    assert set(rows["rank 1"].split()) <= {"=", "."} and set(rows["rank 2"].split()) <= {"=", "."}
 
 
 def test_a_replica_that_drifts_is_a_desync_even_when_the_runs_agree(tmp_path: Path) -> None:
@@ -132,3 +143,43 @@ def test_a_replica_that_drifts_is_a_desync_even_when_the_runs_agree(tmp_path: Pa
     found = json.loads(report_path.read_text())["first_divergence"]
     assert (found["kind"], found["step"], found["rank"]) == ("desync", 1, 1), result.stdout
     assert "rank 1's parameters differ from rank 0's" in result.stdout
+
+
+def test_two_node_agents_on_one_machine_each_capture_their_own_ranks(tmp_path: Path) -> None:
+    """Multi-node as on a cluster: the same command on every node (here two nondet
+    processes on 127.0.0.1, one rank each); each node's runs a and b rendezvous with the
+    other node's, each node captures and compares its own ranks."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    env = {**os.environ, "NO_COLOR": "1"}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "nondet", "run", "-q", "--no-verify", "--out",
+         str(tmp_path / f"node{n}"), "--json", str(tmp_path / f"node{n}.json"), "torchrun",
+         "--nnodes", "2", "--node-rank", str(n), "--master-addr", "127.0.0.1",
+         "--master-port", port, "--nproc-per-node", "1", str(CONTROL.relative_to(REPO))],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for n in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    for n, (node, output) in enumerate(zip(nodes, outputs, strict=True)):
+        assert node.returncode == 0, output
+        report = json.loads((tmp_path / f"node{n}.json").read_text())
+        assert report["verdict"] == "deterministic"
+        assert sorted(Path(r["path"]).name for r in report["runs"]) == [f"rank{n}.h5"] * 2
+
+
+def test_a_data_shard_that_differs_on_one_rank_is_found_on_that_rank(tmp_path: Path) -> None:
+    # and not as a collective on rank 0, whose all-reduce received rank 1's difference
+    case = next(c for c in cases(FIXTURES)
+                if c.script.name == "shard_one_rank.py" and not c.args)
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "--nproc-per-node", "2",
+                     str(case.script.relative_to(REPO)), cwd=REPO)
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    found = check_finding(case, result, report)
+    assert found is not None and found["rank"] == int(case.expected["rank"])

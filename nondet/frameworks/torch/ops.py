@@ -122,13 +122,17 @@ class OpRecorder(FingerprintCache):
         taints: list[Fp] = []
         scalars: list[Any] = []
         needs_grad = False
-        for position, value in enumerate(args):
-            flags |= self._input(value, position in info.overwritten_args, ctx, ins, taints,
-                                 scalars)
-            needs_grad = needs_grad or (isinstance(value, torch.Tensor) and value.requires_grad)
-        for key, value in kwargs.items():
-            flags |= self._input(value, key in info.overwritten_kwargs, ctx, ins, taints,
-                                 scalars)
+        if info.comm:  # read afresh: DDP fills its buckets outside the dispatcher (comm.py)
+            ins = self._comm_inputs(args, kwargs)
+        else:
+            for position, value in enumerate(args):
+                flags |= self._input(value, position in info.overwritten_args, ctx, ins,
+                                     taints, scalars)
+                needs_grad = needs_grad or (isinstance(value, torch.Tensor)
+                                            and value.requires_grad)
+            for key, value in kwargs.items():
+                flags |= self._input(value, key in info.overwritten_kwargs, ctx, ins, taints,
+                                     scalars)
         garbage_moved = info.move and bool(taints) and not ins
         if garbage_moved:  # not a read: the copy is as uninitialized as its source
             flags = (flags & ~Flag.READS_UNINIT) | Flag.UNINIT_OUTPUT
@@ -244,6 +248,18 @@ class OpRecorder(FingerprintCache):
             elif isinstance(item, (bool, int, float, complex)) and not overwritten:
                 scalars.append(item)
         return flags
+
+    def _comm_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Fp]:
+        """A collective's tensors, fingerprinted now, never from the cache: the reducer
+        copies gradients into its buckets in C++, unseen by the cache. Memory known to be
+        uninitialized (a receive buffer from ``torch.empty``) is left out."""
+        fps = []
+        for t in comm.tensors_deep((args, tuple(kwargs.values()))):
+            hit = self._hit(t)
+            if hit is not None and hit[1].uninit:
+                continue
+            fps.append(self.fingerprint(t))
+        return fps
 
     def apply_stamp(self) -> None:
         """Tag the autograd nodes of the previous forward op with its module and line.

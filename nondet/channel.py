@@ -34,7 +34,8 @@ END = b"E"  # JSON: {"status": complete|stopped|failed|interrupted, ...}
 #: distributed job, which reaches the parent over a Unix socket (``connect``), not a pipe
 HELLO = b"H"
 
-KINDS = (META, STRINGS, STEP, TENSORS, OPS, FACTS, DUMP, END, HELLO)
+# HELLO opens a rank's socket and is read by nondet.distributed before the stream starts
+KINDS = (META, STRINGS, STEP, TENSORS, OPS, FACTS, DUMP, END)
 
 # -- META keys (one message may carry several) ---------------------------------------------------
 META_ENV = "env"  # dict: environment entries (versions, devices, variables)

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from nondet import compare, interventions, verify
 from nondet.recipe import Suggestion
-from nondet.report import Divergence
+from nondet.report import CombinedFix, Divergence, Source
 from nondet.store import Capture, open_capture
+
+__all__ = ["Budget", "CombinedFix", "Source", "every_source"]  # Source: data in nondet.report
 
 #: Fixes kept applied together at most, unless --max-fixes says otherwise.
 DEFAULT_MAX_FIXES = 3
@@ -44,44 +46,6 @@ class Budget:
     steps: int | None = None  # steps the runs with every fix compare (None: to the end)
     seconds: float = DEFAULT_BUDGET_SECONDS
     pairs: int = 1  # pairs a fix must hold in to be verified (--verify-pairs)
-
-
-@dataclass
-class Source:
-    """One independent source: where the runs first part with the earlier fixes applied."""
-
-    first_divergence: Divergence
-    suggestions: list[Suggestion]
-    applied: tuple[str, ...] = ()  # the earlier fixes in place when it was found
-
-    def to_json(self) -> dict[str, Any]:
-        return {"first_divergence": self.first_divergence.to_json(),
-                "suggestions": [s.to_json() for s in self.suggestions],
-                "found_with": list(self.applied)}
-
-    @property
-    def fix(self) -> Suggestion | None:
-        """The verified suggestion (ranked first by verification), if any."""
-        first = self.suggestions[0] if self.suggestions else None
-        return first if first is not None and first.verified else None
-
-
-@dataclass
-class CombinedFix:
-    """Every verified fix together, and what running with all of them showed."""
-
-    apply: tuple[str, ...]
-    env: dict[str, str] = field(default_factory=dict)
-    code: list[str] = field(default_factory=list)
-    verified: bool | None = None  # True the runs repeat with all; False they still part
-    verified_steps: int | None = None
-    cost_ratio: float | None = None
-    note: str = ""  # what stopped the search and what was left unexamined
-
-    def to_json(self) -> dict[str, Any]:
-        return {"env": self.env, "code": self.code, "verified": self.verified,
-                "verified_steps": self.verified_steps, "cost_ratio": self.cost_ratio,
-                "apply": list(self.apply), "note": self.note}
 
 
 class Steps(Protocol):

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nondet.exitcodes import ExitCode
 from nondet.recipe import Suggestion
-
-if TYPE_CHECKING:
-    from nondet.sources import CombinedFix, Source
 
 REPORT_VERSION = 1
 
@@ -185,6 +182,44 @@ class RepeatRow:
         return {"label": self.label, "steps": self.steps, "final_loss": _finite(self.final_loss),
                 "weights_digest": f"{self.digest:016x}", "outcome": self.outcome,
                 "status": self.status}
+
+
+@dataclass
+class Source:
+    """One independent source: where the runs first part with the earlier fixes applied."""
+
+    first_divergence: Divergence
+    suggestions: list[Suggestion]
+    applied: tuple[str, ...] = ()  # the earlier fixes in place when it was found
+
+    def to_json(self) -> dict[str, Any]:
+        return {"first_divergence": self.first_divergence.to_json(),
+                "suggestions": [s.to_json() for s in self.suggestions],
+                "found_with": list(self.applied)}
+
+    @property
+    def fix(self) -> Suggestion | None:
+        """The verified suggestion (ranked first by verification), if any."""
+        first = self.suggestions[0] if self.suggestions else None
+        return first if first is not None and first.verified else None
+
+
+@dataclass
+class CombinedFix:
+    """Every verified fix together, and what running with all of them showed."""
+
+    apply: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    code: list[str] = field(default_factory=list)
+    verified: bool | None = None  # True the runs repeat with all; False they still part
+    verified_steps: int | None = None
+    cost_ratio: float | None = None
+    note: str = ""  # what stopped the search and what was left unexamined
+
+    def to_json(self) -> dict[str, Any]:
+        return {"env": self.env, "code": self.code, "verified": self.verified,
+                "verified_steps": self.verified_steps, "cost_ratio": self.cost_ratio,
+                "apply": list(self.apply), "note": self.note}
 
 
 @dataclass

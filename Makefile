@@ -20,6 +20,7 @@ demo:
 	  if [ $$code -ne 1 ]; then echo "demo: expected exit code 1 (nondeterminism found), got $$code"; exit 1; fi
 
 test: install lint typecheck
+	./tools/ensure-chromium
 	$(BIN)/python -m pytest -q
 
 lint:

@@ -166,6 +166,9 @@ def bench(framework: str, variant: str, steps: int, repeat: int) -> str:
         if target is None:  # reported, no target set
             table.append(f"| {name} | {shown} | - | - |")
             continue
+        if value < 0:  # a cost below the plain step's: noise larger than the effect
+            table.append(f"| {name} | {shown} | <= {target}{unit} | not measurable |")
+            continue
         table.append(f"| {name} | {shown} | <= {target}{unit} | "
                      f"{'yes' if value <= target else 'no'} |")
     context = (f"{date.today()}, {platform.processor() or platform.machine()}, "

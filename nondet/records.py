@@ -101,7 +101,7 @@ STEP_DTYPE = np.dtype(
         ("rng_fp", "<u8"),  # framework, NumPy and Python RNG states at the step end
         ("probes_fp", "<u8"),
         ("params_sum", "<f8"),  # sum of all parameter values: shows how a difference grows
-        ("wall", "<f8"),  # seconds since the run started
+        ("wall", "<f8"),  # seconds since the run started, less time held by lockstep
         ("n_records", "<i4"),  # op records captured in this step (0 outside the op window)
     ]
 )

@@ -91,6 +91,10 @@ class Session:
         self.final: dict[str, Any] = {}  # final loss and weights digest, sent with END
         self.pid = os.getpid()
         self._free = False  # lockstep released: no more waiting at boundaries
+        # seconds spent held at step boundaries by the parent (lockstep): left out of the
+        # step rows' ``wall`` so that step times (a fix's cost) measure the script, not how
+        # long the parent took to compare the step or fetch kept outputs
+        self.held = 0.0
         #: called with each finished step's number after its row is sent (never raise)
         self.step_listeners: list[Callable[[int], None]] = []
 
@@ -134,7 +138,7 @@ class Session:
         row = np.zeros(1, dtype=STEP_DTYPE)
         row["step"] = self.step
         row["loss"] = np.nan
-        row["wall"] = time.perf_counter() - self.started
+        row["wall"] = time.perf_counter() - self.started - self.held
         return row
 
     def flush_ops(self, ops: np.ndarray) -> None:
@@ -161,7 +165,9 @@ class Session:
                 and finished >= self.config.stop_after:
             raise StopRun()
         if self.config.lockstep and not self._free:
+            held_from = time.perf_counter()
             answer = channel.wait_for_turn(self.config.control_fd, self._send_kept)
+            self.held += time.perf_counter() - held_from
             if answer == channel.FREE:
                 self._free = True
             elif answer == channel.STOP:

@@ -1,4 +1,4 @@
-"""Distributed jobs: the torchrun launch line, and one job of N ranks recorded per run.
+"""Distributed jobs: one job of N ranks recorded per run (the launch line: ``launchline``).
 
 ``nondet run torchrun --nproc-per-node 2 train.py`` runs the user's own launch line twice,
 as two whole jobs one after the other (each with its own rendezvous: torchrun picks a free
@@ -28,7 +28,6 @@ under nondet as without it); the value each rank saw is recorded in its capture.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -41,91 +40,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from nondet import channel
-from nondet.errors import NondetError
 from nondet.launch import Plan, RunResult, Target, capture_attrs, child_config, child_env
+from nondet.launchline import RUN_MODULE, multi_node
 from nondet.store import CaptureWriter
 from nondet.stream import RunStream
 
-#: The words that start a torchrun launch line (after nondet's options).
-_TORCHRUN = ("torchrun",)
-_RUN_MODULE = "torch.distributed.run"
 #: Ranks are ended this long after their agent has exited (they should have ended with it).
 AGENT_EXIT_GRACE = 10.0
 #: A worker asked to end by signal has this long before SIGKILL.
 KILL_GRACE = 5.0
-
-
-# -- the launch line --------------------------------------------------------------------------
-def is_launch_line(words: tuple[str, ...], module: str | None) -> bool:
-    """Does SCRIPT [ARGS] (or ``-m MODULE``) start a torchrun launch line?"""
-    if module == _RUN_MODULE:
-        return True
-    if not words:
-        return False
-    head = os.path.basename(words[0])
-    if head in _TORCHRUN and not os.path.isfile(words[0]):
-        return True
-    return (head.startswith("python") and len(words) >= 3 and words[1] == "-m"
-            and words[2] == _RUN_MODULE)
-
-
-def parse_launch_line(words: tuple[str, ...], module: str | None) -> Target:
-    """The target of ``torchrun [TORCHRUN_ARGS] SCRIPT [ARGS]`` (or ``python -m
-    torch.distributed.run ...``, or nondet's ``-m torch.distributed.run ...``): torchrun's
-    own options are kept as written, parsed by torchrun's parser to find the script."""
-    if module == _RUN_MODULE:
-        rest = list(words)
-    elif os.path.basename(words[0]) in _TORCHRUN:
-        rest = list(words[1:])
-    else:
-        rest = list(words[3:])
-    parsed = _torchrun_parse(rest)
-    script = str(parsed.training_script)
-    script_args = tuple(str(a) for a in parsed.training_script_args)
-    options = rest[: len(rest) - len(script_args) - 1]
-    if parsed.no_python:
-        raise NondetError("nondet records Python scripts: drop torchrun's --no-python")
-    as_module = bool(parsed.module)
-    options = [o for o in options if o not in ("-m", "--module")]
-    if parsed.run_path:
-        options = [o for o in options if o != "--run-path" and o != "--run_path"]
-    return Target(script=None if as_module else script, module=script if as_module else None,
-                  args=script_args, launcher=tuple(options))
-
-
-def multi_node(launcher: tuple[str, ...]) -> bool:
-    """Does torchrun's ``--nnodes`` allow more than one node (``2``, ``1:4``)?"""
-    for i, word in enumerate(launcher):
-        if word.startswith(("--nnodes", "--nnodes_")):
-            value = word.split("=", 1)[1] if "=" in word else (
-                launcher[i + 1] if i + 1 < len(launcher) else "1")
-            return value.split(":")[-1] != "1"
-    return False
-
-
-def shorthand(nproc_per_node: int, target: Target) -> Target:
-    """``--nproc-per-node N SCRIPT``: a single-node torchrun job."""
-    return Target(script=target.script, module=target.module, args=target.args,
-                  launcher=("--nproc-per-node", str(nproc_per_node)))
-
-
-def _torchrun_parse(words: list[str]) -> Any:
-    try:
-        from torch.distributed.run import get_args_parser
-    except ImportError:
-        raise NondetError("a torchrun launch line needs torch: pip install torch") from None
-    errors = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(errors):
-            return get_args_parser().parse_args(words)
-    except SystemExit:
-        lines = [line for line in errors.getvalue().splitlines() if line.strip()]
-        why = lines[-1].split("error: ", 1)[-1] if lines else "cannot be parsed"
-        raise NondetError(f"the torchrun launch line: {why} (write it as "
-                          "`nondet run torchrun [TORCHRUN_ARGS] SCRIPT [ARGS]`)") from None
+#: A job whose ranks have all been silent this long (and 5 x their slowest step) is ended.
+STALL_AFTER = 120.0
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -213,7 +140,7 @@ class Job:
 
     def __init__(self, target: Target, plan: Plan, seed: int, out_dir: Path,
                  extra_env: dict[str, str] | None = None, echo: bool = False,
-                 stall_after: float = 120.0, poll: float = 0.2) -> None:
+                 stall_after: float = STALL_AFTER, poll: float = 0.2) -> None:
         assert target.launcher is not None
         self.target, self.plan, self.seed = target, plan, seed
         self.dir = out_dir / f"run-{plan.label}"
@@ -262,7 +189,7 @@ class Job:
         config = child_config(self.target, self.plan, self.seed)
         config.socket = sock_path
         env = child_env(config, self.extra_env)
-        command = [sys.executable, "-m", _RUN_MODULE, *(self.target.launcher or ()),
+        command = [sys.executable, "-m", RUN_MODULE, *(self.target.launcher or ()),
                    "--module", "nondet.boot"]
         self._agent = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,9 +1,11 @@
 """``nondet run`` on a distributed job: two whole jobs, compared rank by rank.
 
-Runs a and b are two torchrun jobs one after the other (``distributed.Job``): N ranks at
-once already share the machine's cores, and a job cannot be stopped part-way at the same
-step on every rank without the others blocking in a collective, so each job runs to its
-end (or to ``--max-steps``, which every rank reaches at the same step boundary).
+Runs a and b are two torchrun jobs one after the other (``jobrun.run_checked``): N ranks
+at once already share the machine's cores, and a job cannot be stopped part-way at the
+same step on every rank without the others blocking in a collective, so each job runs to
+its end (or to ``--max-steps``, which every rank reaches at the same step boundary). Its
+suggested fixes are verified on two more jobs each (``job_fixes``); ``--runs N`` is
+``job_runs``.
 
 Rank i of run a is compared with rank i of run b by the single-process rules
 (``analysis.compare_pair``). The finding is the earliest one over the ranks; at the same
@@ -22,17 +24,18 @@ from typing import Protocol
 
 import numpy as np
 
-from nondet import channel, interventions, outdir
+from nondet import outdir
 from nondet.analysis import Comparison, compare_pair, source_text, with_notes, with_suggestions
-from nondet.distributed import Job, JobResult
-from nondet.errors import NondetError, ScriptFailed
+from nondet.distributed import JobResult
+from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.frameworks.torch.comm import ENTRY_PREFIX
+from nondet.jobrun import run_checked
 from nondet.launch import Plan, RunResult, Target
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP, STEP_COMPONENTS, Kind, Phase
-from nondet.report import Divergence, Report, RunSummary
-from nondet.schedule import InternalChildError
+from nondet.report import Divergence, RepeatRow, Report, RunSummary, Source
+from nondet.sources import Budget
 from nondet.store import Capture, open_capture
 
 
@@ -47,34 +50,55 @@ class Options(Protocol):
     echo: bool
     apply: tuple[str, ...]
     verify: bool
+    budget: Budget
 
 
 class ProgressSink(Protocol):
     def stage(self, text: str) -> None: ...
 
-UNSUPPORTED = ("--runs and --baseline are not available for torchrun jobs yet: run "
-               "`nondet run torchrun ...` (two runs, compared rank by rank)")
+
+UNSUPPORTED = ("--baseline is not available for torchrun jobs: compare two jobs with "
+               "`nondet check torchrun ...` (or N jobs with --runs N)")
 #: Op names of collectives as the dispatcher sees them (c10d's ops).
 _COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 
 
 def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
-    """``nondet run torchrun ...``: both jobs, then the per-rank comparison."""
+    """``nondet run torchrun ...``: both jobs, the per-rank comparison, and with
+    ``options.verify`` the suggested fixes verified on two more jobs each
+    (``nondet.job_fixes``)."""
+    start(target, options)
+    op_steps, stop_after = first_plan(options)
+    first: list[JobResult] = []
+    for label in ("a", "b"):
+        sink.stage(f"run {label}: {target.describe()}, seed {options.seed}")
+        first.append(run_checked(target, Plan(label, op_steps, stop_after=stop_after),
+                                 options.seed, options.out_dir, options.apply, options.echo))
+    found, _, suggestions = explain(first[0], first[1])
+    every: list[Source] = []
+    combined, written = None, list[str]()
+    div = found.first_divergence
+    if options.verify and div is not None and suggestions:
+        from nondet import job_fixes  # it uses this module
+
+        suggestions, every, combined, written = job_fixes.verify_finding(
+            target, options, sink.stage, (first[0], first[1]), div, suggestions)
+    report = build_report(found, suggestions, first, target.describe(), written)
+    report.sources, report.combined_fix = every, combined
+    return report
+
+
+def start(target: Target, options: Options) -> None:
+    """Check the target; give this invocation its own directory under --out."""
     target.check()
     if not outdir.is_own(options.out_dir):
         options.out_dir = outdir.start(options.out_dir).path
-    if options.verify:
-        sink.stage("fixes are not verified for torchrun jobs yet: reporting the finding only")
-    op_steps = None if options.ops_all else [INIT_STEP, 0]
-    stop_after = options.max_steps - 1 if options.max_steps else None
-    jobs: list[JobResult] = []
-    for label in ("a", "b"):
-        sink.stage(f"run {label}: {target.describe()}, seed {options.seed}")
-        job = Job(target, Plan(label, op_steps, stop_after=stop_after), options.seed,
-                  options.out_dir, extra_env=interventions.environment(options.apply),
-                  echo=options.echo)
-        jobs.append(check_job(job.run()))
-    return _report(jobs[0], jobs[1], target.describe())
+
+
+def first_plan(options: Options) -> tuple[list[int] | None, int | None]:
+    """(op steps, stop after) of the jobs that start a diagnosis."""
+    return (None if options.ops_all else [INIT_STEP, 0],
+            options.max_steps - 1 if options.max_steps else None)
 
 
 def diff_dirs(dir_a: Path, dir_b: Path) -> Report:
@@ -103,27 +127,46 @@ def _job_of_dir(path: Path) -> JobResult:
 
 
 def _report(job_a: JobResult, job_b: JobResult, command: str) -> Report:
-    jobs = [job_a, job_b]
+    found, _, suggestions = explain(job_a, job_b)
+    return build_report(found, suggestions, [job_a, job_b], command)
+
+
+def explain(job_a: JobResult, job_b: JobResult,
+            ) -> tuple[Comparison, int, list[Suggestion]]:
+    """The comparison of two jobs, the rank of its finding, and the recipes for it."""
     found, rank = compare_jobs(job_a, job_b)
     suggestions: list[Suggestion] = []
     if found.first_divergence is not None:
-        found, suggestions = with_suggestions(found, open_capture(_rank_path(jobs[0], rank)))
+        found, suggestions = with_suggestions(found, open_capture(rank_path(job_a, rank)))
+    return found, rank, suggestions
+
+
+def build_report(found: Comparison, suggestions: list[Suggestion], jobs: list[JobResult],
+           command: str, extra: list[str] | None = None,
+           repeatability: list[RepeatRow] | None = None) -> Report:
     runs = [RunSummary(path=str(r.path), exit_code=r.exit_code, steps=r.steps,
                        complete=r.complete, status=r.status, label=r.label,
                        final_params_fp=r.final.get("final_params_fp"))
             for job in jobs for r in job.ranks]
-    return found.report(runs=runs, captures=[s.path for s in runs], command=command,
-                        suggestions=suggestions)
+    return found.report(runs=runs, captures=[s.path for s in runs] + (extra or []),
+                        command=command, suggestions=suggestions,
+                        repeatability=repeatability or [])
+
+
+def rank_results(a: JobResult, b: JobResult) -> dict[int, tuple[RunResult, RunResult]]:
+    """Rank R's result in job a and in job b, for every rank (both jobs must have the same)."""
+    ranks_a = {_rank_of(r.label): r for r in a.ranks}
+    ranks_b = {_rank_of(r.label): r for r in b.ranks}
+    if set(ranks_a) != set(ranks_b):
+        raise NondetError(f"the two runs had different ranks ({sorted(ranks_a)} and "
+                          f"{sorted(ranks_b)}): nothing to compare rank by rank")
+    return {r: (ranks_a[r], ranks_b[r]) for r in sorted(ranks_a)}
 
 
 def compare_jobs(a: JobResult, b: JobResult) -> tuple[Comparison, int]:
     """The comparison of the two jobs and the rank of its finding (module docstring)."""
-    ranks_a = {_rank_of(r.label): r.path for r in a.ranks}
-    ranks_b = {_rank_of(r.label): r.path for r in b.ranks}
-    if set(ranks_a) != set(ranks_b):
-        raise NondetError(f"the two runs had different ranks ({sorted(ranks_a)} and "
-                          f"{sorted(ranks_b)}): nothing to compare rank by rank")
-    caps = {r: (open_capture(ranks_a[r]), open_capture(ranks_b[r])) for r in sorted(ranks_a)}
+    caps = {r: (open_capture(ra.path), open_capture(rb.path))
+            for r, (ra, rb) in rank_results(a, b).items()}
     per_rank = {r: compare_captures_of_rank(*caps[r], r) for r in caps}
     for r, c in per_rank.items():
         div = c.first_divergence
@@ -318,68 +361,5 @@ def _rank_of(label: str) -> int:
     return int(label.rsplit("rank", 1)[1])
 
 
-def _rank_path(job: JobResult, rank: int) -> Path:
+def rank_path(job: JobResult, rank: int) -> Path:
     return next(r.path for r in job.ranks if _rank_of(r.label) == rank)
-
-
-# -- checking a job -----------------------------------------------------------------------------
-def check_job(job: JobResult) -> JobResult:
-    """The job if every rank ended well, else the error naming the run and the rank."""
-    for result in job.ranks:
-        if result.write_error:
-            raise NondetError(result.write_error + "; the runs were stopped")
-    for result in job.ranks:
-        if result.hook_error:
-            raise InternalChildError(result.hook_error)
-    by_rank = {int(r.label.rsplit("rank", 1)[1]): r for r in job.ranks}
-    if job.stalled and not job.hung:
-        raise ScriptFailed(
-            f"run {job.label}: no rank reached nondet or sent anything for "
-            f"{job.silence:.0f} s (torchrun waiting for its rendezvous, or the ranks for "
-            f"each other?); the job was ended. Its output is in {job.log_path}",
-            details=_tail(job.log_path))
-    if job.hung:
-        names = ", ".join(str(r) for r in job.hung)
-        steps = min((by_rank[r].steps for r in job.hung if r in by_rank), default=0)
-        silent = (f"sent nothing for {job.silence:.0f} s" if job.stalled
-                  else "went on after torchrun had exited")
-        raise ScriptFailed(
-            f"run {job.label}: rank{'s' if len(job.hung) > 1 else ''} {names} {silent}, "
-            f"after {steps} step(s) (a rank hangs, or waits in a collective for one that "
-            f"does); the job was ended. Its output is in {job.log_path}",
-            details=_tail(job.log_path))
-    # The rank that ended first: the others fail after it (a collective with a dead peer
-    # raises) or are ended by torchrun.
-    failed = [by_rank[r] for r in job.ended_first
-              if by_rank[r].status in (channel.FAILED, channel.CRASHED)]
-    if failed:
-        first = failed[0]
-        rank = first.label.rsplit("rank", 1)[1]
-        how = (f"exit code {first.exit_code}" if first.status == channel.FAILED
-               else "it ended without a word: killed by a signal?")
-        last = _last_line(first.error)
-        raise ScriptFailed(f"the script failed in run {job.label}, rank {rank} ({how})"
-                           + (f": {last}" if last else "")
-                           + f"; the job's output is in {job.log_path}",
-                           details=first.error or _tail(job.log_path))
-    if job.world_size and len(job.ranks) < job.world_size and not job.multi_node:
-        raise ScriptFailed(f"run {job.label}: only {len(job.ranks)} of {job.world_size} ranks "
-                           f"reached nondet (the others may run on another node); the job's "
-                           f"output is in {job.log_path}")
-    if not job.ranks:
-        raise ScriptFailed(f"run {job.label}: torchrun exited with code {job.agent_exit_code} "
-                           f"before any rank started; its output is in {job.log_path}",
-                           details=_tail(job.log_path))
-    return job
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").rstrip().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""

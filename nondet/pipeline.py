@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -42,7 +41,8 @@ from nondet.errors import NondetError, ScriptFailed
 from nondet.launch import CapturedRun, Plan, RunResult, Target
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
-from nondet.report import Divergence, RepeatRow, Report, RunSummary
+from nondet.repeatability import outcome, rows
+from nondet.report import Divergence, Report, RunSummary
 from nondet.schedule import InternalChildError  # noqa: F401 - re-exported
 from nondet.store import Capture, open_capture
 
@@ -159,16 +159,21 @@ def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report
 
 def repeat(target: Target, options: Options, progress: ProgressSink, count: int) -> Report:
     """``--runs N``: N runs one after the other, a table of how each ended, and the diagnosis
-    of the first run that differs from the first."""
+    of the first run that differs from the first (N jobs, for a torchrun job)."""
+    if target.launcher is not None:  # N torchrun jobs (nondet.job_runs)
+        from nondet import job_runs  # it uses jobs, which this module imports
+
+        return job_runs.repeat(target, options, progress, count)
     prepare(target, options)
     results = []
     for i in range(1, count + 1):
         progress.stage(f"run {i} of {count}: {target.describe()}")
         results.append(_run_single(target, _first(options, f"r{i}"), options, progress))
     captures = [open_capture(r.path) for r in results]
-    rows = _repeat_rows(results, captures)
+    table = rows([r.label for r in results], [r.status for r in results],
+                 [[outcome(r, c)] for r, c in zip(results, captures, strict=True)])
     differing = next((i for i in range(1, count)
-                      if rows[i].outcome != rows[0].outcome
+                      if table[i].outcome != table[0].outcome
                       or compare.first_step_divergence(captures[0].steps, captures[i].steps)),
                      None)
     suggestions: list[Suggestion] = []
@@ -181,22 +186,7 @@ def repeat(target: Target, options: Options, progress: ProgressSink, count: int)
                                              captures[differing])
     return found.report(runs=[_summary(r) for r in results], command=target.describe(),
                         captures=[str(c.path) for c in captures] + extra,
-                        suggestions=suggestions, repeatability=rows)
-
-
-def _repeat_rows(results: list[RunResult], captures: list[Capture]) -> list[RepeatRow]:
-    letters: dict[tuple[int, int, int], str] = {}
-    rows = []
-    for result, capture in zip(results, captures, strict=True):
-        steps = capture.steps[capture.steps["step"] >= 0]
-        digest = int(result.final.get("final_params_fp")
-                     or (int(steps["params_fp"][-1]) if len(steps) else 0))
-        loss = float(steps["loss"][-1]) if len(steps) else math.nan
-        key = (digest, len(steps), int(np.float64(loss).view(np.uint64)))
-        outcome = letters.setdefault(key, chr(ord("A") + len(letters) % 26))
-        rows.append(RepeatRow(label=result.label, steps=len(steps), final_loss=loss,
-                              digest=digest, outcome=outcome, status=result.status))
-    return rows
+                        suggestions=suggestions, repeatability=table)
 
 
 def write_baseline(target: Target, options: Options, progress: ProgressSink,

@@ -63,14 +63,18 @@ class Outcome:
 def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
            run_pair: RunPair, stage: Callable[[str], None],
            op_steps: list[int] | None = None, finding_step: int | None = None,
-           pairs: int = 1) -> tuple[list[Suggestion], list[str]]:
+           pairs: int = 1, upto: int | None = None) -> tuple[list[Suggestion], list[str]]:
     """The suggestions with ``verified``, steps and cost filled in (the verified one first),
     and the captures the verification runs wrote. With ``pairs`` > 1 a fix is verified only
-    if it holds in that many pairs (``--verify-pairs``: a race may miss one pair by chance)."""
+    if it holds in that many pairs (``--verify-pairs``: a race may miss one pair by chance).
+    ``upto``: the last step the runs with a fix go to, when the first pair went further
+    than a verification needs (a torchrun job runs to its end: ``nondet.job_fixes``)."""
     a, b = first
     last = _last_common_step(a.steps, b.steps)
     if last is None or compare.first_step_divergence(a.steps, b.steps) is None:
         return list(suggestions), []  # nothing to show repeating: no step rows parted
+    if upto is not None:
+        last = min(last, upto)
     base_time = step_time(a.steps, b.steps)
     tried: dict[str, Outcome] = {}
     written: list[str] = []

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nondet import channel, distributed, jobs
+from nondet import channel, distributed, jobrun, jobs, launchline
 from nondet.errors import NondetError, ScriptFailed
 from nondet.launch import RunResult
 from nondet.report import Divergence
@@ -26,15 +26,15 @@ SCRIPT = "fixtures/ddp/linear_ddp.py"
 ])
 def test_launch_line_forms_keep_torchrun_options_and_the_script_args(
         words: tuple[str, ...], module: str | None) -> None:
-    assert distributed.is_launch_line(words, module)
-    target = distributed.parse_launch_line(words, module)
+    assert launchline.is_launch_line(words, module)
+    target = launchline.parse_launch_line(words, module)
     assert target.launcher == ("--nproc-per-node", "2")
     assert target.script == SCRIPT and target.module is None
     assert target.args == ("--steps", "2")  # the script's, even where torchrun has one too
 
 
 def test_a_module_launched_by_torchrun_stays_a_module() -> None:
-    target = distributed.parse_launch_line(
+    target = launchline.parse_launch_line(
         ("torchrun", "--standalone", "--nproc-per-node=2", "-m", "pkg.train", "--lr", "1"),
         None)
     assert target.module == "pkg.train" and target.script is None
@@ -43,14 +43,14 @@ def test_a_module_launched_by_torchrun_stays_a_module() -> None:
 
 
 def test_a_script_that_is_not_a_launch_line() -> None:
-    assert not distributed.is_launch_line(("train.py", "torchrun"), None)
-    assert not distributed.is_launch_line(("python", "train.py"), None)
-    assert not distributed.is_launch_line((), "pkg.train")
+    assert not launchline.is_launch_line(("train.py", "torchrun"), None)
+    assert not launchline.is_launch_line(("python", "train.py"), None)
+    assert not launchline.is_launch_line((), "pkg.train")
 
 
 def test_no_python_is_refused_in_one_line() -> None:
     with pytest.raises(NondetError, match="--no-python"):
-        distributed.parse_launch_line(("torchrun", "--no-python", "echo", "hi"), None)
+        launchline.parse_launch_line(("torchrun", "--no-python", "echo", "hi"), None)
 
 
 def test_a_torchrun_line_without_script_is_a_usage_error_not_a_traceback(
@@ -81,7 +81,7 @@ def test_the_rank_that_failed_first_is_named_not_the_ones_failing_after_it() -> 
                                                           "RuntimeError: boom")],
         ended_first=[1, 0])
     with pytest.raises(ScriptFailed, match=r"run b, rank 1 \(exit code 1\): RuntimeError"):
-        jobs.check_job(job)
+        jobrun.check_job(job)
 
 
 def test_a_killed_rank_is_the_one_that_ended_first() -> None:
@@ -90,11 +90,11 @@ def test_a_killed_rank_is_the_one_that_ended_first() -> None:
         ranks=[_rank("a", 0, channel.CRASHED, -1), _rank("a", 1, channel.CRASHED, -1)],
         ended_first=[1, 0])
     with pytest.raises(ScriptFailed, match=r"run a, rank 1 .*killed by a signal"):
-        jobs.check_job(job)
+        jobrun.check_job(job)
     # its peer then fails in the all-reduce (gloo: connection closed): still rank 1
     job.ranks[0] = _rank("a", 0, channel.FAILED, 1, "RuntimeError: Connection closed by peer")
     with pytest.raises(ScriptFailed, match=r"run a, rank 1 .*killed by a signal"):
-        jobs.check_job(job)
+        jobrun.check_job(job)
 
 
 def test_an_op_that_made_the_difference_outranks_a_collective_on_another_rank() -> None:
@@ -118,8 +118,8 @@ def test_a_job_silent_before_any_rank_connected_says_so() -> None:
     # started" with torchrun's exit code, which would blame the script
     job = distributed.JobResult(label="a", agent_exit_code=-1, log_path=Path("run-a.log"),
                                 ranks=[], stalled=True, silence=120.0)
-    with pytest.raises(ScriptFailed, match="no rank reached nondet or sent anything for 120 s"):
-        jobs.check_job(job)
+    with pytest.raises(jobrun.JobHung, match="no rank reached nondet or sent anything for 120 s"):
+        jobrun.check_job(job)
 
 
 def _steps(*fps: int) -> Any:

@@ -126,11 +126,11 @@ def make_target(module: str | None, script_and_args: tuple[str, ...],
                 launcher: tuple[str, ...] | None = None) -> Target:
     """The script (or module) and its arguments; unknown options and paths nondet cannot
     store are usage errors (exit 2), found before anything runs."""
-    from nondet import distributed
+    from nondet import launchline
     from nondet.launch import Target
 
-    if distributed.is_launch_line(script_and_args, module):
-        target = distributed.parse_launch_line(script_and_args, module)
+    if launchline.is_launch_line(script_and_args, module):
+        target = launchline.parse_launch_line(script_and_args, module)
         return make_target(target.module, (*([target.script] if target.script else []),
                                            *target.args), launcher=target.launcher)
     _refuse_unknown_option(module, script_and_args)
@@ -155,7 +155,7 @@ def make_target(module: str | None, script_and_args: tuple[str, ...],
                                    "launch line, give it to torchrun")
         return replace(target, launcher=launcher)
     if nproc is not None:
-        return distributed.shorthand(int(nproc), target)
+        return launchline.shorthand(int(nproc), target)
     return target
 
 

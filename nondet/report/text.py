@@ -219,7 +219,8 @@ def _sources(report: Report) -> list[str]:
     lines = [f"{k}={v}" for k, v in combined.env.items()] + combined.code
     for i, text in enumerate(lines):
         out.append(_row("all fixes" if i == 0 else "", f"[bold]{escape(text)}[/]"))
-    runs = len(report.runs)
+    # a torchrun job's runs are its ranks' captures ("a/rank0"): count the jobs
+    runs = len({r.label.split("/")[0] if r.label else r.path for r in report.runs})
     if combined.verified:
         cost = f", step time {combined.cost_ratio:.2f}x" if combined.cost_ratio else ""
         out.append(_row("", f"with all of these, {runs} runs repeat over "

@@ -14,8 +14,8 @@ from pathlib import Path
 import h5py
 import pytest
 
-from nondet import distributed, jobs
-from nondet.errors import ScriptFailed
+from nondet import distributed, jobrun
+from nondet.jobrun import JobHung
 from nondet.launch import Plan, Target
 from nondet.store import open_capture
 from tests.conftest import REPO, run_cli
@@ -107,8 +107,8 @@ def test_a_hanging_rank_ends_the_job_in_bounded_time_and_leaves_nothing(
     started = time.monotonic()
     result = job.run()
     elapsed = time.monotonic() - started
-    with pytest.raises(ScriptFailed, match=r"run b: ranks? .*1.* sent nothing"):
-        jobs.check_job(result)
+    with pytest.raises(JobHung, match=r"run b: ranks? .*1.* sent nothing"):
+        jobrun.check_job(result)
     assert elapsed < 90, elapsed  # start-up + 5 s of silence + the ending, never gloo's 30 min
     assert result.hung and 1 in result.hung
     assert _processes_mentioning(str(tmp_path)) == []

@@ -9,11 +9,20 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nondet import channel, distributed, jobrun, jobs, launchline
+from nondet import (
+    channel,
+    distributed,
+    job_fixes,
+    jobrun,
+    jobs,
+    launchline,
+    pipeline,
+    repeatability,
+)
 from nondet.errors import NondetError, ScriptFailed
-from nondet.launch import RunResult
+from nondet.launch import RunResult, Target
 from nondet.report import Divergence
-from tests.conftest import run_cli
+from tests.conftest import run_cli, step_rows, write_capture
 
 SCRIPT = "fixtures/ddp/linear_ddp.py"
 
@@ -150,3 +159,38 @@ def test_diff_takes_two_run_directories_or_two_files_not_one_of_each(tmp_path: P
     empty = run_cli("diff", str(tmp_path / "run-a"), str(tmp_path / "run-b"))
     assert empty.returncode == 2 and "holds no rank<R>.h5 capture" in empty.stderr
     assert "Traceback" not in empty.stderr
+
+
+def _job(tmp_path: Path, label: str, params: dict[int, list[int]]) -> distributed.JobResult:
+    """A finished job whose rank R's step rows hold ``params[R]`` as parameter fingerprints."""
+    ranks = []
+    for rank, fps in params.items():
+        rows = step_rows(*({"step": i, "params_fp": fp, "wall": i + 1.0}
+                           for i, fp in enumerate(fps)))
+        (tmp_path / f"run-{label}").mkdir(exist_ok=True)
+        path = write_capture(tmp_path / f"run-{label}" / f"rank{rank}.h5", rows)
+        ranks.append(RunResult(f"{label}/rank{rank}", path, tmp_path / "job.log", "complete", 0,
+                               len(fps)))
+    return distributed.JobResult(label=label, ranks=ranks, agent_exit_code=0,
+                                 log_path=tmp_path / "job.log", world_size=len(params))
+
+
+def test_verification_compares_the_rank_that_parts_first(tmp_path: Path) -> None:
+    # rank 0 repeats; rank 1 parts at step 2: verify.py must see rank 1's pair, else a fix
+    # would look verified while a rank still parts
+    ja = _job(tmp_path, "a", {0: [1, 2, 3, 4], 1: [1, 2, 3, 4]})
+    jb = _job(tmp_path, "b", {0: [1, 2, 3, 4], 1: [1, 2, 7, 8]})
+    steps = job_fixes.JobSteps(Target("x.py", None), pipeline.Options(), lambda _: None)
+    ra, rb = steps.representative(ja, jb)
+    assert (ra.label, rb.label) == ("a/rank1", "b/rank1")
+    # none parts: the rank that ran fewest steps, so "repeated" holds for every rank
+    jc = _job(tmp_path, "c", {0: [1, 2, 3, 4], 1: [1, 2, 3]})
+    jd = _job(tmp_path, "d", {0: [1, 2, 3, 4], 1: [1, 2, 3]})
+    assert steps.representative(jc, jd)[0].label == "c/rank1"
+
+
+def test_jobs_share_a_letter_only_if_every_rank_ended_alike() -> None:
+    same, other = [(11, 3, 0.5), (22, 3, 0.5)], [(11, 3, 0.5), (23, 3, 0.5)]
+    rows = repeatability.rows(["r1", "r2", "r3"], ["complete"] * 3, [same, other, same])
+    assert [r.outcome for r in rows] == ["A", "B", "A"]
+    assert rows[0].digest == rows[2].digest != rows[1].digest

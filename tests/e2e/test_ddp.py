@@ -1,8 +1,9 @@
 """torchrun jobs end to end (gloo, CPU, 2 ranks): each test launches two jobs of 2 ranks.
 
-Few and small: the DDP race found on the right rank, the control, one rank killed in run
-b only (exit 2 naming run and rank, no process left), and a hanging rank ended within a
-bounded time (through ``distributed.Job`` with a short stall bound)."""
+Few and small: the DDP race found on the right rank, its fix verified on every rank of
+two more jobs, ``check --runs 3``, the control (no verification jobs), one rank killed in
+run b only (exit 2 naming run and rank, no process left), and a hanging rank ended within
+a bounded time, in a first job and in a verification job (with a short stall bound)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from pathlib import Path
 import h5py
 import pytest
 
-from nondet import distributed, jobrun
+from nondet import compare, distributed, job_fixes, jobrun, pipeline, recipe
 from nondet.jobrun import JobHung
 from nondet.launch import Plan, Target
 from nondet.store import open_capture
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, step_rows, write_capture
 from tests.e2e.fixture_cases import cases, check_finding
 
 pytestmark = pytest.mark.e2e
@@ -70,10 +71,62 @@ def test_ddp_race_is_found_at_the_backward_op_of_rank_1(tmp_path: Path) -> None:
     assert any(line.split() == ["world_size", "2"] for line in shown.splitlines())
 
 
+def test_the_ddp_race_fix_is_verified_on_every_rank_of_two_more_jobs(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "--json", str(report_path),
+                     "torchrun", "--nproc-per-node", "2", str(RACE.script.relative_to(REPO)),
+                     cwd=REPO)
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(report_path.read_text())
+    found = report["first_divergence"]
+    assert (found["kind"], found["step"], found["rank"], found["op"]) == (
+        "op", 0, 1, "aten.index_put.default"), found
+    fix = report["suggestions"][0]
+    assert (fix["id"], fix["verified"], fix["verified_with"]) == (
+        "PT-GETITEM-CPU", True, "torch.deterministic"), fix
+    assert fix["verified_steps"] == 2  # the job's 2 steps: finding step 0 + a few, capped
+    assert report["combined_fix"]["verified"] is True
+    assert "verified: with torch.use_deterministic_algorithms(True)" in result.stdout
+    run_dir = Path(report["runs"][0]["path"]).parents[1]
+    for rank in (0, 1):  # every rank got the fix and repeated, not only the one compared
+        a, b = (open_capture(run_dir / f"run-{label}-fix1" / f"rank{rank}.h5")
+                for label in ("a", "b"))
+        assert compare.first_step_divergence(a.steps, b.steps) is None
+        assert sorted(int(s) for s in a.steps["step"] if s >= 0) == [0, 1]
+        assert f"run-a-fix1/rank{rank}.h5" in " ".join(report["captures"])
+    log = (run_dir / "run-a-fix1.log").read_text()
+    assert "could not apply" not in log
+
+
+def test_check_runs_3_on_a_job_gives_the_table_and_the_rank(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    result = run_cli("check", "--runs", "3", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "torchrun", "--nproc-per-node", "2",
+                     str(RACE.script.relative_to(REPO)), "--steps", "1", cwd=REPO)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.startswith("nondet check: FAIL"), result.stdout
+    report = json.loads(report_path.read_text())
+    rows = report["repeatability"]["runs"]
+    assert [r["label"] for r in rows] == ["r1", "r2", "r3"] and len(report["runs"]) == 6
+    assert report["repeatability"]["distinct_outcomes"] > 1  # the race parts the jobs
+    found = report["first_divergence"]
+    assert (found["step"], found["rank"], found["op"]) == (0, 1, "aten.index_put.default")
+    assert not any("fix" in Path(r["path"]).parent.name for r in report["runs"])
+
+
+def test_baseline_is_refused_for_a_job_in_one_line(tmp_path: Path) -> None:
+    result = run_cli("check", "--update-baseline", "--baseline", str(tmp_path / "b.h5"),
+                     "--out", str(tmp_path / "out"), "torchrun", "--nproc-per-node", "2",
+                     str(CONTROL.relative_to(REPO)), cwd=REPO)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--baseline is not available for torchrun jobs" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "b.h5").exists()
+
+
 def test_ddp_control_is_deterministic_and_keeps_the_users_omp_setting(
         tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
-    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "--json",
                      str(report_path), "--nproc-per-node", "2",
                      str(CONTROL.relative_to(REPO)), cwd=REPO,
                      env={"OMP_NUM_THREADS": "2"})
@@ -83,6 +136,8 @@ def test_ddp_control_is_deterministic_and_keeps_the_users_omp_setting(
     for run in report["runs"]:
         env = open_capture(Path(run["path"])).env
         assert env.get("env.OMP_NUM_THREADS") == "2"  # torchrun would have set 1
+    run_dir = Path(report["runs"][0]["path"]).parents[1]
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["run-a", "run-b"]
 
 
 def test_a_rank_killed_in_run_b_is_exit_2_naming_run_and_rank(tmp_path: Path) -> None:
@@ -113,6 +168,29 @@ def test_a_hanging_rank_ends_the_job_in_bounded_time_and_leaves_nothing(
     assert result.hung and 1 in result.hung
     assert _processes_mentioning(str(tmp_path)) == []
     assert all(not job._is_our_worker(s.pid) for s in job.ranks.values())
+
+
+def test_a_job_that_hangs_while_a_fix_is_verified_is_exit_2_naming_run_and_rank(
+        tmp_path: Path) -> None:
+    # not "the fix did not help": a hang is no answer about the fix
+    marker = tmp_path / "first-launch"
+    marker.write_text("the first launch was before this test\n")  # rank 1 hangs at step 1
+    target = Target(script=str(CONTROL), module=None,
+                    args=("--fail-rank", "1", "--marker", str(marker), "--how", "hang"),
+                    launcher=("--nproc-per-node", "2"))
+    options = pipeline.Options(out_dir=tmp_path, verify=True)
+    steps = job_fixes.JobSteps(target, options, lambda _: None, stall_after=5.0)
+    first = [write_capture(tmp_path / f"{x}.h5", step_rows(
+        *({"step": i, "params_fp": fp, "wall": i + 1.0} for i, fp in enumerate(fps))))
+        for x, fps in (("a", [1, 2, 3]), ("b", [1, 9, 9]))]
+    by_id = {r.id: r for r in recipe.load()}
+    fix = recipe.Suggestion(by_id["PT-GETITEM-CPU"], "torch.use_deterministic_algorithms(True)",
+                            "code", "", True)
+    started = time.monotonic()
+    with pytest.raises(JobHung, match=r"run a-fix1: ranks? .*1.* sent nothing"):
+        steps.verify((), tmp_path, [fix], (open_capture(first[0]), open_capture(first[1])), 1)
+    assert time.monotonic() - started < 90  # start-up + 5 s of silence + the ending
+    assert _processes_mentioning(str(tmp_path)) == []
 
 
 def test_a_receive_from_any_source_is_a_collective_finding_on_rank_0(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ stopped early when its runs part (its ranks would block in a collective).
 ``verify.py`` compares two runs; a job has N. ``JobSteps`` hands it one rank's pair: the
 rank whose step rows part first (or, if none part, the one that ran fewest steps), so
 "the runs repeat" means that every rank repeated, and "parted at step S" is the earliest
-step any rank parted at. ``explain`` then compares every rank (``jobs.compare_jobs``) of
-the jobs that pair came from.
+step any rank parted at. ``explain`` then compares every rank of the jobs that pair came
+from (``job_narrow.explain``: narrowed down as the first finding was).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from nondet import compare, pipeline, sources, verify
-from nondet.analysis import GROWTH_STEPS, with_suggestions
+from nondet import compare, job_narrow, pipeline, sources, verify
+from nondet.analysis import GROWTH_STEPS
 from nondet.distributed import STALL_AFTER, JobResult
 from nondet.jobrun import run_checked
-from nondet.jobs import Options, compare_jobs, first_plan, rank_path, rank_results
+from nondet.jobs import Options, first_plan, rank_results
 from nondet.launch import Plan, RunResult, Target
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
@@ -76,13 +76,11 @@ class JobSteps:
 
     def explain(self, apply: tuple[str, ...], folder: Path, a: Capture, b: Capture,
                 ) -> tuple[Divergence | None, list[Suggestion], list[str]]:
-        """Every rank of the jobs ``a`` came from compared; no op-level re-runs (a job's
-        later step is not narrowed: ``--ops all`` records every step)."""
-        ja, jb = self._jobs[str(a.path)]
-        found, rank = compare_jobs(ja, jb)
-        if found.first_divergence is None:
-            return None, [], []
-        found, suggestions = with_suggestions(found, open_capture(rank_path(ja, rank)))
+        """Every rank of the jobs ``a`` came from compared, narrowed down if need be."""
+        found, suggestions, written = job_narrow.explain(
+            self.target, self.options, self.stage, self._jobs[str(a.path)], folder, apply,
+            self.stall_after)
+        self.written += written
         return found.first_divergence, suggestions, []
 
     def verify(self, apply: tuple[str, ...], folder: Path, suggestions: list[Suggestion],

@@ -1,19 +1,18 @@
 """``--runs N`` on a torchrun job: N whole jobs one after the other, the repeatability table
 (one row per job: jobs share a letter only if every rank ended identically), and the
-diagnosis of the first job that differs from the first, compared rank by rank as ``run``
-compares jobs a and b (``jobs.explain``). As for one process, its fixes are not verified
-(``nondet run`` without --runs does that)."""
+diagnosis of the first job that differs from the first, compared rank by rank and
+narrowed down as ``run`` does (``job_narrow.explain``). As for one process, its fixes are
+not verified (``nondet run`` without --runs does that)."""
 
 from __future__ import annotations
 
-from nondet import compare, repeatability
+from nondet import compare, job_narrow, repeatability
 from nondet.distributed import JobResult
 from nondet.jobrun import run_checked
 from nondet.jobs import (
     Options,
     ProgressSink,
     build_report,
-    explain,
     first_plan,
     rank_results,
     start,
@@ -41,8 +40,10 @@ def repeat(target: Target, options: Options, sink: ProgressSink, count: int) -> 
     if differing is not None:
         sink.stage(f"job {differing + 1} differs from job 1: explaining")
     other = results[differing if differing is not None else 1]
-    found, _, suggestions = explain(results[0], other)
-    return build_report(found, suggestions, results, target.describe(), repeatability=table)
+    found, suggestions, written = job_narrow.explain(
+        target, options, sink.stage, (results[0], other), options.out_dir, options.apply)
+    return build_report(found, suggestions, results, target.describe(), written,
+                        repeatability=table)
 
 
 def _outcomes(job: JobResult) -> list[repeatability.Outcome]:

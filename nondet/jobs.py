@@ -64,9 +64,9 @@ _COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 
 
 def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
-    """``nondet run torchrun ...``: both jobs, the per-rank comparison, and with
-    ``options.verify`` the suggested fixes verified on two more jobs each
-    (``nondet.job_fixes``)."""
+    """``nondet run torchrun ...``: both jobs, the per-rank comparison (narrowed down:
+    ``job_narrow``), and with ``options.verify`` the suggested fixes verified on two more
+    jobs each (``job_fixes``)."""
     start(target, options)
     op_steps, stop_after = first_plan(options)
     first: list[JobResult] = []
@@ -74,15 +74,17 @@ def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
         sink.stage(f"run {label}: {target.describe()}, seed {options.seed}")
         first.append(run_checked(target, Plan(label, op_steps, stop_after=stop_after),
                                  options.seed, options.out_dir, options.apply, options.echo))
-    found, _, suggestions = explain(first[0], first[1])
+    from nondet import job_fixes, job_narrow  # they use this module
+
+    found, suggestions, written = job_narrow.explain(
+        target, options, sink.stage, (first[0], first[1]), options.out_dir, options.apply)
     every: list[Source] = []
-    combined, written = None, list[str]()
+    combined = None
     div = found.first_divergence
     if options.verify and div is not None and suggestions:
-        from nondet import job_fixes  # it uses this module
-
-        suggestions, every, combined, written = job_fixes.verify_finding(
+        suggestions, every, combined, more = job_fixes.verify_finding(
             target, options, sink.stage, (first[0], first[1]), div, suggestions)
+        written += more
     report = build_report(found, suggestions, first, target.describe(), written)
     report.sources, report.combined_fix = every, combined
     return report

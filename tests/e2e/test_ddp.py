@@ -1,15 +1,17 @@
 """torchrun jobs end to end (gloo, CPU, 2 ranks): each test launches two jobs of 2 ranks.
 
 Few and small: the DDP race found on the right rank, its fix verified on every rank of
-two more jobs, ``check --runs 3``, the control (no verification jobs), one rank killed in
-run b only (exit 2 naming run and rank, no process left), and a hanging rank ended within
-a bounded time, in a first job and in a verification job (with a short stall bound)."""
+two more jobs, a race from step 1 narrowed down by two more jobs, ``check --runs 3``, the
+control (no verification jobs), one rank killed in run b only (exit 2 naming run and
+rank, no process left), and a hanging rank ended within a bounded time, in a first job
+and in a verification job (with a short stall bound)."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import h5py
@@ -96,6 +98,25 @@ def test_the_ddp_race_fix_is_verified_on_every_rank_of_two_more_jobs(tmp_path: P
         assert f"run-a-fix1/rank{rank}.h5" in " ".join(report["captures"])
     log = (run_dir / "run-a-fix1.log").read_text()
     assert "could not apply" not in log
+
+
+def test_a_job_that_parts_after_step_0_is_narrowed_down_to_the_op(tmp_path: Path) -> None:
+    # the first jobs record ops at init and step 0; the race starts at step 1
+    case = next(c for c in cases(FIXTURES)
+                if c.script.name == "index_put_ddp.py" and c.args == ("--race-from", "1"))
+    case = replace(case, source_line=RACE.source_line)  # the same line: one marker a line
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "torchrun", "--nproc-per-node", "2",
+                     str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    found = check_finding(case, result, report)
+    assert found is not None and report is not None and found["rank"] == 1
+    assert any("op-level recording was re-run" in n for n in found["notes"])
+    ops = [c for c in report["captures"] if "/run-a-ops/" in c or "/run-b-ops/" in c]
+    assert sorted(Path(c).name for c in ops) == ["rank0.h5", "rank0.h5", "rank1.h5", "rank1.h5"]
+    for capture in ops:  # stopped on every rank at the finding's step boundary
+        assert max(int(s) for s in open_capture(Path(capture)).steps["step"]) == 1
 
 
 def test_check_runs_3_on_a_job_gives_the_table_and_the_rank(tmp_path: Path) -> None:

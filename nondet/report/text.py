@@ -220,7 +220,8 @@ def _sources(report: Report) -> list[str]:
     for i, text in enumerate(lines):
         out.append(_row("all fixes" if i == 0 else "", f"[bold]{escape(text)}[/]"))
     # a torchrun job's runs are its ranks' captures ("a/rank0"): count the jobs
-    runs = len({r.label.split("/")[0] if r.label else r.path for r in report.runs})
+    jobs = {r.label.split("/")[0] for r in report.runs if "/rank" in r.label}
+    runs = len(jobs) or len(report.runs)
     if combined.verified:
         cost = f", step time {combined.cost_ratio:.2f}x" if combined.cost_ratio else ""
         out.append(_row("", f"with all of these, {runs} runs repeat over "

@@ -129,23 +129,18 @@ def _job_of_dir(path: Path) -> JobResult:
 
 
 def _report(job_a: JobResult, job_b: JobResult, command: str) -> Report:
-    found, _, suggestions = explain(job_a, job_b)
-    return build_report(found, suggestions, [job_a, job_b], command)
-
-
-def explain(job_a: JobResult, job_b: JobResult,
-            ) -> tuple[Comparison, int, list[Suggestion]]:
-    """The comparison of two jobs, the rank of its finding, and the recipes for it."""
+    """Two finished jobs compared (no re-runs: ``diff``)."""
     found, rank = compare_jobs(job_a, job_b)
     suggestions: list[Suggestion] = []
     if found.first_divergence is not None:
         found, suggestions = with_suggestions(found, open_capture(rank_path(job_a, rank)))
-    return found, rank, suggestions
+    return build_report(found, suggestions, [job_a, job_b], command)
 
 
 def build_report(found: Comparison, suggestions: list[Suggestion], jobs: list[JobResult],
-           command: str, extra: list[str] | None = None,
-           repeatability: list[RepeatRow] | None = None) -> Report:
+                 command: str, extra: list[str] | None = None,
+                 repeatability: list[RepeatRow] | None = None) -> Report:
+    """The one Report of a job's diagnosis: every rank's capture is a run."""
     runs = [RunSummary(path=str(r.path), exit_code=r.exit_code, steps=r.steps,
                        complete=r.complete, status=r.status, label=r.label,
                        final_params_fp=r.final.get("final_params_fp"))

@@ -13,6 +13,7 @@ from nondet import (
     channel,
     distributed,
     job_fixes,
+    job_narrow,
     jobrun,
     jobs,
     launchline,
@@ -194,3 +195,17 @@ def test_jobs_share_a_letter_only_if_every_rank_ended_alike() -> None:
     rows = repeatability.rows(["r1", "r2", "r3"], ["complete"] * 3, [same, other, same])
     assert [r.outcome for r in rows] == ["A", "B", "A"]
     assert rows[0].digest == rows[2].digest != rows[1].digest
+
+
+def test_only_a_step_level_finding_outside_the_op_window_is_narrowed() -> None:
+    window = [-1, 0]
+    step_level = Divergence(kind="op", step=2, phase="backward", localized=False)
+    assert job_narrow.needs_narrowing(step_level, window)
+    assert not job_narrow.needs_narrowing(step_level, None)  # --ops all: nothing to re-run
+    assert not job_narrow.needs_narrowing(step_level, [-1, 1, 2])  # the re-run's own window
+    assert not job_narrow.needs_narrowing(
+        Divergence(kind="op", step=2, phase="backward", op="aten.mm.default", op_index=4),
+        window)
+    assert job_narrow.needs_narrowing(Divergence(kind="entry", step=3, phase="data"), window)
+    assert not job_narrow.needs_narrowing(
+        Divergence(kind="structure", step=2, phase="other", localized=False), window)

@@ -125,8 +125,17 @@ def test_a_receive_from_any_source_is_a_collective_finding_on_rank_0(tmp_path: P
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     found = check_finding(case, result, report)
     assert found is not None and found["rank"] == 0 and found["world_size"] == 3
-    assert "the collective c10d.recv_any_source_.default creates the difference" in \
+    assert "the collective c10d.recv_any_source_.default creates the difference: its output " \
+        "differs while every rank's inputs matched (gloo, group of 3)" in \
         result.stdout.splitlines()[0]
+    # found at the collective's own record, its output read after the script's wait
+    focus = next(c for c in found["context"] if c["focus"])
+    assert (focus["op"], focus["state"]) == ("c10d.recv_any_source_.default",
+                                             "differs (inputs same)")
+    assert found["collective"] == {
+        "backend": "gloo", "group_size": 3, "bucket": None, "nbytes": 256,
+        "ddp_bucket": False, "output_read": "read after Work.wait()",
+        "summary": "gloo, group of 3"}
     table = next(n for n in found["notes"] if "rank x phase" in n)
     rows = dict(part.split(": ", 1) for part in table.split("; ")[1:])
     columns = table.split("; ")[0].rsplit(": ", 1)[1].split()

@@ -210,3 +210,20 @@ def test_on_cuda_the_hash_is_queued_after_the_collectives_stream_work() -> None:
     assert calls.launched[0].output == CommOutput.ON_DEVICE and len(outs) == 1
     assert not comm_cuda.order_after(_FakeWork(log), [torch.ones(1)])  # CPU: no wait
     assert log == ["wait", "hash"]
+
+
+def test_a_functional_collectives_wait_is_read_after_it_never_before(
+        one_rank_group: None) -> None:
+    functional = torch.ops._c10d_functional
+    with recording() as rec:
+        x = torch.arange(5, dtype=torch.float32)
+        y = functional.all_reduce(x, "sum", dist.group.WORLD.group_name)
+        z = functional.wait_tensor(y) * 2  # as compiled code and DTensor's internals wait
+    rows, comm_rows = _comm_rows(rec)
+    ops = names(rec, rows)
+    at = ops.index("_c10d_functional.wait_tensor.default")
+    assert int(rows[at]["in_fp"]) == 0  # not read while the collective may be writing it
+    assert int(rows[at]["out_fp"]) != 0  # read once the wait returned
+    waited = next(r for r in comm_rows if int(r["index"]) == at)
+    assert int(waited["output"]) == CommOutput.AFTER_WAIT
+    assert torch.equal(z, torch.arange(5, dtype=torch.float32) * 2)

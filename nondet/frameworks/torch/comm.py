@@ -67,6 +67,13 @@ _FILLS_OUTPUTS = frozenset({
     "alltoall_base_", "scatter_", "gather_"})
 
 
+def is_wait(name: str) -> bool:
+    """``_c10d_functional.wait_tensor``: returns once a functional collective's result is
+    done. Its input is still being written when it is dispatched: never hashed then; its
+    output, read right after, is the collective's result."""
+    return name.split(".", 2)[1:2] == ["wait_tensor"]
+
+
 def fills_outputs(name: str) -> bool:
     """``c10d.recv_.default`` -> whether it fills its buffers (``_FILLS_OUTPUTS``)."""
     parts = name.split(".")
@@ -178,7 +185,9 @@ class Collectives:
             call.bucket = self._next_bucket
             self._next_bucket += 1
         self.launched.append(call)
-        if call.work is not None:
+        if is_wait(name):  # the wait is done: this is a point the script fixed
+            self._read(call, CommOutput.AFTER_WAIT)
+        elif call.work is not None:
             self._waiting.setdefault(id(call.work), []).append(call)
 
     def waited(self, work: Any) -> None:

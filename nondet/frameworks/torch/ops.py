@@ -143,7 +143,8 @@ class OpRecorder(FingerprintCache):
         if info.comm:  # read afresh: DDP fills its buckets outside the dispatcher (comm.py)
             bucket = self.collectives.is_bucket(
                 str(func), node is not None or self.backend.phase == Phase.BACKWARD)
-            ins = self._comm_inputs(args, kwargs, bucket)
+            # a functional collective's wait: its input is being written until it returns
+            ins = [] if comm.is_wait(str(func)) else self._comm_inputs(args, kwargs, bucket)
         else:
             for position, value in enumerate(args):
                 flags |= self._input(value, position in info.overwritten_args, ctx, ins,

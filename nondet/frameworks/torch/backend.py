@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,7 +68,7 @@ class TorchBackend(StepLifecycle):
         super().__init__(session)
         self.recorder = OpRecorder(self)
         self.recorder.collectives = comm.Collectives(
-            self.recorder.fingerprint, self.paused_capture, self._ddp_model)
+            self.recorder.fingerprint, self.paused_capture, lambda: comm.is_ddp(self.roots))
         self.outputs = KeptOutputs(session, self.paused_capture)
         self.entries = DataEntries(self)
         torch.manual_seed(session.config.seed)
@@ -358,11 +357,6 @@ class TorchBackend(StepLifecycle):
                 and self.recorder.threads.on_owner():
             with self.guarded():
                 self.recorder.collectives.waited(work)
-
-    def _ddp_model(self) -> bool:
-        ddp = sys.modules.get("torch.nn.parallel.distributed")
-        return ddp is not None and any(isinstance(root, ddp.DistributedDataParallel)
-                                       for root in self.roots)
 
     def _take_records(self, step: int) -> np.ndarray:
         with self.paused_capture():

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -116,6 +116,13 @@ def group_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, int]:
                 continue
             return str(group.name()), int(group.size())
     return "", -1
+
+
+def is_ddp(roots: Iterable[Any]) -> bool:
+    """Is one of the script's root modules a DistributedDataParallel?"""
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    return ddp is not None and any(isinstance(root, ddp.DistributedDataParallel)
+                                   for root in roots)
 
 
 def work_of(out: Any) -> Any | None:

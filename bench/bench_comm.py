@@ -90,6 +90,7 @@ def _captured_job(args: list[str], op_steps: list[int] | None, out: Path,
 
 def bench(steps: int, repeat: int) -> str:
     rounds = []
+    load_before = _uptime()
     with tempfile.TemporaryDirectory(prefix="nondet-bench-comm-") as tmp:
         for i in range(repeat):
             rounds.append(one_round(steps, Path(tmp) / f"round{i}"))
@@ -102,14 +103,14 @@ def bench(steps: int, repeat: int) -> str:
     ]
     table = ["| measure | ratio to plain torchrun |", "| --- | --- |"]
     table += [f"| {name} | {value:.2f}x |" for name, value in rows]
-    load = _uptime()
+    load_after = _uptime()
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     context = (f"{when}, {_cpu_model()} ({os.cpu_count()} cores), Python "
                f"{platform.python_version()}, torch {_torch_version()}, gloo; 2 ranks, "
                f"{steps} steps; plain step {med['plain_step']:.1f} ms, plain torchrun "
                f"{med['plain_wall']:.1f} s; {med['comm_rows']:.0f} collective records per "
                f"op-level step; medians over {repeat} rounds, each against a plain torchrun "
-               f"just before it; load before: {load}")
+               f"just before it; `uptime` before: {load_before}; after: {load_after}")
     return "\n".join(table) + f"\n\nMeasured {context}.\n"
 
 

@@ -17,6 +17,7 @@ import pytest
 from nondet import distributed, jobs
 from nondet.errors import ScriptFailed
 from nondet.launch import Plan, Target
+from nondet.records import CommOutput
 from nondet.store import open_capture
 from tests.conftest import REPO, run_cli
 from tests.e2e.fixture_cases import cases, check_finding
@@ -80,9 +81,20 @@ def test_ddp_control_is_deterministic_and_keeps_the_users_omp_setting(
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(report_path.read_text())
     assert report["verdict"] == "deterministic" and len(report["runs"]) == 4
+    outputs = set()
     for run in report["runs"]:
-        env = open_capture(Path(run["path"])).env
-        assert env.get("env.OMP_NUM_THREADS") == "2"  # torchrun would have set 1
+        capture = open_capture(Path(run["path"]))
+        assert capture.env.get("env.OMP_NUM_THREADS") == "2"  # torchrun would have set 1
+        # DDP's gradient all-reduce at step 0: bucket 0 (every gradient of the 16-8-1
+        # model, float32), its output read after the backward, the same on both ranks
+        bucket = [r for r in capture.comm if int(r["step"]) == 0 and int(r["bucket"]) >= 0]
+        assert [(int(r["bucket"]), int(r["nbytes"]), int(r["group_size"]), int(r["output"]))
+                for r in bucket] == [(0, (16 * 8 + 8 + 8 + 1) * 4, 2, CommOutput.AFTER_BACKWARD)]
+        assert capture.string(int(bucket[0]["backend"])) == "gloo"
+        record = next(r for r in capture.ops(0) if int(r["index"]) == int(bucket[0]["index"]))
+        assert capture.string(int(record["name"])) == "c10d.allreduce_.default"
+        outputs.add(int(record["out_fp"]))
+    assert len(outputs) == 1 and 0 not in outputs  # all-reduced: one value on every rank
 
 
 def test_a_rank_killed_in_run_b_is_exit_2_naming_run_and_rank(tmp_path: Path) -> None:

@@ -155,6 +155,27 @@ def test_a_receive_from_any_source_is_a_collective_finding_on_rank_0(tmp_path: P
     assert set(rows["rank 1"].split()) <= {"=", "."} and set(rows["rank 2"].split()) <= {"=", "."}
 
 
+def test_receives_from_named_sources_in_a_fixed_order_are_deterministic(
+        tmp_path: Path) -> None:
+    """The control of the collective fixture: every receive's output is fingerprinted after
+    its wait, and nothing differs."""
+    case = next(c for c in cases(FIXTURES)
+                if c.script.name == "anysource_recv.py" and c.args == ("--fixed-order",))
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "--nproc-per-node", "3",
+                     str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for run in json.loads(report_path.read_text())["runs"]:
+        capture = open_capture(Path(run["path"]))
+        names = {int(o["index"]): capture.string(int(o["name"])) for o in capture.ops(0)}
+        received = [r for r in capture.comm if int(r["step"]) == 0
+                    and names[int(r["index"])] == "c10d.recv_.default"]
+        if int(capture.attrs["rank"]) == 0:  # 2 senders x 10 rounds, each read after wait
+            assert len(received) == 20
+            assert all(int(r["output"]) == CommOutput.AFTER_WAIT for r in received)
+
+
 def test_a_replica_that_drifts_is_a_desync_even_when_the_runs_agree(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",

@@ -26,7 +26,12 @@ from tests.frameworks.test_torch_capture import names, recording
 def waits_seen() -> Iterator[list[OpRecorder]]:
     """``Work.wait()`` observed as the backend observes it, for the recorder appended."""
     recorders: list[OpRecorder] = []
-    comm.install(lambda work: [r.collectives.waited(work) for r in recorders])
+
+    def waited(work: object) -> None:
+        for recorder in recorders:
+            recorder.collectives.waited(work)
+
+    comm.install(waited)
     yield recorders
     comm.install(lambda work: None)
 
@@ -103,7 +108,8 @@ def test_the_collective_record_holds_its_output_read_after_the_wait(
     assert len(comm_rows) == 1
     row = comm_rows[0]
     assert int(row["index"]) == at
-    assert rec.session.strings[int(row["backend"])] == "gloo"
+    assert names(rec, rows[at:at + 1]) == ["c10d.allreduce_.default"]
+    assert rec.session.intern("gloo") == int(row["backend"])  # already interned: same id
     assert (int(row["group_size"]), int(row["bucket"]), int(row["nbytes"])) == (1, -1, 24)
     assert int(row["output"]) == CommOutput.AFTER_WAIT
     assert y.sum().item() == sum(2 * i + 1 for i in range(6))  # the program is unchanged
@@ -147,7 +153,7 @@ def test_ddp_buckets_are_read_after_the_backward_with_index_and_size(
         if not record:
             model, x = build()
             model(x).sum().backward()
-            return [p.grad.clone() for p in model.parameters()], None
+            return [_grad(p) for p in model.parameters()], None
         with recording() as rec:
             # built in the window, as at init: the recorder sees the bucket made by `empty`
             # and not the reducer's C++ copies of the gradients into it
@@ -155,7 +161,7 @@ def test_ddp_buckets_are_read_after_the_backward_with_index_and_size(
             rec.collectives.is_ddp_model = lambda: True
             model(x).sum().backward()
             rec.collectives.backward_done()  # what TorchBackend._after_backward calls
-        return [p.grad.clone() for p in model.parameters()], rec
+        return [_grad(p) for p in model.parameters()], rec
 
     plain, _ = train(record=False)
     grads, rec = train(record=True)
@@ -170,6 +176,11 @@ def test_ddp_buckets_are_read_after_the_backward_with_index_and_size(
     assert int(rows[int(bucket["index"])]["in_fp"]) != 0  # the gradients, not "unset"
     assert int(rows[int(bucket["index"])]["phase"]) == Phase.COMM
     assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None
+    return p.grad.clone()
 
 
 class _FakeWork:
@@ -217,7 +228,9 @@ def test_a_functional_collectives_wait_is_read_after_it_never_before(
     functional = torch.ops._c10d_functional
     with recording() as rec:
         x = torch.arange(5, dtype=torch.float32)
-        y = functional.all_reduce(x, "sum", dist.group.WORLD.group_name)
+        group = dist.group.WORLD
+        assert group is not None
+        y = functional.all_reduce(x, "sum", group.group_name)
         z = functional.wait_tensor(y) * 2  # as compiled code and DTensor's internals wait
     rows, comm_rows = _comm_rows(rec)
     ops = names(rec, rows)

@@ -12,7 +12,7 @@ from nondet import jobs
 from nondet.records import COMM_DTYPE, CommOutput, Phase
 from nondet.report import text
 from nondet.store import CaptureWriter
-from tests.conftest import OpStream, step_rows
+from tests.conftest import OpStream, run_cli, step_rows
 
 BUCKET = 25 << 20  # DDP's default bucket_cap_mb
 
@@ -68,3 +68,13 @@ def test_not_a_collective_finding_when_a_rank_fed_it_a_different_input(
                             _job(tmp_path, "b", 200, rank1_input=23))
     div = report.first_divergence
     assert div is not None and div.kind != "collective" and div.collective is None
+
+
+def test_show_lists_a_steps_collectives(tmp_path: Path) -> None:
+    capture = _job(tmp_path, "a", 100) / "rank0.h5"
+    shown = run_cli("show", "--ops", "0", str(capture))
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "collectives of step 0" in shown.stdout
+    row = next(line for line in shown.stdout.splitlines() if "bucket 0 of" in line)
+    assert "gloo, group of 2" in row and "read after the backward pass" in row
+    assert "25 MB" in shown.stdout

@@ -59,8 +59,9 @@ DEBUG_HASHES = ("norm", "hash_tensor")  # torch.utils._debug_mode's two built-in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--framework", choices=sorted(MODELS), action="append",
-                        help="benchmark only this framework (repeatable; default: both)")
+    parser.add_argument("--framework", choices=sorted([*MODELS, "comm"]), action="append",
+                        help="benchmark only this framework (repeatable; default: all; "
+                             "comm: a 2-rank DDP job, bench/bench_comm.py)")
     parser.add_argument("--model", choices=sorted(VARIANTS), action="append",
                         help="benchmark only this model (repeatable; default: both)")
     parser.add_argument("--steps", type=int, default=40)
@@ -68,12 +69,20 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="update this Markdown file's results table")
     opts = parser.parse_args()
     texts: list[str] = []
-    for framework in opts.framework or ["torch", "tensorflow"]:
+    frameworks = opts.framework or ["torch", "tensorflow", "comm"]
+    for framework in [f for f in frameworks if f != "comm"]:
         for variant in opts.model or ["reference", "narrow"]:
             texts.append(bench(framework, variant, opts.steps, opts.repeat))
             print(texts[-1], flush=True)
             if opts.write:  # after each table: a long benchmark keeps what it measured
                 _update(opts.write, "\n".join(texts))
+    if "comm" in frameworks:  # its own section of the file (bench_comm.py)
+        import bench_comm
+
+        comm_text = bench_comm.bench(opts.steps, opts.repeat)
+        print(comm_text, flush=True)
+        if opts.write:
+            bench_comm.update(opts.write, comm_text)
 
 
 def one_round(framework: str, variant: str, steps: int, out: Path) -> dict[str, float]:

@@ -27,6 +27,7 @@ STRINGS = b"S"  # JSON list of new strings, ids continue from the previous messa
 STEP = b"P"  # one STEP_DTYPE row
 TENSORS = b"T"  # TENSOR_DTYPE rows
 OPS = b"O"  # OP_DTYPE rows of one step
+COMM = b"C"  # COMM_DTYPE rows of one step: backend, group size, bucket of each collective
 FACTS = b"F"  # JSON: facts the recipe matcher uses (loader settings, unseeded RNGs, ...)
 DUMP = b"D"  # JSON header line, then raw array bytes
 END = b"E"  # JSON: {"status": complete|stopped|failed|interrupted, ...}
@@ -35,7 +36,7 @@ END = b"E"  # JSON: {"status": complete|stopped|failed|interrupted, ...}
 HELLO = b"H"
 
 # HELLO opens a rank's socket and is read by nondet.distributed before the stream starts
-KINDS = (META, STRINGS, STEP, TENSORS, OPS, FACTS, DUMP, END)
+KINDS = (META, STRINGS, STEP, TENSORS, OPS, COMM, FACTS, DUMP, END)
 
 # -- META keys (one message may carry several) ---------------------------------------------------
 META_ENV = "env"  # dict: environment entries (versions, devices, variables)

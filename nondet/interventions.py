@@ -44,6 +44,11 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
                  {"TF_DETERMINISTIC_OPS": "1"}),
     Intervention("env.tf_onednn_off", "env", "TF_ENABLE_ONEDNN_OPTS=0",
                  {"TF_ENABLE_ONEDNN_OPTS": "0"}),
+    # NCCL reads these when it creates a communicator: set for every rank of a job
+    Intervention("nccl.algo_ring", "env", "NCCL_ALGO=Ring", {"NCCL_ALGO": "Ring"}),
+    Intervention("nccl.proto_simple", "env", "NCCL_PROTO=Simple", {"NCCL_PROTO": "Simple"}),
+    Intervention("nccl.ring_simple", "env", "NCCL_ALGO=Ring NCCL_PROTO=Simple",
+                 {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}),
     Intervention("torch.deterministic", "switch", "torch.use_deterministic_algorithms(True)"),
     Intervention("torch.deterministic_warn_only", "switch",
                  "torch.use_deterministic_algorithms(True, warn_only=True)"),

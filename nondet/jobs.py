@@ -25,7 +25,8 @@ from typing import Protocol
 import numpy as np
 
 from nondet import outdir
-from nondet.analysis import Comparison, compare_pair, source_text, with_notes, with_suggestions
+from nondet.analysis import Comparison, compare_pair, with_notes, with_suggestions
+from nondet.collective import as_collective, is_collective
 from nondet.distributed import JobResult
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
@@ -59,8 +60,6 @@ class ProgressSink(Protocol):
 
 UNSUPPORTED = ("--baseline is not available for torchrun jobs: compare two jobs with "
                "`nondet check torchrun ...` (or N jobs with --runs N)")
-#: Op names of collectives as the dispatcher sees them (c10d's ops).
-_COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 
 
 def diagnose(target: Target, options: Options, sink: ProgressSink) -> Report:
@@ -276,45 +275,6 @@ def first_desync(caps: dict[int, Capture], label: str) -> tuple[int, Divergence]
                "update on one rank, an unsynchronized parameter or buffer) drifts"])
 
 
-def as_collective(div: Divergence | None, rank: int,
-                  caps: dict[int, tuple[Capture, Capture]]) -> Divergence | None:
-    """A value first read after a collective (``comm:<op>``, frameworks/torch/comm.py) that
-    differs, where every rank's inputs to the collectives of that step up to it matched:
-    the collective made the difference (arrival order, reduction order). None otherwise."""
-    if div is None or div.kind != "entry" or div.step is None or div.op_index is None:
-        return None
-    a, _ = caps[rank]
-    names = [a.string(int(r["name"])) for r in a.ops(div.step)
-             if int(r["index"]) == div.op_index]
-    if not names or not names[0].startswith(ENTRY_PREFIX):
-        return None  # not a value a collective wrote
-    op = names[0].removeprefix(ENTRY_PREFIX)
-    comm_a = _comm_rows(a, div.step)
-    before = [(i, r) for i, r in enumerate(comm_a) if int(r["index"]) < div.op_index
-              and a.string(int(r["name"])) == op]
-    if not before:
-        return None
-    ordinal, row = before[-1]
-    for ca, cb in caps.values():
-        ra, rb = _comm_rows(ca, div.step), _comm_rows(cb, div.step)
-        upto = min(ordinal + 1, len(ra), len(rb))
-        if any(int(x["in_fp"]) != int(y["in_fp"]) for x, y in zip(ra[:upto], rb[:upto],
-                                                                   strict=True)):
-            return None
-    source = a.string(int(row["source"])) or None
-    return replace(div, kind="collective", phase="comm", op=op, op_index=int(row["index"]),
-                   module=a.string(int(row["module"])), source=source,
-                   source_text=source_text(a, source), entry_kind=None, explained=True,
-                   notes=[*div.notes, f"its output differs while every rank's inputs to the "
-                          f"collectives up to it matched; the difference was first read at "
-                          f"record #{div.op_index}"])
-
-
-def _comm_rows(capture: Capture, step: int) -> list[np.void]:
-    return [r for r in capture.ops(step) if int(r["phase"]) == Phase.COMM
-            and int(r["kind"]) == Kind.OP]
-
-
 def _own_difference(div: Divergence | None, capture: Capture) -> bool:
     """Did this rank's first difference arise on this rank (not read from a collective)?"""
     if div is None:
@@ -341,10 +301,6 @@ def _order(rank: int, div: Divergence | None) -> tuple[int, int, int, int]:
     carried = int(div.kind not in ("op", "collective") or (is_collective(div.op)
                   and div.kind != "collective") or not div.explained)
     return (step, carried, div.op_index if div.op_index is not None else 1 << 30, rank)
-
-
-def is_collective(op: str | None) -> bool:
-    return bool(op) and str(op).startswith(_COLLECTIVE_PREFIXES)
 
 
 def _describe(div: Divergence | None) -> str:

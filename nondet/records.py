@@ -142,6 +142,30 @@ TENSOR_DTYPE = np.dtype(
     ]
 )
 
+#: One row per collective record (frameworks/torch/comm.py): what the op record's 64 bytes
+#: cannot hold. ``index`` is the collective's op record in its step. Sizes are -1 when unknown.
+COMM_DTYPE = np.dtype(
+    [
+        ("step", "<i4"),
+        ("index", "<i4"),  # the collective's op record (same step)
+        ("backend", "<i4"),  # string id: "gloo", "nccl", ... (-1 = unknown)
+        ("group_size", "<i4"),  # ranks in the process group (-1 = unknown)
+        ("bucket", "<i4"),  # DDP's gradient bucket index (-1 = not a DDP bucket)
+        ("nbytes", "<i8"),  # bytes of the call's tensors (a DDP bucket: its byte size)
+        ("output", "u1"),  # CommOutput: when (whether) its output was fingerprinted
+    ]
+)
+
+
+class CommOutput(IntEnum):
+    """When a collective's output fingerprint (the op record's ``out_fp``) was taken."""
+
+    NOT_READ = 0  # the script did not wait for it in its step (or nondet could not see it)
+    AFTER_WAIT = 1  # right after ``Work.wait()`` returned
+    AFTER_BACKWARD = 2  # a DDP bucket: after the backward pass (DDP waits for its buckets)
+    ON_DEVICE = 3  # NCCL: hashed on the device, ordered after the collective's stream work
+
+
 INDEX_DTYPE = np.dtype([("step", "<i4"), ("start", "<i8"), ("count", "<i8")])
 
 INIT_STEP = -1

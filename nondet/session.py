@@ -24,7 +24,7 @@ import numpy as np
 
 from nondet import channel
 from nondet.frameworks.base import Backend, StopRun
-from nondet.records import INIT_STEP, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
+from nondet.records import COMM_DTYPE, INIT_STEP, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 
 CONFIG_ENV = "NONDET_CHILD_CONFIG"
 #: Longest a finished lockstep run waits for the parent's word before exiting anyway.
@@ -123,6 +123,12 @@ class Session:
 
     def send_facts(self, facts: dict[str, Any]) -> None:
         self.writer.send_json(channel.FACTS, facts)
+
+    def send_comm(self, rows: np.ndarray) -> None:
+        """Rows of the step's collectives (records.COMM_DTYPE), after the strings they name."""
+        if len(rows):
+            self._send_strings()
+            self.writer.send(channel.COMM, rows.astype(COMM_DTYPE, copy=False).tobytes())
 
     # -- steps -----------------------------------------------------------------------------
     def captures_ops(self, step: int | None = None) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from nondet import channel
-from nondet.records import OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
+from nondet.records import COMM_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 from nondet.store import CaptureWriter
 
 
@@ -48,6 +48,7 @@ class RunStream:
             channel.STEP: self._on_step_frame,
             channel.OPS: self._on_ops_frame,
             channel.TENSORS: self._on_tensors_frame,
+            channel.COMM: self._on_comm_frame,
             channel.STRINGS: self._on_strings_frame,
             channel.META: self._on_meta_frame,
             channel.FACTS: self._on_facts_frame,
@@ -135,6 +136,10 @@ class RunStream:
     def _on_tensors_frame(self, payload: bytes) -> None:
         assert self.writer is not None
         self.writer.add_tensors(np.frombuffer(payload, dtype=TENSOR_DTYPE))
+
+    def _on_comm_frame(self, payload: bytes) -> None:
+        assert self.writer is not None
+        self.writer.add_comm(np.frombuffer(payload, dtype=COMM_DTYPE))
 
     def _on_strings_frame(self, payload: bytes) -> None:
         assert self.writer is not None

@@ -110,3 +110,27 @@ def test_tensorflow_fix_follows_the_installed_version() -> None:
     assert "TF_DETERMINISTIC_OPS=1" in fix_for("2.6.0")
     old = fix_for("1.15.0")  # TF 1.14-2.0: TF_CUDNN_DETERMINISTIC plus the fwr13y bias_add patch
     assert "fwr13y" in old or "TF_CUDNN_DETERMINISTIC=1" in old
+
+
+def test_a_collective_finding_gets_the_recipes_of_its_recorded_backend() -> None:
+    """Chosen by what the capture recorded of the call (collective.call_info facts)."""
+    nccl = _ids(kind="collective", phase="comm", op="c10d.allreduce_.default",
+                device="cuda", **{"comm.backend": "nccl", "comm.ddp_bucket": True})
+    assert nccl[:3] == ["DIST-NCCL-ALGO", "DIST-NCCL-PROTO", "DIST-PT-DDP-BUCKET"]
+    first = recipe.suggest({"framework": "torch", "kind": "collective", "phase": "comm",
+                            "op": "c10d.allreduce_.default", "comm.backend": "nccl"})[0]
+    assert first.fix == "NCCL_ALGO=Ring" and first.recipe.apply[0] == "nccl.algo_ring"
+    gloo = _ids(kind="collective", phase="comm", op="c10d.allreduce_.default", device="cpu",
+                **{"comm.backend": "gloo", "comm.ddp_bucket": True})
+    assert gloo[0] == "DIST-PT-DDP-BUCKET" and not {"DIST-NCCL-ALGO", "DIST-NCCL-PROTO"} & set(gloo)
+    anysource = _ids(kind="collective", phase="comm", op="c10d.recv_any_source_.default",
+                     device="cpu", **{"comm.backend": "gloo", "comm.ddp_bucket": False})
+    assert anysource[0] == "PT-COMM-ANY-SOURCE"
+
+
+def test_the_nccl_fixes_are_environment_for_every_rank() -> None:
+    from nondet import interventions
+
+    assert interventions.environment(["nccl.ring_simple"]) == {"NCCL_ALGO": "Ring",
+                                                               "NCCL_PROTO": "Simple"}
+    assert interventions.environment(["nccl.algo_ring"]) == {"NCCL_ALGO": "Ring"}

@@ -250,3 +250,33 @@ def test_no_single_read_exceeds_the_cap_whatever_the_compression(
     monkeypatch.setattr(checks, "MAX_READ_BYTES", 2000)  # 41 step rows are 3,936 bytes
     with pytest.raises(NondetError, match="more than nondet reads at once"):
         open_capture(path)
+
+
+def _with_comm(path: Path, rows: list[tuple[int, int, int, int, int, int, int]]) -> Path:
+    from nondet.records import COMM_DTYPE
+    from nondet.store import CaptureWriter
+
+    writer = CaptureWriter(path, {"label": "a", "seed": 0})
+    writer.add_strings(["c10d.allreduce_.default", "gloo"])
+    writer.add_comm(np.array(rows, dtype=COMM_DTYPE))
+    writer.add_step(step_rows({"step": 0}))
+    writer.close("complete", 0)
+    return path
+
+
+def test_collective_rows_round_trip_and_a_bad_one_is_damage(tmp_path: Path) -> None:
+    capture = open_capture(_with_comm(tmp_path / "a.h5", [(0, 3, 1, 2, 0, 580, 2)]))
+    row = capture.comm_row(0, 3)
+    assert row is not None and capture.string(int(row["backend"])) == "gloo"
+    assert (int(row["group_size"]), int(row["bucket"]), int(row["nbytes"]),
+            int(row["output"])) == (2, 0, 580, 2)
+    assert capture.comm_row(0, 4) is None
+    with pytest.raises(NondetError, match="/comm"):  # a backend id past the string table
+        open_capture(_with_comm(tmp_path / "b.h5", [(0, 3, 9, 2, 0, 580, 2)]))
+
+
+def test_a_file_without_the_comm_table_reads_as_no_collectives(tmp_path: Path) -> None:
+    path = _with_comm(tmp_path / "a.h5", [(0, 3, 1, 2, 0, 580, 2)])
+    with h5py.File(path, "a") as f:  # as written before the table existed
+        del f["comm"]
+    assert len(open_capture(path).comm) == 0

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from nondet.cli._common import App
 from nondet.exitcodes import EPILOG
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.text import Text
+
+    from nondet.store import Capture
 
 
 @click.command(epilog=EPILOG)
@@ -101,4 +109,25 @@ def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int
                           cell(c.string(int(r["module"]))), cell(c.string(int(r["source"]))),
                           short(int(r["out_fp"])), short(int(r["in_fp"])))
         out.print(table)
+        _collectives(c, op_step, out, cell)
     return 0
+
+
+def _collectives(c: Capture, step: int, out: Console, cell: Callable[[object], Text]) -> None:
+    """What the capture's comm table holds of the step's collectives (collective.py)."""
+    from rich.table import Table
+
+    from nondet.collective import call_info
+
+    rows = [r for r in c.comm if int(r["step"]) == step]
+    if not rows:
+        return
+    table = Table(title=f"collectives of step {step}")
+    for column in ("#", "op", "backend, group, bucket", "output"):
+        table.add_column(column)
+    names = {int(r["index"]): c.string(int(r["name"])) for r in c.ops(step)}
+    for r in rows:
+        info = call_info(c, step, int(r["index"])) or {}
+        table.add_row(str(int(r["index"])), cell(names.get(int(r["index"]), "")),
+                      cell(info.get("summary", "")), cell(info.get("output_read", "")))
+    out.print(table)

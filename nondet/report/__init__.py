@@ -77,6 +77,9 @@ class Divergence:
     source_text: str = ""
     context: list[ContextLine] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: kind ``collective``: backend, group_size, bucket, nbytes, ddp_bucket, output_read,
+    #: summary ("gloo, group of 2, bucket 0 of 25 MB"), from the capture's comm table
+    collective: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -93,6 +96,7 @@ class Divergence:
             "max_abs_diff_at": self.max_abs_diff_at, "step_fields": self.step_fields,
             "source_text": self.source_text,
             "context": [vars(c) for c in self.context], "notes": self.notes,
+            "collective": self.collective,
         }
 
 

@@ -83,7 +83,10 @@ def _verdict(report: Report) -> str:
         "structure": "the runs execute different ops",
         "init": "the initial state already differs",
         "seed": f"{escape(div.op or 'a seeding call')} received a different seed",
-        "collective": f"the collective {escape(div.op or '?')} creates the difference",
+        "collective": f"the collective {escape(div.op or '?')} creates the difference: its "
+                      "output differs while every rank's inputs matched"
+                      + (f" ({escape(str(div.collective['summary']))})"
+                         if div.collective and div.collective.get("summary") else ""),
         "desync": "a replica's parameters drift from rank 0's",
     }.get(div.kind, "the runs differ")
     if not div.localized:
@@ -130,6 +133,10 @@ def _finding(div: Divergence) -> list[str]:
                                 f"{escape(div.op or '')}[/]"),
                 _row("", "its output differs while every rank's inputs matched: the "
                          "collective created the difference (arrival or reduction order)")]
+        if div.collective and div.collective.get("summary"):
+            read = div.collective.get("output_read") or ""
+            out.append(_row("", escape(str(div.collective["summary"]))
+                            + (f"; output {escape(str(read))}" if read else "")))
     elif div.kind == "desync":
         out += [_row("finding", f"{step}: rank {div.rank}'s parameters differ from rank 0's "
                                 "(replica desync within one run)")]

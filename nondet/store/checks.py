@@ -155,6 +155,16 @@ def check_index(index: np.ndarray, steps: np.ndarray, n_ops: int) -> None:
             raise Damaged("a step declares more op records than nondet reads at once")
 
 
+def check_comm(rows: np.ndarray, n_strings: int) -> None:
+    """Collective rows: a backend string id in range (or -1), known output states."""
+    from nondet.records import CommOutput
+
+    bad = ((rows["backend"] < -1) | (rows["backend"] >= n_strings) | (rows["step"] < -1)
+           | (rows["index"] < 0) | (rows["output"] > max(CommOutput)))
+    if bad.any():
+        raise Damaged(f"/comm: row {int(np.argmax(bad))} is malformed")
+
+
 def check_ops(path: Path, ops: np.ndarray, step: int, n_strings: int) -> None:
     """Op records whose fields the comparison and the tables interpret: the step, the enums,
     and string ids (a name always; module and source may be -1, "none")."""

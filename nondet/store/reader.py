@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 
 from nondet import __version__
-from nondet.records import OP_DTYPE
+from nondet.records import COMM_DTYPE, OP_DTYPE
 from nondet.store import probe
 from nondet.store.checks import (
     Damaged,
     attr_value,
+    check_comm,
     check_dump,
     check_index,
     check_ops,
@@ -50,8 +51,11 @@ class Capture:
 
     def __init__(self, path: Path, file: Any, attrs: dict[str, Any], env: dict[str, str],
                  facts: dict[str, Any], strings: list[str], steps: np.ndarray,
-                 tensors: np.ndarray, op_index: np.ndarray) -> None:
+                 tensors: np.ndarray, op_index: np.ndarray,
+                 comm: np.ndarray | None = None) -> None:
         self.path, self._file = path, file
+        #: one row per collective record (records.COMM_DTYPE; empty in older files)
+        self.comm = comm if comm is not None else np.zeros(0, dtype=COMM_DTYPE)
         self.attrs, self.env, self.facts = attrs, env, facts
         self.strings, self.steps, self.tensors = strings, steps, tensors
         self._op_index = op_index
@@ -127,6 +131,11 @@ class Capture:
             self._ops_cache.pop(next(iter(self._ops_cache)))
         self._ops_cache[step] = out
         return out
+
+    def comm_row(self, step: int, index: int) -> np.void | None:
+        """What was recorded of the collective at op record ``index`` of ``step``."""
+        hit = np.nonzero((self.comm["step"] == step) & (self.comm["index"] == index))[0]
+        return self.comm[hit[0]] if len(hit) else None
 
     def op_count(self, step: int) -> int:
         """How many op records a step has, without reading them."""
@@ -238,6 +247,11 @@ def _load(path: Path, f: Any) -> Capture:
         with reading(path, f"/{name}"):
             tables[name] = np.asarray(table(f, name, TABLES[name], size)[()],
                                       dtype=TABLES[name])
+    comm = None
+    if "comm" in f:  # written since format 1.1 files gained it; older files have none
+        with reading(path, "/comm"):
+            comm = np.asarray(table(f, "comm", COMM_DTYPE, size)[()], dtype=COMM_DTYPE)
+            check_comm(comm, len(strings))
     with reading(path, "/ops"):
         n_ops = table(f, "ops", OP_DTYPE, size).shape[0]
         check_index(tables["op_index"], tables["steps"], n_ops)
@@ -247,4 +261,4 @@ def _load(path: Path, f: Any) -> Capture:
     return Capture(path=path, file=f, attrs=attrs,
                    env={k: str(v) for k, v in groups["env"].items()}, facts=facts,
                    strings=strings, steps=tables["steps"], tensors=tables["tensors"],
-                   op_index=tables["op_index"])
+                   op_index=tables["op_index"], comm=comm)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from nondet import __version__
-from nondet.records import INDEX_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
+from nondet.records import COMM_DTYPE, INDEX_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 from nondet.store import probe
 
 FORMAT_VERSION = "1.1"
@@ -21,7 +21,9 @@ FORMAT_MAJOR = 1
 
 #: Tables and their row layouts (the reader checks a file against these).
 TABLES: dict[str, np.dtype] = {"steps": STEP_DTYPE, "tensors": TENSOR_DTYPE, "ops": OP_DTYPE,
-                               "op_index": INDEX_DTYPE}
+                               "op_index": INDEX_DTYPE, "comm": COMM_DTYPE}
+#: Tables a file written by an older nondet may lack (read as empty).
+OPTIONAL_TABLES = ("comm",)
 DIGEST_ATTR = "nondet_digest"
 STRINGS_CRC_ATTR = "nondet_strings_crc"
 #: Strings with this prefix are not names but the text of a source line:
@@ -58,7 +60,7 @@ class CaptureWriter:
             "strings", shape=(0,), maxshape=(None,), dtype=h5py.string_dtype(), chunks=(1024,)
         )
         for name, chunk in (("steps", 256), ("tensors", 1024), ("ops", 8192),
-                            ("op_index", 256)):
+                            ("op_index", 256), ("comm", 256)):
             f.create_dataset(
                 name, shape=(0,), maxshape=(None,), dtype=TABLES[name], chunks=(chunk,),
                 compression="gzip", compression_opts=1, shuffle=True, fletcher32=True,
@@ -132,6 +134,11 @@ class CaptureWriter:
             index = np.zeros(1, dtype=INDEX_DTYPE)
             index["step"], index["start"], index["count"] = rows["step"][0], start, len(rows)
             _append(self._file["op_index"], index)
+
+    def add_comm(self, rows: np.ndarray) -> None:
+        if len(rows):
+            with _H5_LOCK:
+                _append(self._file["comm"], rows)
 
     def add_dump(self, name: str, array: np.ndarray, attrs: dict[str, Any]) -> None:
         with _H5_LOCK:

@@ -20,6 +20,7 @@ import pytest
 from nondet import compare, distributed, job_fixes, jobrun, pipeline, recipe
 from nondet.jobrun import JobHung
 from nondet.launch import Plan, Target
+from nondet.records import CommOutput
 from nondet.store import open_capture
 from tests.conftest import REPO, run_cli, step_rows, write_capture
 from tests.e2e.fixture_cases import cases, check_finding
@@ -154,9 +155,20 @@ def test_ddp_control_is_deterministic_and_keeps_the_users_omp_setting(
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(report_path.read_text())
     assert report["verdict"] == "deterministic" and len(report["runs"]) == 4
+    outputs = set()
     for run in report["runs"]:
-        env = open_capture(Path(run["path"])).env
-        assert env.get("env.OMP_NUM_THREADS") == "2"  # torchrun would have set 1
+        capture = open_capture(Path(run["path"]))
+        assert capture.env.get("env.OMP_NUM_THREADS") == "2"  # torchrun would have set 1
+        # DDP's gradient all-reduce at step 0: bucket 0 (every gradient of the 16-8-1
+        # model, float32), its output read after the backward, the same on both ranks
+        bucket = [r for r in capture.comm if int(r["step"]) == 0 and int(r["bucket"]) >= 0]
+        assert [(int(r["bucket"]), int(r["nbytes"]), int(r["group_size"]), int(r["output"]))
+                for r in bucket] == [(0, (16 * 8 + 8 + 8 + 1) * 4, 2, CommOutput.AFTER_BACKWARD)]
+        assert capture.string(int(bucket[0]["backend"])) == "gloo"
+        record = next(r for r in capture.ops(0) if int(r["index"]) == int(bucket[0]["index"]))
+        assert capture.string(int(record["name"])) == "c10d.allreduce_.default"
+        outputs.add(int(record["out_fp"]))
+    assert len(outputs) == 1 and 0 not in outputs  # all-reduced: one value on every rank
     run_dir = Path(report["runs"][0]["path"]).parents[1]
     assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["run-a", "run-b"]
 
@@ -224,13 +236,43 @@ def test_a_receive_from_any_source_is_a_collective_finding_on_rank_0(tmp_path: P
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     found = check_finding(case, result, report)
     assert found is not None and found["rank"] == 0 and found["world_size"] == 3
-    assert "the collective c10d.recv_any_source_.default creates the difference" in \
+    assert "the collective c10d.recv_any_source_.default creates the difference: its output " \
+        "differs while every rank's inputs matched (gloo, group of 3)" in \
         result.stdout.splitlines()[0]
+    # found at the collective's own record, its output read after the script's wait
+    focus = next(c for c in found["context"] if c["focus"])
+    assert (focus["op"], focus["state"]) == ("c10d.recv_any_source_.default",
+                                             "differs (inputs same)")
+    assert found["collective"] == {
+        "backend": "gloo", "group_size": 3, "bucket": None, "nbytes": 256,
+        "ddp_bucket": False, "output_read": "read after Work.wait()",
+        "summary": "gloo, group of 3"}
     table = next(n for n in found["notes"] if "rank x phase" in n)
     rows = dict(part.split(": ", 1) for part in table.split("; ")[1:])
     columns = table.split("; ")[0].rsplit(": ", 1)[1].split()
     assert rows["rank 0"].split()[columns.index("comm")] == "x"  # where it was made
     assert set(rows["rank 1"].split()) <= {"=", "."} and set(rows["rank 2"].split()) <= {"=", "."}
+
+
+def test_receives_from_named_sources_in_a_fixed_order_are_deterministic(
+        tmp_path: Path) -> None:
+    """The control of the collective fixture: every receive's output is fingerprinted after
+    its wait, and nothing differs."""
+    case = next(c for c in cases(FIXTURES)
+                if c.script.name == "anysource_recv.py" and c.args == ("--fixed-order",))
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "--nproc-per-node", "3",
+                     str(case.script.relative_to(REPO)), *case.args, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for run in json.loads(report_path.read_text())["runs"]:
+        capture = open_capture(Path(run["path"]))
+        names = {int(o["index"]): capture.string(int(o["name"])) for o in capture.ops(0)}
+        received = [r for r in capture.comm if int(r["step"]) == 0
+                    and names[int(r["index"])] == "c10d.recv_.default"]
+        if int(capture.attrs["rank"]) == 0:  # 2 senders x 10 rounds, each read after wait
+            assert len(received) == 20
+            assert all(int(r["output"]) == CommOutput.AFTER_WAIT for r in received)
 
 
 def test_a_replica_that_drifts_is_a_desync_even_when_the_runs_agree(tmp_path: Path) -> None:

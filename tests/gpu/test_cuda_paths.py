@@ -156,3 +156,40 @@ def test_a_non_blocking_copy_is_hashed_at_the_copy() -> None:
     assert any(t is device for t in hashed)
     rows = _rows(recorder)
     assert rows[-1][1] not in (0, 1)
+
+
+def test_an_nccl_collectives_output_is_hashed_on_the_device_after_its_stream_work(
+        tmp_path: Any) -> None:
+    """The NCCL path of comm.py/comm_cuda.py: the record of an async all_reduce holds the
+    hash of its result, queued after the work on the current stream (no host sync)."""
+    import torch.distributed as dist
+
+    from nondet.frameworks.fp import combined
+    from nondet.frameworks.torch import comm
+    from nondet.records import CommOutput
+
+    if not dist.is_nccl_available():
+        pytest.skip("torch built without NCCL")
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    recorder = _recorder()
+    comm.install(recorder.collectives.waited)
+    try:
+        with CaptureMode(recorder):
+            x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+            work = dist.all_reduce(x, async_op=True)
+            work.wait()  # NCCL: the current stream waits; the host does not
+        recorder.resolve()
+        recorder.merge_threads()
+        comm_rows = recorder.collectives.take_rows(0, recorder.records,
+                                                   recorder.session.intern)
+        rows = recorder.take_rows(0)
+        at = names(recorder, rows).index("c10d.allreduce_.default")
+        again = _recorder()
+        fp = again.fingerprint(x)
+        again.resolve()
+        assert int(comm_rows[0]["output"]) == CommOutput.ON_DEVICE
+        assert int(rows[at]["out_fp"]) == combined([fp]) != 0
+    finally:
+        comm.install(lambda work: None)
+        dist.destroy_process_group()

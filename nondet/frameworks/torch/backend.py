@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.base import Session, StepLifecycle, StepState, TensorRow, group_fp
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.torch import children, compiled, cuda
+from nondet.frameworks.torch import children, comm, compiled, cuda
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
@@ -67,6 +67,8 @@ class TorchBackend(StepLifecycle):
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         super().__init__(session)
         self.recorder = OpRecorder(self)
+        self.recorder.collectives = comm.Collectives(
+            self.recorder.fingerprint, self.paused_capture, lambda: comm.is_ddp(self.roots))
         self.outputs = KeptOutputs(session, self.paused_capture)
         self.entries = DataEntries(self)
         torch.manual_seed(session.config.seed)
@@ -92,6 +94,7 @@ class TorchBackend(StepLifecycle):
         self.entries.install()
         compiled.install(self)
         children.install(self)
+        comm.install(self._work_waited)
         cuda.install_replay_hook(self.recorder.graph_outputs,
                                  lambda: not self.disabled and self.recorder.window, self.guarded)
 
@@ -215,6 +218,8 @@ class TorchBackend(StepLifecycle):
 
     def _after_backward(self) -> None:
         self.recorder.merge_threads()  # Note [Autograd worker threads] in threads.py
+        if self.recorder.window:
+            self.recorder.collectives.backward_done()  # DDP waited for its buckets
         self.phase = Phase.OPTIMIZER
         if not self.optimizer_made and not self.explicit:
             self.grads = self._grad_snapshot()
@@ -346,9 +351,19 @@ class TorchBackend(StepLifecycle):
                                                    t.numel() if t is not None else 0))
         return state
 
+    def _work_waited(self, work: Any) -> None:
+        """A ``Work.wait()`` returned (comm.py): read that collective's outputs now."""
+        if not self.disabled and not self.paused and self.recorder.window \
+                and self.recorder.threads.on_owner():
+            with self.guarded():
+                self.recorder.collectives.waited(work)
+
     def _take_records(self, step: int) -> np.ndarray:
         with self.paused_capture():
             self.recorder.resolve()
+            self.recorder.merge_threads()
+            self.session.send_comm(self.recorder.collectives.take_rows(
+                step, self.recorder.records, self.session.intern))
             ops = self.recorder.take_rows(step)
             self.recorder.prune()
         return ops

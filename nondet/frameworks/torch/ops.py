@@ -47,10 +47,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.fp import Fp
@@ -78,6 +79,22 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
 class OpRecorder(FingerprintCache):
     """Records each dispatched op: its inputs' fingerprints (from the cache, or as entry
     points), its outputs' (hashed, derived or uninitialized) and the op row."""
+
+    def __init__(self, backend: TorchHost) -> None:
+        super().__init__(backend)
+        #: collectives of the step, read once their work is done (comm.py); the backend
+        #: replaces it with one that knows about DDP models
+        self.collectives = comm.Collectives(self.fingerprint, self.paused, lambda: False)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """nondet's own torch work (hashing a collective's output) goes unrecorded."""
+        was_active, self.active = self.active, False
+        try:
+            with _disable_current_modes(), torch.no_grad():
+                yield
+        finally:
+            self.active = was_active
 
     # -- the per-op hot path ----------------------------------------------------------------
     def info(self, func: Any) -> OpInfo:
@@ -122,8 +139,12 @@ class OpRecorder(FingerprintCache):
         taints: list[Fp] = []
         scalars: list[Any] = []
         needs_grad = False
+        bucket = False
         if info.comm:  # read afresh: DDP fills its buckets outside the dispatcher (comm.py)
-            ins = self._comm_inputs(args, kwargs)
+            bucket = self.collectives.is_bucket(
+                str(func), node is not None or self.backend.phase == Phase.BACKWARD)
+            # a functional collective's wait: its input is being written until it returns
+            ins = [] if comm.is_wait(str(func)) else self._comm_inputs(args, kwargs, bucket)
         else:
             for position, value in enumerate(args):
                 flags |= self._input(value, position in info.overwritten_args, ctx, ins,
@@ -161,11 +182,16 @@ class OpRecorder(FingerprintCache):
         out_fps: list[Fp] = []
         if info.comm:  # still being written until the work's wait: read later (comm.py)
             written_by = comm.ENTRY_PREFIX + str(func)
+            unset = set() if bucket else {
+                id(t) for t in comm.tensors_deep((args, tuple(kwargs.values()), out))
+                if (hit := self._hit(t)) is not None and hit[1].uninit}
             for t in comm.tensors_deep((args, tuple(kwargs.values()), out)):
                 self.note_write(t)
                 self.forget(t)
                 self.comm_outputs[id(t)] = (weakref.ref(t), written_by)
             outputs = []
+            # out_fps is the record's own list: filled in when the script waits (comm.py)
+            self.collectives.launch(str(func), args, kwargs, out, out_fps, bucket, unset)
         elif info.uninit_output or garbage_moved:
             for t in outputs:
                 self.remember(t, Fp(uninit=True))
@@ -249,14 +275,16 @@ class OpRecorder(FingerprintCache):
                 scalars.append(item)
         return flags
 
-    def _comm_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Fp]:
+    def _comm_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     bucket: bool) -> list[Fp]:
         """A collective's tensors, fingerprinted now, never from the cache: the reducer
         copies gradients into its buckets in C++, unseen by the cache. Memory known to be
-        uninitialized (a receive buffer from ``torch.empty``) is left out."""
+        uninitialized (a receive buffer from ``torch.empty``) is left out, except in a DDP
+        bucket: the cache saw it made by ``empty`` but not filled (in C++) with gradients."""
         fps = []
         for t in comm.tensors_deep((args, tuple(kwargs.values()))):
             hit = self._hit(t)
-            if hit is not None and hit[1].uninit:
+            if hit is not None and hit[1].uninit and not bucket:
                 continue
             fps.append(self.fingerprint(t))
         return fps

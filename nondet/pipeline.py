@@ -300,6 +300,7 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
                           captures=[str(a.path), str(b.path), *extra],
                           command=target.describe(), suggestions=suggestions)
     report.sources, report.combined_fix = every, combined
+    report.notes += [r.idle_note for r in (result_a, result_b) if r.idle_note]
     return report
 
 

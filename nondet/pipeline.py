@@ -179,9 +179,11 @@ def repeat(target: Target, options: Options, progress: ProgressSink, count: int)
         progress.stage(f"run {differing + 1} differs from run 1: explaining")
         found, suggestions, extra = _explain(target, options, progress, captures[0],
                                              captures[differing])
-    return found.report(runs=[_summary(r) for r in results], command=target.describe(),
-                        captures=[str(c.path) for c in captures] + extra,
-                        suggestions=suggestions, repeatability=rows)
+    report = found.report(runs=[_summary(r) for r in results], command=target.describe(),
+                          captures=[str(c.path) for c in captures] + extra,
+                          suggestions=suggestions, repeatability=rows)
+    report.notes += [r.idle_note for r in results if r.idle_note]
+    return report
 
 
 def _repeat_rows(results: list[RunResult], captures: list[Capture]) -> list[RepeatRow]:

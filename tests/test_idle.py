@@ -91,8 +91,8 @@ while True:
 """
 
 
-@pytest.mark.parametrize("schedule", [[], ["--schedule", "sequential"]],
-                         ids=["lockstep", "sequential"])
+@pytest.mark.parametrize("schedule", [[], ["--schedule", "sequential"], ["--runs", "2"]],
+                         ids=["lockstep", "sequential", "runs"])
 def test_a_script_that_sleeps_after_training_is_compared_not_waited_for(
         tmp_path: Path, schedule: list[str]) -> None:
     script = tmp_path / "train.py"

@@ -32,3 +32,29 @@ def test_gradient_accumulation_micro_batches_are_forward_not_optimizer(tmp_path:
     assert forward.count("aten.addmm.default") == 2, model_ops
     assert {phase for _, phase in model_ops} == {"forward", "backward"}, model_ops
     assert {phase for _, phase, _, line, _ in rows if line == "10"} == {"optimizer"}
+
+
+def test_a_forward_inside_an_optimizer_closure_is_forward(tmp_path: Path) -> None:
+    # Lightning's automatic optimization runs training_step and backward in a closure that
+    # optimizer.step(closure) calls (LBFGS scripts do the same): the model's ops are a
+    # forward, not the optimizer's (they were all "optimizer" before)
+    c = capture(tmp_path, """
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def closure():
+            opt.zero_grad()
+            loss = model(torch.ones(2, 4)).sum()   # line 9
+            loss.backward()
+            return loss
+
+        for _ in range(2):
+            opt.step(closure)
+        """)
+    rows = records(c, 0)
+    phases = {name: phase for name, phase, module, line, _ in rows
+              if line == "9" and module and not name.startswith("external:")}
+    assert phases.get("aten.addmm.default") == "forward", rows
+    assert phases.get("aten.tanh.default") == "forward", rows

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from nondet import channel, child_captures, environment
+from nondet import channel, child_captures, environment, idle
 from nondet.errors import NondetError, Terminated
 from nondet.session import CONFIG_ENV, ChildConfig
 from nondet.store import CaptureWriter
@@ -90,6 +90,15 @@ class RunResult:
     hook_error: str = ""
     final: dict[str, Any] = field(default_factory=dict)
     write_error: str = ""  # the parent could not write the capture: one line saying why
+    idle_ended: float = 0.0  # > 0: nondet ended the run after this many idle seconds
+
+    @property
+    def idle_note(self) -> str:
+        if not self.idle_ended:
+            return ""
+        return (f"run {self.label} sent nothing and used no CPU for {self.idle_ended:.0f} s "
+                f"after its last step ({self.steps} steps): nondet ended it and compared the "
+                "steps it recorded (NONDET_IDLE_AFTER sets the limit)")
 
     @property
     def complete(self) -> bool:
@@ -170,6 +179,8 @@ class CapturedRun(RunStream):
         self._ctrl_w = -1  # parent end of the control pipe, once started
         self._ctrl_lock = threading.Lock()
         self._log: BinaryIO | None = None
+        self._idle: idle.IdleWatch | None = None
+        self._idle_ended = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -194,6 +205,7 @@ class CapturedRun(RunStream):
         os.close(data_w)
         os.close(ctrl_r)
         self._ctrl_w = ctrl_w
+        self._idle = idle.IdleWatch(self._proc.pid, idle.idle_after())
         self._threads = [
             threading.Thread(target=self._pump_frames, args=(data_r,), daemon=True),
             threading.Thread(target=self._pump_output, daemon=True),
@@ -240,6 +252,32 @@ class CapturedRun(RunStream):
             self._dumps_done.wait_for(
                 lambda: (step, index) in self.kept or self._pipe_closed, timeout)
         return self.kept.get((step, index))
+
+    def end_if_idle(self) -> bool:
+        """End the run if it has gone idle (``nondet.idle``: no frame, no CPU for the
+        limit) while the script has not ended; its capture is then closed as ``stopped``,
+        holding the steps it recorded. Only for a run nobody makes wait (the schedule's
+        part). True if it was ended."""
+        watch = self._idle
+        if watch is None or self.end is not None or not self.running() or not watch.idle():
+            return False
+        self._idle_ended = watch.after
+        self._interrupted = True
+        code = self._terminate()
+        self._finish_threads()
+        self._result(code)
+        return True
+
+    def _terminate(self) -> int:
+        assert self._proc is not None
+        for sig, patience in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if self._proc.poll() is None:
+                self._proc.send_signal(sig)
+            try:
+                return self._proc.wait(timeout=patience)
+            except subprocess.TimeoutExpired:
+                continue
+        return -signal.SIGKILL
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -305,6 +343,8 @@ class CapturedRun(RunStream):
         end = self.end
         if self.write_error:
             status = channel.WRITE_FAILED
+        elif self._idle_ended:
+            status = channel.STOPPED  # ended on purpose, as at a step boundary
         elif end is not None:
             status = end.status
         elif code == 0:
@@ -322,6 +362,7 @@ class CapturedRun(RunStream):
             exit_code=code, steps=sum(1 for r in self.steps if int(r["step"]) >= 0),
             error=end.error if end else "", hook_error=self.hook_error,
             final=dict(end.final) if end else {}, write_error=self.write_error,
+            idle_ended=self._idle_ended,
         )
         return self._result_cache
 
@@ -360,6 +401,8 @@ class CapturedRun(RunStream):
                 if not data:
                     return
                 idle_since = None
+                if self._idle is not None:
+                    self._idle.activity()
                 for kind, payload in parser.feed(data):
                     self._handle(kind, payload)
                 continue

@@ -186,6 +186,7 @@ def repeat(target: Target, options: Options, progress: ProgressSink, count: int)
                                              captures[differing])
     return found.report(runs=[_summary(r) for r in results], command=target.describe(),
                         captures=[str(c.path) for c in captures] + extra,
+                        notes=[r.idle_note for r in results if r.idle_note],
                         suggestions=suggestions, repeatability=table)
 
 
@@ -288,7 +289,8 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
         extra += written
     report = found.report(runs=[_summary(r) for r in (result_a, result_b)],
                           captures=[str(a.path), str(b.path), *extra],
-                          command=target.describe(), suggestions=suggestions)
+                          command=target.describe(), suggestions=suggestions,
+                          notes=[r.idle_note for r in (result_a, result_b) if r.idle_note])
     report.sources, report.combined_fix = every, combined
     return report
 

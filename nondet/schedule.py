@@ -62,6 +62,8 @@ class Run(Protocol):
 
     def interrupt(self, forward: bool = False) -> RunResult: ...
 
+    def end_if_idle(self) -> bool: ...
+
 
 RunFactory = Callable[[Plan], Run]
 #: Called while both lockstep runs are held after the judge stopped them (both alive,
@@ -125,7 +127,11 @@ def _run_alone(run: Run, status: StatusSink | None) -> RunResult:
         run.on_step = lambda r, row: _report_step(status, r, row)
     run.start()
     try:
-        return run.wait()  # a run alone never waits for nondet: this is the script's time
+        while True:  # a run alone never waits for nondet: this is the script's time ...
+            try:
+                return run.wait(timeout=1.0)
+            except TimeoutError:
+                run.end_if_idle()  # ... unless it does nothing at all (nondet.idle)
     except (KeyboardInterrupt, Terminated) as exc:
         run.interrupt(forward=isinstance(exc, Terminated))
         raise
@@ -179,6 +185,9 @@ class Lockstep:
             while not turns.done.wait(self.poll):
                 if turns.stalled(time.monotonic(), self.stall_after, self.stall_factor):
                     turns.free_all()
+                for run in (a, b):
+                    if not turns.makes_wait(run):
+                        run.end_if_idle()  # it ends: on_end frees the other one
             try:
                 if turns.holding and on_hold is not None:
                     on_hold(a, b)
@@ -281,6 +290,11 @@ class Turns:
                 self.hold and len(self._ended) == 1)  # in Session.finish
             limit = max(stall_after, factor * self._slowest)
             return someone_waits and now - self._last_activity > limit
+
+    def makes_wait(self, run: Run) -> bool:
+        """Is ``run`` waiting for nondet's word (its turn, a hold)? Then it is not idle."""
+        with self._lock:
+            return self.holding or (self._waiting[run] is not None and not self._free)
 
     def free_all(self) -> None:
         """Give up turn-taking: every run goes on on its own, nothing is held."""

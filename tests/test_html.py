@@ -230,3 +230,20 @@ def test_fixes_verified_first_with_every_source_and_the_combined_fix(tmp_path: P
     assert page.index("step 2, dataloader:batch#0, t.py:9") < page.index("[SECOND-SOURCE]")
     assert "CUBLAS_WORKSPACE_CONFIG=:4096:8" in page
     assert "the runs repeat over 20 steps; cost 1.12x step time" in page
+
+
+@pytest.mark.parametrize("kind", ["capture", "fifo"])
+def test_report_command_names_a_capture_or_special_file_given_for_a_report(
+        tmp_path: Path, kind: str) -> None:
+    """A capture file (the user meant its directory) or a FIFO is named for what it is,
+    not called "not JSON" or "does not exist"; the FIFO is never opened (it would block)."""
+    given = tmp_path / "run-a.h5"
+    if kind == "capture":
+        shutil.copy(_pair(tmp_path)[0], given)
+    else:
+        os.mkfifo(given)
+    result = run_cli("report", str(given), "--html", "out.html", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    says = {"capture": "is a capture, not a JSON report: give the directory",
+            "fifo": "is not a regular file"}[kind]
+    assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -44,6 +44,9 @@ def report(app: App, *, source: Path, html_path: Path) -> int:
         data = _from_captures(source)
     elif source.is_file():
         data = _from_json(source)
+    elif source.exists():  # a FIFO, a device: never opened (it could block or never end)
+        raise NondetError(f"{display(source)} is not a regular file: give a JSON report "
+                          "written with --json, or a directory of captures (.nondet/latest)")
     else:
         raise NondetError(f"{display(source)} does not exist: give a JSON report written with "
                           "--json, or a directory of captures (.nondet/latest)")
@@ -56,7 +59,19 @@ def report(app: App, *, source: Path, html_path: Path) -> int:
     return code if code in (0, 1) else 2
 
 
+#: The first bytes of every HDF5 file (a capture given where a JSON report is asked for).
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
 def _from_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as head:
+            is_capture = head.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE
+    except OSError:
+        is_capture = False  # said below, with the reason
+    if is_capture:
+        raise NondetError(f"{display(path)} is a capture, not a JSON report: give the directory "
+                          f"that holds run-a.h5 and run-b.h5 ({display(path.parent)})")
     try:
         if path.stat().st_size > MAX_JSON_BYTES:
             raise NondetError(f"{display(path)} is too large to be a nondet JSON report")

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from nondet.launch import Target
+from nondet.records import Phase
 from nondet.store import open_capture
 from tests.conftest import FIXTURES
 from tests.e2e.fixture_cases import Case, cases, check_finding, run_case
@@ -40,6 +41,7 @@ NEEDS = {
     "keras_pydataset.py": ("tensorflow", "keras"),
     "albumentations_loader.py": ("torch", "albumentations"),
     "keras_pydataset_shared_rng.py": ("tensorflow", "keras"),
+    "nanogpt_loop.py": ("torch",),
 }
 
 
@@ -101,6 +103,20 @@ def test_lightning_self_log_deepcopies_are_not_evidence(tmp_path: Path) -> None:
     # self.log's deep copies (uninitialized storages wrapped by set_) were recorded and
     # compared, not missed
     assert any(n.startswith("aten.set_.source_Storage") for n in _op_names(report, 0))
+
+
+def test_nanogpt_checkpoint_recomputation_of_dropout_is_not_a_difference(
+        tmp_path: Path) -> None:
+    _, report = _run("nanogpt_loop.py --checkpoint --ema", tmp_path)
+    # the checkpointed blocks were recomputed under capture: dropout (bernoulli_) ran again in the
+    # backward (same masks: its RNG state restored), and bfloat16 autocast copies were made
+    capture = open_capture(report["captures"][0])
+    ops = capture.ops(0)
+    names = [capture.string(int(sid)) for sid in ops["name"]]
+    recomputed = [n for n, phase in zip(names, ops["phase"], strict=True)
+                  if n.startswith("aten.bernoulli") and phase == Phase.BACKWARD]
+    assert recomputed, sorted(set(names))
+    assert any("_to_copy" in n for n in names), sorted(set(names))
 
 
 @pytest.mark.tensorflow

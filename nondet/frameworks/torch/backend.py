@@ -164,6 +164,10 @@ class TorchBackend(StepLifecycle):
             self._register_root(module)
         if not self.started and not self.optimizer_made:
             self.start_training()
+        if self.phase == Phase.OPTIMIZER:
+            # a model called after a backward within one step is a forward again: the next
+            # micro-batch of gradient accumulation, or an LBFGS closure inside step()
+            self.phase = Phase.FORWARD
         if self.recorder.window and self.verified_step != self.session.step:
             # Once per captured step: parameters and buffers become entry points again, so
             # a value changed outside the recorded ops is caught where it is first used.

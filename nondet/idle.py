@@ -1,0 +1,114 @@
+"""A run that has gone idle: it sends nothing and its processes use no CPU.
+
+A script may train and then not end: it sleeps, serves something, waits for a thread that
+never finishes. ``python train.py`` would then wait forever too, but nondet is not to hang
+(each wait has a timeout), and the steps it has recorded are all there is to compare.
+A run is idle when, for ``after`` seconds, it has sent no frame and its process tree
+(the script and every process it started: DataLoader workers compute while the main
+process waits) has used less than ``BUSY_FRACTION`` of one core. A script that computes
+(a long evaluation, a checkpoint written), or that nondet itself keeps waiting (lockstep
+turns: the schedule never asks then), is never idle.
+
+CPU time is read from ``/proc``; where there is none, no run is ever called idle.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+#: Seconds without a frame and without CPU use before a run counts as idle
+#: (``NONDET_IDLE_AFTER`` overrides it: a shorter value for tests, a longer for scripts
+#: that legitimately wait, e.g. for a slow network file system).
+IDLE_AFTER = 600.0
+#: Below this fraction of one core over the window, a process tree is not computing.
+BUSY_FRACTION = 0.02
+
+_PROC = Path("/proc")
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def idle_after() -> float:
+    """The idle limit in seconds (``NONDET_IDLE_AFTER``, else ``IDLE_AFTER``)."""
+    try:
+        value = float(os.environ.get("NONDET_IDLE_AFTER", IDLE_AFTER))
+    except ValueError:
+        return IDLE_AFTER
+    return value if value > 0 else IDLE_AFTER
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` and all its living descendants, or None when
+    ``/proc`` cannot tell (not Linux, or the process is gone)."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    try:
+        entries = [e for e in os.listdir(_PROC) if e.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            text = (_PROC / entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # the command name (field 2) may hold spaces and parentheses: split after its end
+        fields = text[text.rfind(")") + 2:].split()
+        try:
+            parents[int(entry)] = int(fields[1])
+            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICKS
+        except (IndexError, ValueError):
+            continue
+    if pid not in cpu:
+        return None
+    total, frontier = 0.0, [pid]
+    seen: set[int] = set()
+    while frontier:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        total += cpu.get(current, 0.0)
+        frontier.extend(child for child, parent in parents.items() if parent == current)
+    return total
+
+
+class IdleWatch:
+    """Whether one run has been idle for ``after`` seconds (module docstring).
+
+    ``activity()`` is called for every frame the run sends; ``idle()`` samples its CPU
+    time at most every ``sample`` seconds."""
+
+    def __init__(self, pid: int, after: float,
+                 cpu: Callable[[int], float | None] = tree_cpu_seconds,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pid = pid
+        self.after = after
+        self._cpu = cpu
+        self._clock = clock
+        self._sample = min(5.0, after / 4)
+        now = clock()
+        self._since = now  # start of the current quiet window
+        self._cpu_since: float | None = None  # CPU time at its start
+        self._last_sample = now - self._sample
+
+    def activity(self) -> None:
+        self._since = self._clock()
+        self._cpu_since = None
+
+    def idle(self) -> bool:
+        now = self._clock()
+        if now - self._last_sample < self._sample:
+            return False
+        self._last_sample = now
+        used = self._cpu(self.pid)
+        if used is None:
+            return False  # cannot tell: never idle
+        if self._cpu_since is None:
+            self._since, self._cpu_since = min(self._since, now), used
+            return False
+        if used - self._cpu_since > BUSY_FRACTION * max(now - self._since, self._sample):
+            self._since, self._cpu_since = now, used  # it computes: a new window
+            return False
+        return now - self._since >= self.after

@@ -1,0 +1,108 @@
+"""A run that goes idle (no frames, no CPU) is ended, never waited for forever
+(``nondet.idle``): the watch itself, then a script that sleeps after training through the
+real CLI in both schedules."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from nondet.idle import IdleWatch, tree_cpu_seconds
+from tests.conftest import run_cli
+
+BOUND = 240  # seconds; the CLI cases take ~30 s on a loaded 2-core machine
+
+
+def test_cpu_of_a_process_tree_counts_its_children() -> None:
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5: pass\n"
+    # the parent sleeps while its child computes: the tree is busy
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import subprocess, sys
+        subprocess.run([sys.executable, "-c", {busy!r}])
+        """)])
+    try:
+        deadline = time.monotonic() + 60
+        used = 0.0
+        while time.monotonic() < deadline and parent.poll() is None:
+            used = max(used, tree_cpu_seconds(parent.pid) or 0.0)
+            time.sleep(0.2)
+        assert used >= 1.0
+    finally:
+        parent.kill()
+        parent.wait(10)
+    assert tree_cpu_seconds(parent.pid) is None  # gone: cannot tell
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("cpu_per_second,idle", [(0.0, True), (0.5, False)])
+def test_idle_only_without_frames_and_without_cpu(cpu_per_second: float, idle: bool) -> None:
+    clock = _Clock()
+    watch = IdleWatch(1, after=60.0, cpu=lambda pid: cpu_per_second * clock.now, clock=clock)
+    seen = []
+    for _ in range(30):  # 150 s, sampled every 5 s
+        clock.now += 5.0
+        seen.append(watch.idle())
+    assert seen[-1] is idle
+    assert not any(seen[:11])  # never before the limit
+
+
+def test_a_frame_starts_a_new_window() -> None:
+    clock = _Clock()
+    watch = IdleWatch(1, after=60.0, cpu=lambda pid: 0.0, clock=clock)
+    for _ in range(30):
+        clock.now += 5.0
+        if clock.now % 50 == 0:
+            watch.activity()
+        assert not watch.idle()
+
+
+def test_unknown_cpu_is_never_idle() -> None:
+    clock = _Clock()
+    watch = IdleWatch(1, after=10.0, cpu=lambda pid: None, clock=clock)
+    for _ in range(20):
+        clock.now += 5.0
+        assert not watch.idle()
+
+
+SLEEPS_AFTER_TRAINING = """
+import time, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+print("trained; serving forever", flush=True)
+while True:
+    time.sleep(1000)
+"""
+
+
+@pytest.mark.parametrize("schedule", [[], ["--schedule", "sequential"], ["--runs", "3"]],
+                         ids=["lockstep", "sequential", "runs"])
+def test_a_script_that_sleeps_after_training_is_compared_not_waited_for(
+        tmp_path: Path, schedule: list[str]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SLEEPS_AFTER_TRAINING)
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", *schedule, str(script),
+                     cwd=tmp_path, env={"NONDET_IDLE_AFTER": "4"}, timeout=BOUND)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    count = 3 if "--runs" in schedule else 2
+    assert [(r["steps"], r["status"]) for r in report["runs"]] == [(4, "stopped")] * count
+    assert sum("nondet ended it" in note for note in report["notes"]) == count, report["notes"]
+    out = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
+    assert out.stdout.strip() == ""  # no run left sleeping

@@ -28,6 +28,7 @@ import numpy as np
 from nondet import channel
 from nondet.errors import NondetError, ScriptFailed, Terminated
 from nondet.launch import Plan, RunResult
+from nondet.records import INIT_STEP
 
 #: Lockstep runs keep host copies of op outputs up to this size, to measure a difference.
 KEEP_BYTES = 256 << 20
@@ -141,6 +142,8 @@ class Lockstep:
 
     Only one run computes at a time, so neither slows the other down, yet they start
     together (imports and set-up overlap) and both stop as soon as the answer is known.
+    Runs that both say their first step is single-threaded work (TensorFlow tracing its
+    step function) compute that step at once.
     With ``on_hold``, runs the judge stops are held alive at that step until ``on_hold``
     has returned (it may ask them for the outputs they kept), then stopped.
     """
@@ -314,6 +317,14 @@ class Turns:
         ka, kb = self._waiting[a], self._waiting[b]
         if ka is None or kb is None:
             return  # one of them is still computing its step
+        if ka == kb == INIT_STEP and all(getattr(r, "overlap_first_step", False)
+                                         for r in self.runs):
+            # Both runs said their first step is mostly single-threaded (TensorFlow traces
+            # its step function there: seconds of Python on one core), so both compute it
+            # at once; turn-taking resumes from step 1 (channel.META_OVERLAP_FIRST_STEP).
+            self._go(a)
+            self._go(b)
+            return
         if ka == kb:
             self._go(a)  # both finished step k: A goes first with k + 1
         elif ka > kb:

@@ -249,10 +249,19 @@ class Turns:
         for run in self.runs:
             run.on_step = self.on_row
             run.on_end = self.on_end
+        # A run started early (nondet.live) may have sent rows, or ended, before now; a row
+        # both replayed here and delivered by its pump thread counts once (on_row).
+        for run in self.runs:
+            for row in list(getattr(run, "steps", ())):
+                self.on_row(run, row)
+            if getattr(run, "ended", False):
+                self.on_end(run)
 
     # -- callbacks (pump threads) ------------------------------------------------------------
     def on_row(self, run: Run, row: np.void) -> None:
         with self._lock:
+            if int(row["step"]) in self._rows[run]:
+                return  # replayed already (a run never sends a step twice)
             now = self._clock()
             self._slowest = max(self._slowest, now - self._last_row[run])
             self._last_row[run] = self._last_activity = now
@@ -264,6 +273,8 @@ class Turns:
 
     def on_end(self, run: Run) -> None:
         with self._lock:
+            if run in self._ended:
+                return  # replayed already
             self._last_activity = self._clock()
             self._ended.add(run)
             self._waiting[run] = None

@@ -68,6 +68,8 @@ class FakeRun(CapturedRun):
         self.code: int | None = None
 
     def start(self) -> None:
+        if self._child is not None:
+            return  # started early (nondet.live), as CapturedRun.start
         self.writer = self._open_writer()
         data_r, data_w = os.pipe()
         ctrl_r, self._ctrl_w = os.pipe()

@@ -5,7 +5,8 @@
    on GPU machines), comparing each step as soon as both have it, and stopping both a few
    steps after the first difference.
 2. If that step had no op-level recording (or only its step rows name the data that
-   differs, without a line), re-run both recording the ops of it and the step before.
+   differs, without a line), re-run both recording the ops of it and the step before
+   (in lockstep these runs start as soon as the first pair parts: ``nondet.live``).
 3. Apply the injection rule to the op records; then re-run both once more up to the
    finding and save its outputs, to count how many elements differ and by how much.
 4. Look the finding up in the recipe table; with ``Options.verify``, re-run the pair with

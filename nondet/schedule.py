@@ -142,8 +142,7 @@ class Lockstep:
 
     Only one run computes at a time, so neither slows the other down, yet they start
     together (imports and set-up overlap) and both stop as soon as the answer is known.
-    Runs that both say their first step is single-threaded work (TensorFlow tracing its
-    step function) compute that step at once.
+    Runs that both ask for it compute their first step at once (``Turns._advance``).
     With ``on_hold``, runs the judge stops are held alive at that step until ``on_hold``
     has returned (it may ask them for the outputs they kept), then stopped.
     """
@@ -249,8 +248,7 @@ class Turns:
         for run in self.runs:
             run.on_step = self.on_row
             run.on_end = self.on_end
-        # A run started early (nondet.live) may have sent rows, or ended, before now; a row
-        # both replayed here and delivered by its pump thread counts once (on_row).
+        # A run started early (nondet.live) may have sent rows or ended already: replayed
         for run in self.runs:
             for row in list(getattr(run, "steps", ())):
                 self.on_row(run, row)
@@ -330,9 +328,8 @@ class Turns:
             return  # one of them is still computing its step
         if ka == kb == INIT_STEP and all(getattr(r, "overlap_first_step", False)
                                          for r in self.runs):
-            # Both runs said their first step is mostly single-threaded (TensorFlow traces
-            # its step function there: seconds of Python on one core), so both compute it
-            # at once; turn-taking resumes from step 1 (channel.META_OVERLAP_FIRST_STEP).
+            # Both said their first step is single-threaded work (TensorFlow traces its step
+            # function: channel.META_OVERLAP_FIRST_STEP): both compute it, then turns resume
             self._go(a)
             self._go(b)
             return

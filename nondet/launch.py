@@ -184,6 +184,8 @@ class CapturedRun(RunStream):
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
+        if self._proc is not None:
+            return  # started already (an early narrowing run: nondet.live)
         config = child_config(self.target, self.plan, self.seed)
         config.children_dir = str(self.path.parent)
         try:

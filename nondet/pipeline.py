@@ -5,7 +5,8 @@
    on GPU machines), comparing each step as soon as both have it, and stopping both a few
    steps after the first difference.
 2. If that step had no op-level recording (or only its step rows name the data that
-   differs, without a line), re-run both recording the ops of it and the step before.
+   differs, without a line), re-run both recording the ops of it and the step before
+   (in lockstep these runs start as soon as the first pair parts: ``nondet.live``).
 3. Apply the injection rule to the op records; then re-run both once more up to the
    finding and save its outputs, to count how many elements differ and by how much.
 4. Look the finding up in the recipe table; with ``Options.verify``, re-run the pair with
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,7 +28,6 @@ import numpy as np
 
 from nondet import baseline, compare, environment, interventions, jobs, outdir, schedule, sources
 from nondet.analysis import (
-    GROWTH_STEPS,
     Comparison,
     compare_pair,
     concat,
@@ -39,6 +40,7 @@ from nondet.analysis import (
 )
 from nondet.errors import NondetError, ScriptFailed
 from nondet.launch import CapturedRun, Plan, RunResult, Target
+from nondet.live import Early, LiveCompare, narrowing_window
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
 from nondet.repeatability import outcome, rows
@@ -68,30 +70,10 @@ class Options:
     apply: tuple[str, ...] = ()  # interventions applied to every run (nondet.interventions)
     verify: bool = False  # re-run with the suggested fixes applied (nondet.verify)
     budget: sources.Budget = field(default_factory=sources.Budget)  # every source's search
+    early: Early | None = None  # narrowing runs started while the first pair ran
 
 
 # -- running ---------------------------------------------------------------------------------
-class _LiveCompare:
-    """Judges each step as soon as both runs have it: after the first difference the runs
-    go on for GROWTH_STEPS more steps (to show the difference growing), then stop."""
-
-    def __init__(self, progress: ProgressSink) -> None:
-        self.first_difference: int | None = None
-        self.progress = progress
-
-    def judge(self, step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
-        """True to keep both runs going."""
-        if row_a is None or row_b is None:
-            return False  # one run ended: nothing more to compare with
-        if self.first_difference is None and compare.rows_differ(row_a, row_b):
-            self.first_difference = step
-            self.progress.stage(f"the runs differ at step {_step_name(step)}; going on "
-                                f"{GROWTH_STEPS} steps to see the difference grow")
-        if step >= 0:
-            self.progress.status(f"step {step}: both runs done")
-        return self.first_difference is None or step < self.first_difference + GROWTH_STEPS
-
-
 def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
               progress: ProgressSink, judge: schedule.Judge = schedule.never_stop,
               ) -> tuple[RunResult, RunResult]:
@@ -106,11 +88,18 @@ def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
 
 
 def _schedule(target: Target, options: Options, progress: ProgressSink) -> schedule.Schedule:
-    def make_run(plan: Plan) -> CapturedRun:
-        return CapturedRun(target, plan, options.seed, options.out_dir, echo=options.echo,
-                           extra_env=interventions.environment(options.apply))
+    return schedule.create(options.schedule, _run_factory(target, options), progress.status)
 
-    return schedule.create(options.schedule, make_run, progress.status)
+
+def _run_factory(target: Target, options: Options,
+                 early: bool = True) -> Callable[[Plan], CapturedRun]:
+    def make_run(plan: Plan) -> CapturedRun:
+        taken = options.early.take(plan) if early and options.early else None
+        return taken or CapturedRun(target, plan, options.seed, options.out_dir,
+                                    echo=options.echo,
+                                    extra_env=interventions.environment(options.apply))
+
+    return make_run
 
 
 def _fetch_kept(a: schedule.Run, b: schedule.Run) -> None:
@@ -151,10 +140,17 @@ def diagnose(target: Target, options: Options, progress: ProgressSink) -> Report
     prepare(target, options)
     progress.stage(f"runs a and b of {target.describe()}, seed {options.seed}, "
                    f"compared step by step ({options.schedule})")
-    live = _LiveCompare(progress)
-    result_a, result_b = _run_pair(target, (_first(options, "a"), _first(options, "b")),
-                                   options, progress, judge=live.judge)
-    return explain(target, options, progress, result_a, result_b)
+    # In lockstep a difference at a step without op records starts the narrowing runs at once
+    lockstep = options.schedule == "lockstep"
+    options.early = Early(_run_factory(target, options, early=False)) if lockstep else None
+    judge = LiveCompare(progress, options.early.anticipate if options.early else None).judge
+    try:
+        result_a, result_b = _run_pair(target, (_first(options, "a"), _first(options, "b")),
+                                       options, progress, judge=judge)
+        return explain(target, options, progress, result_a, result_b)
+    finally:
+        if options.early is not None:
+            options.early.discard()
 
 
 def repeat(target: Target, options: Options, progress: ProgressSink, count: int) -> Report:
@@ -272,6 +268,8 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
     """Compare two finished runs; narrow down, measure and explain what differs."""
     a, b = open_capture(result_a.path), open_capture(result_b.path)
     found, suggestions, extra = _explain(target, options, progress, a, b)
+    if options.early is not None:
+        options.early.discard()  # the narrowing took what it could use
     every: list[sources.Source] = []
     combined = None
     if options.verify and found.first_divergence is not None and suggestions:
@@ -355,8 +353,7 @@ def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
     elsewhere (or not at all by ``step``), the second attempt captures every op and runs
     until the runs first differ, wherever that is.
     """
-    first: tuple[str, list[int]] = ((f"steps {_step_name(step - 1)} and {step}", [step - 1, step])
-                                    if step > INIT_STEP else ("the init step", [step]))
+    first = narrowing_window(step)  # the runs nondet.live may have started early
     attempts: list[tuple[str, list[int] | None, Any]] = [
         (*first, lambda k, _a, _b: k < step),
         ("every step until the runs differ", None, _until_different),
@@ -426,8 +423,4 @@ def _summary(result: RunResult) -> RunSummary:
     return RunSummary(path=str(result.path), exit_code=result.exit_code, steps=result.steps,
                       complete=result.complete, status=result.status, label=result.label,
                       final_params_fp=result.final.get("final_params_fp"))
-
-
-def _step_name(step: int) -> str:
-    return "init" if step == INIT_STEP else str(step)
 

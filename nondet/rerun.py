@@ -9,6 +9,7 @@ from pathlib import Path
 
 from nondet import pipeline, verify
 from nondet.launch import Plan, RunResult, Target
+from nondet.live import LiveCompare
 from nondet.recipe import Suggestion
 from nondet.report import Divergence
 from nondet.store import Capture
@@ -31,7 +32,7 @@ class PipelineSteps:
         ra, rb = pipeline._run_pair(self.target, (Plan("a-all", op_steps, stop_after=stop),
                                          Plan("b-all", op_steps, stop_after=stop)),
                            self._with(apply, folder), self.progress,
-                           judge=pipeline._LiveCompare(self.progress).judge)
+                           judge=LiveCompare(self.progress).judge)
         return ra.path, rb.path
 
     def explain(self, apply: tuple[str, ...], folder: Path, a: Capture, b: Capture,

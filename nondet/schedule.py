@@ -28,6 +28,7 @@ import numpy as np
 from nondet import channel
 from nondet.errors import NondetError, ScriptFailed, Terminated
 from nondet.launch import Plan, RunResult
+from nondet.records import INIT_STEP
 
 #: Lockstep runs keep host copies of op outputs up to this size, to measure a difference.
 KEEP_BYTES = 256 << 20
@@ -147,6 +148,7 @@ class Lockstep:
 
     Only one run computes at a time, so neither slows the other down, yet they start
     together (imports and set-up overlap) and both stop as soon as the answer is known.
+    Runs that both ask for it compute their first step at once (``Turns._advance``).
     With ``on_hold``, runs the judge stops are held alive at that step until ``on_hold``
     has returned (it may ask them for the outputs they kept), then stopped.
     """
@@ -255,10 +257,18 @@ class Turns:
         for run in self.runs:
             run.on_step = self.on_row
             run.on_end = self.on_end
+        # A run started early (nondet.live) may have sent rows or ended already: replayed
+        for run in self.runs:
+            for row in list(getattr(run, "steps", ())):
+                self.on_row(run, row)
+            if getattr(run, "ended", False):
+                self.on_end(run)
 
     # -- callbacks (pump threads) ------------------------------------------------------------
     def on_row(self, run: Run, row: np.void) -> None:
         with self._lock:
+            if int(row["step"]) in self._rows[run]:
+                return  # replayed already (a run never sends a step twice)
             now = self._clock()
             self._slowest = max(self._slowest, now - self._last_row[run])
             self._last_row[run] = self._last_activity = now
@@ -270,6 +280,8 @@ class Turns:
 
     def on_end(self, run: Run) -> None:
         with self._lock:
+            if run in self._ended:
+                return  # replayed already
             self._last_activity = self._clock()
             self._ended.add(run)
             self._waiting[run] = None
@@ -328,6 +340,13 @@ class Turns:
         ka, kb = self._waiting[a], self._waiting[b]
         if ka is None or kb is None:
             return  # one of them is still computing its step
+        if ka == kb == INIT_STEP and all(getattr(r, "overlap_first_step", False)
+                                         for r in self.runs):
+            # Both said their first step is single-threaded work (TensorFlow traces its step
+            # function: channel.META_OVERLAP_FIRST_STEP): both compute it, then turns resume
+            self._go(a)
+            self._go(b)
+            return
         if ka == kb:
             self._go(a)  # both finished step k: A goes first with k + 1
         elif ka > kb:

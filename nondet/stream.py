@@ -41,6 +41,7 @@ class RunStream:
         self.end: channel.End | None = None
         self.hook_error = ""
         self.write_error = ""
+        self.overlap_first_step = False  # channel.META_OVERLAP_FIRST_STEP
         self._end_reported = False
         self._pipe_closed = False
         # One handler per frame kind (channel.KINDS); a kind not listed is ignored.
@@ -156,6 +157,8 @@ class RunStream:
             self.writer.set_op_steps(list(meta[channel.META_OP_STEPS]))
         if channel.META_HOOK_ERROR in meta:
             self.hook_error = meta[channel.META_HOOK_ERROR]
+        if meta.get(channel.META_OVERLAP_FIRST_STEP):
+            self.overlap_first_step = True
         if channel.META_DUMP_DONE in meta:
             step, index, _ = meta[channel.META_DUMP_DONE]
             with self._dumps_done:

@@ -43,6 +43,7 @@ class Script:
     step_time: float = 0.01
     differ_at: int | None = None  # from this step on, params differ from the other run
     linger: bool = False  # after its last word, the process does not exit (until interrupted)
+    overlap_first_step: bool = False  # says so before its init row, as TensorFlow's backend
 
 
 class _KeptBackend:
@@ -67,6 +68,8 @@ class FakeRun(CapturedRun):
         self.code: int | None = None
 
     def start(self) -> None:
+        if self._child is not None:
+            return  # started early (nondet.live), as CapturedRun.start
         self.writer = self._open_writer()
         data_r, data_w = os.pipe()
         ctrl_r, self._ctrl_w = os.pipe()
@@ -116,6 +119,8 @@ class FakeRun(CapturedRun):
         status, code, error = channel.COMPLETE, 0, ""
         none_t, none_o = np.zeros(0, TENSOR_DTYPE), np.zeros(0, OP_DTYPE)
         try:
+            if script.overlap_first_step:
+                session.send_meta({channel.META_OVERLAP_FIRST_STEP: True})
             session.end_step(session.new_step_row(), none_t, none_o)  # init
             for step in range(script.steps):
                 if self._interrupt_flag.is_set():
@@ -410,3 +415,48 @@ def test_turns_stall_frees_both_once() -> None:
     turns.free_all()
     assert a.words[-1] == channel.FREE and b.words[-1] == channel.FREE
     assert not turns.stalled(1e9, stall_after=60, factor=5)
+
+
+def test_turns_both_runs_compute_the_first_step_when_both_ask() -> None:
+    """TensorFlow traces its step function in step 0 (single-threaded Python): when both
+    runs say so, both get their word after init at once; turns resume from step 1."""
+    from nondet.schedule import Turns
+
+    a, b = _Recorder("a"), _Recorder("b")
+    a.overlap_first_step = b.overlap_first_step = True  # type: ignore[attr-defined]
+    turns = Turns(a, b, never_stop)  # type: ignore[arg-type]
+    turns.on_row(a, _row(-1))
+    turns.on_row(b, _row(-1))
+    assert a.words == [channel.GO] and b.words == [channel.GO]
+    turns.on_row(b, _row(0))  # b finished step 0 first: it waits for a
+    assert b.words == [channel.GO]
+    turns.on_row(a, _row(0))  # both have step 0: a goes first with step 1, as before
+    assert a.words == [channel.GO, channel.GO] and b.words == [channel.GO]
+    turns.on_row(a, _row(1))
+    assert b.words == [channel.GO, channel.GO]
+
+
+def test_turns_take_turns_at_the_first_step_unless_both_ask() -> None:
+    from nondet.schedule import Turns
+
+    a, b = _Recorder("a"), _Recorder("b")
+    a.overlap_first_step = True  # type: ignore[attr-defined]
+    turns = Turns(a, b, never_stop)  # type: ignore[arg-type]
+    turns.on_row(a, _row(-1))
+    turns.on_row(b, _row(-1))
+    assert a.words == [channel.GO] and b.words == []
+
+
+def test_lockstep_runs_a_first_step_both_runs_ask_for_at_once(tmp_path: Path) -> None:
+    """The request travels as a META frame before the init row (channel), is mirrored by
+    the parent's stream, and only step 0 is computed by both runs at once."""
+    scripts = (Script(steps=4, step_time=0.3, overlap_first_step=True),
+               Script(steps=4, step_time=0.3, overlap_first_step=True))
+    pair = Pair(tmp_path, *scripts)
+    ra, rb = _bounded(lambda: pair.lockstep().run_pair(PLANS))
+    assert (ra.status, ra.steps, rb.status, rb.steps) == ("complete", 4, "complete", 4)
+    assert pair.runs["a"].overlap_first_step and pair.runs["b"].overlap_first_step
+    assert pair.computing[1] == 2  # step 0 in both at once
+    steps = [(label, step) for event, label, step in FakeRun.log if event == "step"]
+    assert sorted(steps[:2]) == [("a", 0), ("b", 0)]
+    assert steps[2:] == [(label, k) for k in range(1, 4) for label in "ab"]

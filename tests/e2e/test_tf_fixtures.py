@@ -3,6 +3,7 @@ code. The expected findings are declared by the fixtures (tests/e2e/fixture_case
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,39 @@ def test_capture_does_not_make_a_deterministic_conv_net_diverge(tmp_path: Path) 
                      "--steps", "8", cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("nondet: deterministic"), result.stdout
+
+
+EAGER_NOISE = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import numpy as np
+import tensorflow as tf
+tf.keras.utils.set_random_seed(0)
+model = tf.keras.Sequential([tf.keras.layers.Dense(8, activation="tanh"),
+                             tf.keras.layers.Dense(1)])
+model.build((None, 4))
+opt = tf.keras.optimizers.SGD(0.1)
+rng = np.random.default_rng()  # unseeded: the runs differ from step 0 on
+y = tf.zeros([16, 1])
+for _ in range(3):
+    x = tf.constant(rng.normal(size=(16, 4)).astype(np.float32))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+"""
+
+
+def test_an_eager_script_that_differs_at_step_0_needs_no_second_pair(tmp_path: Path) -> None:
+    # Nothing is traced, so the first pair keeps step 0 op by op (no guards to pay for) and
+    # finds the entry there itself: no narrowing runs (issue 15).
+    script = tmp_path / "eager_noise.py"
+    script.write_text(EAGER_NOISE)
+    report = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"),
+                     "--json", str(report), str(script))
+    assert result.returncode == 1, result.stdout + result.stderr
+    data = json.loads(report.read_text())
+    found = data["first_divergence"]
+    assert (found["step"], found["kind"], found["localized"]) == (0, "entry", True)
+    assert [Path(c).name for c in data["captures"]] == ["run-a.h5", "run-b.h5"]

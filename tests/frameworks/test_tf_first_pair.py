@@ -61,6 +61,38 @@ def test_a_first_pair_keeps_init_and_traces_its_step_without_guards(tmp_path: Pa
     # the two runs of a pair always have the same plan)
 
 
+EAGER_LOOP = """
+model = tf.keras.Sequential([tf.keras.layers.Dense(8, activation="tanh"),
+                             tf.keras.layers.Dense(1)])
+model.build((None, 4))
+opt = tf.keras.optimizers.SGD(0.1)
+x, y = tf.random.normal([16, 4]), tf.random.normal([16, 1])
+for _ in range(3):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+"""
+
+
+def test_a_first_pair_that_trains_eagerly_keeps_step_0(tmp_path: Path) -> None:
+    """Nothing is traced, so nothing makes op-level capture dear: the optional window is
+    kept whole and a difference at step 0 is found without a second pair."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "train.py"
+    script.write_text(HEADER + EAGER_LOOP)
+    run = CapturedRun(Target(str(script), None, ()),
+                      Plan("a", [INIT_STEP, 0], ops_optional=True), 0, tmp_path / "out")
+    run.start()
+    result = run.wait(timeout=600)
+    assert result.status == "complete", result.log_tail()
+    assert not result.hook_error, result.hook_error
+    capture = open_capture(result.path)
+    assert capture.op_steps() == [INIT_STEP, 0]
+    assert "MatMul" in {capture.string(int(i)) for i in capture.ops(0)["name"]}
+    assert capture.n_steps == 3
+
+
 def _tracked() -> list[tuple[TrackedVariable, object]]:
     gen = tf.random.Generator.from_seed(3)
     values = [

@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import tensorflow as tf
 
-from nondet import frameworks
+from nondet import channel, frameworks
 from nondet.frameworks.base import Session, StepLifecycle, StepState, group_fp
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.tensorflow import data
@@ -64,13 +64,15 @@ class TFBackend(StepLifecycle):
         try:
             tf.random.set_seed(session.config.seed)
             planned = session.config.op_steps
-            if session.config.ops_optional and planned and max(planned) > INIT_STEP:
-                # The first pair's default window (init and step 0) would instrument the
-                # training step, traced at step 0, and a graph keeps its guards: seconds of
-                # tracing and a dearer step for the whole run. Init (eager: variables made
-                # and initialized) is kept; a difference from step 0 on is found by
-                # re-running the differing step with op-level capture (pipeline._narrow).
-                session.decline_op_steps([s for s in planned if s <= INIT_STEP])
+            # The first pair's default window (init and step 0) would instrument the
+            # training step, traced at step 0, and a graph keeps its guards: seconds of
+            # tracing and a dearer step for the whole run. So the first graph traced while
+            # the window is still ahead declines the steps after init (``tracing``); a
+            # difference from step 0 on is then found by re-running the differing step with
+            # op-level capture (pipeline._narrow). A script that trains eagerly traces
+            # nothing: its step 0 stays captured (cheap: no guards) and needs no re-run.
+            self._decline_on_trace = bool(session.config.ops_optional and planned
+                                          and max(planned) > INIT_STEP)
             self.recorder = TFOpRecorder(self)
             self._install_hooks()
             data.install(self)  # tf.data options, Keras PyDataset workers
@@ -81,6 +83,14 @@ class TFBackend(StepLifecycle):
         except Exception:
             self.disable()  # hooks installed before the failure stay, but do nothing
             raise
+
+    def start_training(self) -> None:
+        if not self.started:
+            # Sent before the init row: the first step traces the step function (seconds of
+            # single-threaded Python), so lockstep runs it in both runs at once (measured in
+            # docs/benchmarks.md; schedule.Turns).
+            self.session.send_meta({channel.META_OVERLAP_FIRST_STEP: True})
+        super().start_training()
 
     def _reset_step(self) -> None:
         super()._reset_step()
@@ -303,6 +313,23 @@ class TFBackend(StepLifecycle):
             if sources.user_file(frame.filename):
                 return sources.intern_location(frame.filename, frame.lineno)
         return sources.here(5)
+
+    def tracing(self) -> None:
+        """A graph op is being traced (called before it is instrumented): in a first pair
+        whose optional window is still ahead, op-level capture is declined for the steps
+        after init, before the graph gets any guard (see ``__init__``)."""
+        if not self._decline_on_trace:
+            return
+        self._decline_on_trace = False
+        session = self.session
+        planned = session.config.op_steps or []
+        if max(planned, default=INIT_STEP) < session.step:
+            return  # the window is over: this graph gets no guards anyway
+        session.decline_op_steps([s for s in planned if s <= INIT_STEP])
+        if session.step > INIT_STEP:
+            self.recorder.records.clear()  # this step is no longer captured op by op
+        with tf.init_scope():  # the window flag is assigned now, not in the graph
+            self._sync_capture()
 
     # -- after a traced function ran -----------------------------------------------------------
     def after_function(self) -> None:

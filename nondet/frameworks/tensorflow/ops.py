@@ -69,6 +69,7 @@ class TFOpRecorder(GraphRecorder):
                 self.vars  # noqa: B018
             if graph is not None:
                 if self.instrument and not self.full and recordable_graph(graph):
+                    self.backend.tracing()
                     return self._trace(op_type, inputs, outputs, op_name or op_type, graph)
             elif op_type.startswith(FUNCTION_CALLS):
                 self.backend.after_function()

@@ -69,8 +69,12 @@ class StateHasher:
         else:
             function = self._functions[key]
             if function is None:
+                # Kept as the concrete function and called directly: a tf.function call
+                # first matches every argument against its traced signatures, which with a
+                # few dozen variables cost ~40% of the whole hash (CPU time per step on
+                # bench/model_tf.py: 4.4 -> 2.8 ms narrow, 6.9 -> 5.0 ms reference).
                 function = tf.function(self._computation(groups, ready, detailed),
-                                       autograph=False)
+                                       autograph=False).get_concrete_function(*variables)
                 self._functions[key] = function
             values = to_host(function(*variables))
         return _unpack(values, live, detailed)

@@ -1,0 +1,141 @@
+"""The first pair's live judge, and the narrowing runs it starts early.
+
+A first pair that parts at a step it did not record op by op (TensorFlow declines step 0 of
+its op window: docs/architecture.md, "The first pair") is followed by a narrowing pair
+(``pipeline._narrow``), whose start-up (interpreter, framework import, the script's own
+set-up up to its first step) costs seconds. In lockstep those two runs are started as soon
+as the first pair parts (``Early.anticipate``): they run to their init row and wait there
+for their turn, while the first pair runs its growth steps and stops, so their start-up
+overlaps it. The schedule gets them when the narrowing asks for exactly their plan
+(``Early.take``); any not taken are stopped and their files removed (``Early.discard``).
+A wrong guess costs CPU time, never a result: a run is only ever used for the plan it was
+started with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from nondet import compare
+from nondet.analysis import GROWTH_STEPS
+from nondet.launch import CapturedRun, Plan
+from nondet.records import INIT_STEP
+from nondet.schedule import KEEP_BYTES
+
+#: How long a discarded early run may take to stop at its turn before it is ended by signal.
+STOP_GRACE = 30.0
+
+
+class ProgressSink(Protocol):
+    def stage(self, text: str) -> None: ...
+    def status(self, text: str) -> None: ...
+
+
+def step_name(step: int) -> str:
+    return "init" if step == INIT_STEP else str(step)
+
+
+def narrowing_window(step: int) -> tuple[str, list[int]]:
+    """(description, op steps) of the first narrowing attempt for a difference at ``step``:
+    that step and the one before."""
+    if step > INIT_STEP:
+        return f"steps {step_name(step - 1)} and {step}", [step - 1, step]
+    return "the init step", [step]
+
+
+class LiveCompare:
+    """Judges each step as soon as both runs have it: after the first difference the runs
+    go on for GROWTH_STEPS more steps (to show the difference growing), then stop.
+    ``on_difference(step, row_a, row_b)`` is told of the first difference (once)."""
+
+    def __init__(self, progress: ProgressSink,
+                 on_difference: Callable[[int, np.void, np.void], None] | None = None,
+                 ) -> None:
+        self.first_difference: int | None = None
+        self.progress = progress
+        self.on_difference = on_difference
+
+    def judge(self, step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
+        """True to keep both runs going."""
+        if row_a is None or row_b is None:
+            return False  # one run ended: nothing more to compare with
+        if self.first_difference is None and compare.rows_differ(row_a, row_b):
+            self.first_difference = step
+            self.progress.stage(f"the runs differ at step {step_name(step)}; going on "
+                                f"{GROWTH_STEPS} steps to see the difference grow")
+            if self.on_difference is not None:
+                self.on_difference(step, row_a, row_b)
+        if step >= 0:
+            self.progress.status(f"step {step}: both runs done")
+        return self.first_difference is None or step < self.first_difference + GROWTH_STEPS
+
+
+class Early:
+    """Narrowing runs started while the first pair still runs (module docstring).
+
+    ``make_run`` makes a run of the invocation (the pipeline's factory, before any early run
+    is consulted). Thread-safe: ``anticipate`` runs on a pump thread of the first pair.
+    """
+
+    def __init__(self, make_run: Callable[[Plan], CapturedRun]) -> None:
+        self.make_run = make_run
+        self._runs: dict[str, CapturedRun] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def anticipate(self, step: int, row_a: np.void, row_b: np.void) -> None:
+        """The first pair parts at ``step``: if neither run recorded that step op by op (its
+        rows count no op records), start the narrowing pair's runs now."""
+        if int(row_a["n_records"]) and int(row_b["n_records"]):
+            return  # the first pair has the step's op records: nothing to re-run
+        _, window = narrowing_window(step)
+        with self._lock:
+            if self._closed or self._runs:
+                return
+            for label in ("a-ops", "b-ops"):
+                # exactly what pipeline._narrow's lockstep pair asks for (schedule.Lockstep)
+                plan = Plan(label, window, lockstep=True, keep_bytes=KEEP_BYTES)
+                run = self.make_run(plan)
+                try:
+                    run.start()
+                except Exception:
+                    return  # not started: the narrowing starts its own, as without this
+                self._runs[label] = run
+
+    def take(self, plan: Plan) -> CapturedRun | None:
+        """The early run started with exactly ``plan``, once. A run of the same label with
+        another plan is discarded first (it would write the same files)."""
+        with self._lock:
+            run = self._runs.pop(plan.label, None)
+        if run is None:
+            return None
+        if run.plan == plan:
+            return run  # already started: the schedule's start() does nothing more
+        _stop(run)
+        return None
+
+    def discard(self) -> None:
+        """Stop every early run not taken, and remove its capture and log (nondet's own
+        files in this invocation's directory: a run that never ran a step has no result)."""
+        with self._lock:
+            self._closed = True
+            runs, self._runs = list(self._runs.values()), {}
+        for run in runs:
+            _stop(run)
+
+
+def _stop(run: CapturedRun) -> None:
+    run.request_stop()  # it waits for its turn after init: STOP ends it there
+    try:
+        run.wait(timeout=STOP_GRACE)
+    except TimeoutError:
+        run.interrupt(forward=True)
+    for path in (run.path, run.log_path):
+        with contextlib.suppress(OSError):
+            path.unlink()
+

@@ -204,3 +204,53 @@ def test_large_odd_strided_and_misaligned_tensors_hash_chunk_by_chunk(make: obje
     assert int(HASHER.content(t.contiguous())) & MASK64 == expected  # type: ignore[arg-type]
     group = HASHER.content_of_many([t])
     assert [int(v) & MASK64 for v in group.values()] == [expected]
+
+
+def _golden_tensors() -> list[tuple[str, torch.Tensor]]:
+    """Exactly computed values (integer arithmetic, /8) in several dtypes and sizes, from
+    one element to above HOST_LIMIT, contiguous, misaligned ([1:]) and strided."""
+    out = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64,
+                  torch.uint8, torch.bool):
+        for n in (1, 3, 32, 1001, 70_001, 300_000):
+            base = torch.arange(n, dtype=torch.int64) * 2654435761 % 65521 - 32760
+            t = ((base > 0) if dtype == torch.bool else
+                 base.to(dtype) / 8 if dtype.is_floating_point else base.to(dtype))
+            out.append((f"{dtype} {n}", t))
+            if n > 3:
+                out.append((f"{dtype} {n} [1:]", t[1:]))
+            if n == 300_000:
+                out.append((f"{dtype} {n} strided", t.reshape(-1, 10)[:, ::3]))
+    return out
+
+
+def test_fingerprint_values_are_those_of_earlier_versions() -> None:
+    """Captures and baselines are compared across nondet versions: a faster kernel must give
+    the same numbers. The digests below were computed by the version before the zero-copy
+    host path (commit 6b1dd9b, torch's multiply-then-sum for CPU tensors above HOST_LIMIT)."""
+    import hashlib
+
+    values = {name: int(HASHER.content(t)) & MASK64  # type: ignore[arg-type]
+              for name, t in _golden_tensors()}
+    digest = hashlib.sha256(repr(sorted(values.items())).encode()).hexdigest()
+    assert digest == "33fa79415b7c8120615410bd9d7bd8ad9d2cf21e43d762915a6553683bfe800f"
+    group = HASHER.content_of_many([t for _, t in _golden_tensors()[:40]])
+    assert [int(v) & MASK64 for v in group.values()] == [17753861392501052773]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_contiguous_cpu_tensors_of_any_size_take_the_host_path_and_agree(
+        dtype: torch.dtype) -> None:
+    """The zero-copy host path (np.dot over the tensor's own memory) serves contiguous CPU
+    tensors of every size, also above HOST_LIMIT and off an 8-byte boundary, with the
+    device path's value."""
+    for n in (1, 7, HOST_LIMIT + 3, 3 * HOST_LIMIT):
+        whole = _sample(dtype, n + 1)
+        for t in (whole[:n], whole[1:]):
+            host = HASHER.content(t)
+            assert isinstance(host, int), f"{dtype} {n}: not the host path"
+            device = HASHER.content(t, on_device=True)
+            assert isinstance(device, torch.Tensor)
+            assert host & MASK64 == int(device.item()) & MASK64
+    # Large and not contiguous: the torch path still (a host copy would be unbounded).
+    assert isinstance(HASHER.content(_sample(dtype, 4 * HOST_LIMIT)[::2]), torch.Tensor)

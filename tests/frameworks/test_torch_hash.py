@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 
 from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys  # noqa: E402
 from nondet.frameworks.torch.hashing import HOST_LIMIT, TorchHasher  # noqa: E402
+from nondet.frameworks.torch.hostwords import StateViews  # noqa: E402
 
 HASHER = TorchHasher()
 
@@ -254,3 +255,58 @@ def test_contiguous_cpu_tensors_of_any_size_take_the_host_path_and_agree(
             assert host & MASK64 == int(device.item()) & MASK64
     # Large and not contiguous: the torch path still (a host copy would be unbounded).
     assert isinstance(HASHER.content(_sample(dtype, 4 * HOST_LIMIT)[::2]), torch.Tensor)
+
+
+def test_state_views_are_reused_only_while_they_are_the_tensors_bytes() -> None:
+    """Step-level groups reuse word views across steps (hostwords.StateViews); every way
+    a kept tensor can change what it shows must give the fingerprint of a fresh read."""
+    views = StateViews()
+    p = torch.nn.Parameter(torch.randn(300, 7))
+    b = torch.randn(5)
+    step = torch.tensor(3.0)
+    group = [p, b, step]
+
+    def check() -> int:
+        kept = HASHER.content_of_many(group, views=views)
+        fresh = HASHER.content_of_many(group)
+        device = HASHER.content_of_many(group, on_device=True)
+        assert kept == fresh
+        assert [int(v) & MASK64 for v in kept.values()] == [
+            int(v) & MASK64 for v in device.values()]
+        return int(next(iter(kept.values())))
+
+    first = check()
+    reused = views.words(group)[0]
+    assert reused is views.words(group)[0], "an unchanged tensor reuses its view"
+    with torch.no_grad():
+        p.add_(1)  # in place: the same memory, new values
+    changed = check()
+    assert changed != first
+    p.data = torch.randn(300, 7)  # new memory, same shape
+    assert check() != changed
+    p.data = torch.randn(7, 300)  # new shape
+    check()
+    b.resize_(6)  # may move the memory
+    b.fill_(2.0)
+    check()
+    step.set_(torch.tensor([4.0, 5.0]).untyped_storage(), 1, ())  # another storage
+    assert float(step) == 5.0
+    check()
+    p.data = p.data.t()  # not contiguous: the general path
+    check()
+    assert views.words([b])[0] is not None and len(views._views) == 1, "dropped when gone"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(5), lambda: torch.randn(3 * HOST_LIMIT), lambda: torch.randn(40)[1:],
+    lambda: torch.randn(6, 4).t(), lambda: torch.randn(4, dtype=torch.complex128),
+    lambda: torch.zeros(0),
+], ids=["small", "large", "misaligned", "transposed", "complex128", "empty"])
+def test_hashing_never_stops_a_tensor_from_being_resized(make: object) -> None:
+    """``Tensor.numpy()`` marks a storage as not resizable for good: had the hasher read a
+    tensor that way, a later ``resize_`` in the user's script would raise."""
+    for read in (lambda t: HASHER.content(t), lambda t: HASHER.content_of_many([t]),
+                 lambda t: HASHER.content_of_many([t], views=StateViews())):
+        t = make()  # type: ignore[operator]
+        read(t)
+        t.resize_(50)  # raises "Trying to resize storage that is not resizable"

@@ -43,6 +43,7 @@ from nondet.frameworks.fp import Fp, combined
 from nondet.frameworks.torch import cuda
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.hostwords import StateViews
 from nondet.frameworks.torch.optable import OpInfo
 from nondet.frameworks.torch.readback import read_back
 from nondet.frameworks.torch.tensors import Storages, StorageState
@@ -110,11 +111,14 @@ class FingerprintCache:
         self.pending.append(fp)
         return fp
 
-    def fingerprint_many(self, tensors: list[torch.Tensor]) -> list[Fp]:
-        """One fingerprint for a group of tensors (per device): their words concatenated."""
+    def fingerprint_many(self, tensors: list[torch.Tensor],
+                         views: StateViews | None = None) -> list[Fp]:
+        """One fingerprint for a group of tensors (per device): their words concatenated.
+        ``views``: the group's word views kept across steps (parameters, buffers, optimizer
+        state; hostwords.StateViews)."""
         meta = tuple(x for t in tensors for x in _describe(t))
         fps = []
-        for content in self.hasher.content_of_many(tensors).values():  # one per device
+        for content in self.hasher.content_of_many(tensors, views=views).values():
             fp = Fp()
             fp.content, fp.meta = content, meta
             self.pending.append(fp)

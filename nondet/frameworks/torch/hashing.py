@@ -26,15 +26,13 @@ from nondet.fingerprint import (
     CHUNK_WORDS,
     chunk_keys,
     host_content,
-    host_words,
     position_keys,
     word_size,
 )
 from nondet.frameworks.torch import cuda
+from nondet.frameworks.torch.hostwords import StateViews, dense_cpu_words, host_words, zero_copy
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
-_NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Floating dtypes with sum/abs/max kernels on every device; others are widened for stats.
 _REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 # Taken before nondet wraps torch.from_numpy to see data entering the user's script.
@@ -64,7 +62,7 @@ class TorchHasher:
         ``on_device=True`` forces the torch-op path on CPU tensors too (for tests).
         """
         if not on_device:
-            words = _dense_cpu_words(tensor)
+            words = dense_cpu_words(tensor)
             if words is not None:  # the common case, without the general machinery below
                 return host_content([words])
         leaves = _leaves(tensor)
@@ -75,21 +73,27 @@ class TorchHasher:
             return None  # a wrapper with parts on several devices: no single sum
         if device.type == "cpu" and not on_device and (
                 sum(t.numel() for t in leaves) <= HOST_LIMIT
-                or all(_zero_copy(t) for t in leaves)):
-            return host_content([_host_words(t) for t in leaves])
+                or all(zero_copy(t) for t in leaves)):
+            return host_content([host_words(t) for t in leaves])
         return self._device_sum([_word_pieces(t, self._stage(device)) for t in leaves], device)
 
-    def content_of_many(self, tensors: Sequence[torch.Tensor], *,
-                        on_device: bool = False) -> dict[str, Content]:
+    def content_of_many(self, tensors: Sequence[torch.Tensor], *, on_device: bool = False,
+                        views: StateViews | None = None) -> dict[str, Content]:
         """Content sum of the concatenated words of ``tensors``, per device type.
 
         Used for step-level state outside the op window, where one fingerprint per group
-        (all parameters, all gradients, ...) is enough.
+        (all parameters, all gradients, ...) is enough. ``views``: the group's word views
+        kept from the previous step (hostwords.StateViews).
         """
+        if on_device:
+            fast: list[np.ndarray | None] = [None] * len(tensors)
+        elif views is not None:
+            fast = views.words(list(tensors))
+        else:
+            fast = [dense_cpu_words(t) for t in tensors]
         # device -> (tensor, its zero-copy host words if it is a plain dense CPU tensor)
         groups: dict[Any, list[tuple[torch.Tensor, np.ndarray | None]]] = {}
-        for tensor in tensors:
-            words = None if on_device else _dense_cpu_words(tensor)
+        for tensor, words in zip(tensors, fast, strict=True):
             if words is not None:  # its own leaf: _leaves' checks are not needed
                 if words.size:
                     groups.setdefault(_CPU, []).append((tensor, words))
@@ -105,7 +109,7 @@ class TorchHasher:
                     w is not None or t.is_contiguous() or t.layout == torch.sparse_coo
                     for t, w in items):
                 out[str(device)] = host_content(
-                    [_host_words(t) if w is None else w for t, w in items])
+                    [host_words(t) if w is None else w for t, w in items])
             else:
                 stage = self._stage(device)
                 out[str(device)] = self._device_sum([_word_pieces(t, stage) for t, _ in items],
@@ -404,40 +408,3 @@ def _regroup(blocks: Iterator[torch.Tensor], word: int, stage: Stage) -> Iterato
         words = block.view(dtype) if word > 1 else block
         for start in range(0, words.numel(), CHUNK_WORDS):
             yield words[start : start + CHUNK_WORDS]
-
-
-def _zero_copy(t: torch.Tensor) -> bool:
-    """``_host_words`` reads ``t`` without copying it (so memory stays bounded)."""
-    return t.layout == torch.strided and t.is_contiguous()
-
-
-def _dense_cpu_words(t: torch.Tensor) -> np.ndarray | None:
-    """``_host_words`` of a plain, dense, contiguous CPU tensor (what almost every op
-    makes), or None for anything else. The same words as ``_leaves`` + ``_host_words``
-    give, with a few attribute reads instead of their general checks (about 20 us per
-    tensor on the narrow benchmark model, the cost of a small op)."""
-    kind = type(t)
-    if ((kind is not torch.Tensor and kind is not torch.nn.Parameter) or not t.is_cpu
-            or t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_conj()
-            or t.is_neg() or not t.is_contiguous()):
-        return None
-    as_int = _SAME_SIZE_INT.get(t.element_size())
-    if as_int is None:  # complex128: two float64 per element, the general path
-        return None
-    raw = t.detach().view(as_int).numpy().reshape(-1).view(np.uint8)  # zero-copy views
-    return raw.view(_NP_WORDS[word_size(raw.size)])
-
-
-def _host_words(t: torch.Tensor) -> np.ndarray:
-    """The same words as ``TorchHasher.words`` as a NumPy array (CPU tensors): a zero-copy
-    view of a contiguous tensor, in its narrow word type (``host_content`` widens them one
-    chunk at a time, like the device path)."""
-    if t.layout == torch.sparse_coo:
-        return np.concatenate([_host_words(t._indices()), _host_words(t._values())])
-    if t.element_size() not in _SAME_SIZE_INT:  # complex128: two float64 per element
-        t = torch.view_as_real(t)
-    values = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()  # zero-copy view
-    if not values.flags.c_contiguous:
-        return host_words(values)  # small tensors only (see content_of_many)
-    raw = values.reshape(-1).view(np.uint8)
-    return raw.view(_NP_WORDS[word_size(raw.size)])

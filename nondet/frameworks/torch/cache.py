@@ -91,6 +91,7 @@ class FingerprintCache:
         # after the collective ("comm:<op>", frameworks/torch/comm.py)
         self.comm_outputs: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
+        self.unnamed_entries: dict[tuple[Any, tuple[int, ...] | None], int] = {}
         self.dump_at = self.session.config.dump
         self.keep_outputs = self.session.config.keep_bytes > 0
         #: A child process the script started (children.py): memory it shares with other
@@ -262,13 +263,19 @@ class FingerprintCache:
             return self.session.intern(comm[1])
         if self.creating is not None:
             kind, what = self.creating
-        else:
-            kind = "external"
-            name = self.backend.tensor_name(t) or self._view_name(t)
-            sizes = safe.shape(t)
+            return self.session.intern(f"{kind}:{what}")
+        name = self.backend.tensor_name(t) or self._view_name(t)
+        if name:
+            return self.session.intern(f"external:{name}")
+        sizes = safe.shape(t)
+        key = (t.dtype, sizes)
+        sid = self.unnamed_entries.get(key)
+        if sid is None:  # formatted once per dtype and shape (entries recur every step)
             dims = "[nested]" if sizes is None else str(list(sizes))
-            what = name or f"tensor {str(t.dtype).removeprefix('torch.')}{dims}"
-        return self.session.intern(f"{kind}:{what}")
+            sid = self.session.intern(f"external:tensor {str(t.dtype).removeprefix('torch.')}"
+                                      f"{dims}")
+            self.unnamed_entries[key] = sid
+        return sid
 
     def _view_name(self, t: torch.Tensor) -> str | None:
         """"parameter 2.weight (a view)": a view of a named parameter (the transposed weight

@@ -13,7 +13,6 @@ sum without writing any products. Three ways in:
 
 from __future__ import annotations
 
-import ctypes
 import weakref
 from typing import Any
 
@@ -30,6 +29,16 @@ def zero_copy(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and t.is_contiguous()
 
 
+class _Memory:
+    """An address range as NumPy's array interface (read-only bytes; owns nothing)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (address, True), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+
+
 def raw_bytes(t: torch.Tensor) -> np.ndarray:
     """The bytes of a contiguous CPU tensor as a uint8 array over its own memory, valid
     while ``t`` keeps that memory (the array does not hold it). Not ``t.numpy()``: that
@@ -38,8 +47,7 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return np.zeros(0, dtype=np.uint8)
-    memory = memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
-    return np.frombuffer(memory, dtype=np.uint8)
+    return np.asarray(_Memory(t.data_ptr(), nbytes))
 
 
 def dense_cpu_words(t: torch.Tensor) -> np.ndarray | None:

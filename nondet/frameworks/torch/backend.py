@@ -324,9 +324,10 @@ class TorchBackend(StepLifecycle):
             sums = [p.detach().sum(dtype=torch.float64) for _, p in params
                     if p.is_floating_point()]
             params_sum = torch.stack(sums).sum() if sums else None
-            stats = {(group, name): self.hasher.stats(t)
-                     for group, items in (groups if detailed else []) for name, _, t in items
-                     if t is not None}
+            keys = [(group, name, t) for group, items in (groups if detailed else [])
+                    for name, _, t in items if t is not None]
+            stats = dict(zip([(group, name) for group, name, _ in keys],
+                             self.hasher.stats_many([t for _, _, t in keys]), strict=True))
             # Every pending Fp of this step (data and losses too) and these float64 scalars
             # come back in one transfer per device (readback.py), never one per tensor.
             floats = [x for x in (params_sum, self.loss_scalar) if x is not None]

@@ -15,6 +15,7 @@ Tests force both paths on the same tensors and check that they agree.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -221,23 +222,49 @@ class TorchHasher:
     def stats(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(sum, max |x|) as float64 device scalars, for floating and complex tensors; None
         where they cannot be computed (they only size a difference, never decide one)."""
-        t = _prepare(tensor)
-        if (t is None or t.layout != torch.strided or t.is_nested
-                or not (t.is_floating_point() or t.is_complex())):
+        return TorchHasher.stats_many([tensor])[0]
+
+    @staticmethod
+    def stats_many(tensors: Sequence[torch.Tensor]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """``stats`` of each tensor, the max |x| of all those of one device and dtype in one
+        call (``torch._foreach_norm`` with ord=inf is max |x|, exactly: no arithmetic):
+        a step with op capture has them for every parameter, gradient and Adam state."""
+        ready = [_stat_input(t) for t in tensors]
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(ready)
+        groups: dict[tuple[Any, Any], list[int]] = {}
+        for i, t in enumerate(ready):
+            if t is None:
+                continue
+            if t.numel() == 0:
+                zero = torch.zeros((), dtype=torch.float64, device=t.device)
+                out[i] = zero, zero
+            else:
+                groups.setdefault((t.device, t.dtype), []).append(i)
+        for indices in groups.values():
+            parts = [t for t in (ready[i] for i in indices) if t is not None]
+            maxabs = torch.stack(torch._foreach_norm(parts, math.inf)).to(torch.float64)
+            for i, t, m in zip(indices, parts, maxabs.unbind(), strict=True):
+                out[i] = t.sum(dtype=torch.float64), m
+        return out
+
+
+def _stat_input(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The real floating values ``stats`` reduces, or None where there are none."""
+    t = _prepare(tensor)
+    if (t is None or t.layout != torch.strided or t.is_nested
+            or not (t.is_floating_point() or t.is_complex())):
+        return None
+    if t.is_complex():
+        t = torch.view_as_real(t)  # _prepare resolved conj/neg views
+    if t.dtype not in _REDUCIBLE:
+        # fp8/fp4 have no reduction kernels: widen (exact: their values are float32
+        # values). Step-level state only, in steps with op capture.
+        try:
+            t = t.to(torch.float32)
+        except (RuntimeError, NotImplementedError):  # no conversion kernel (fp4 x2)
             return None
-        if t.numel() == 0:
-            zero = torch.zeros((), dtype=torch.float64, device=t.device)
-            return zero, zero
-        if t.is_complex():
-            t = torch.view_as_real(t)  # _prepare resolved conj/neg views
-        if t.dtype not in _REDUCIBLE:
-            # fp8/fp4 have no reduction kernels: widen (exact: their values are float32
-            # values). Step-level state only, in steps with op capture.
-            try:
-                t = t.to(torch.float32)
-            except (RuntimeError, NotImplementedError):  # no conversion kernel (fp4 x2)
-                return None
-        return t.sum(dtype=torch.float64), t.abs().max().to(torch.float64)
+    return t
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -79,7 +79,9 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
         t = t.float()  # exact: every bf16/fp16/fp8 value is a float32 value
     elif t.dtype == torch.complex32:
         t = t.to(torch.complex64)
-    return t.numpy().copy()
+    # A copy of our own first: numpy() marks the storage it views as not resizable for
+    # good, so on the script's memory a later resize_ there would raise (one copy either way)
+    return t.clone(memory_format=torch.contiguous_format).numpy()
 
 
 def torch_facts() -> dict[str, Any]:

@@ -55,10 +55,20 @@ def chunk_keys(n: int) -> np.ndarray:
     return position_keys(n, _CHUNK_KEY_OFFSET)
 
 
+_PACKERS: dict[int, struct.Struct] = {}  # by word count: formats parsed once
+_blake2b = hashlib.blake2b
+
+
 def combine(values: Iterable[int]) -> int:
     """Order-sensitive 64-bit combination of integers. Never returns 0 (0 means absent)."""
     words = [v & MASK64 for v in values]
-    digest = hashlib.blake2b(struct.pack(f"<{len(words)}Q", *words), digest_size=8).digest()
+    n = len(words)
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = struct.Struct(f"<{n}Q")
+        if n <= 256:
+            _PACKERS[n] = packer
+    digest = _blake2b(packer.pack(*words), digest_size=8).digest()
     return int.from_bytes(digest, "little") or 1
 
 
@@ -74,8 +84,22 @@ def name_code(name: str) -> int:
     return code
 
 
+_DOUBLE = struct.Struct("<d")
+#: scalar_value of floats by their bits (not by value: 0.0 == -0.0, nan != nan). Ops see the
+#: same few scalars at every step (learning rate, betas, eps), so this stays small; capped.
+_FLOAT_FPS: dict[bytes, int] = {}
+
+
 def scalar_value(value: object) -> int:
     """Fingerprint of a Python number passed to an op (bit-exact for floats)."""
+    if type(value) is float:
+        bits = _DOUBLE.pack(value)
+        fp = _FLOAT_FPS.get(bits)
+        if fp is None:
+            fp = combine((2, int.from_bytes(bits, "little")))
+            if len(_FLOAT_FPS) < 4096:
+                _FLOAT_FPS[bits] = fp
+        return fp
     if isinstance(value, bool):
         return 0x5EED0000 + int(value)
     if isinstance(value, int):
@@ -121,6 +145,10 @@ def host_words(values: np.ndarray) -> np.ndarray:
 def host_content(parts: list[np.ndarray]) -> int:
     """Content sum of the concatenated word arrays, chunked as in the Note (unsigned)."""
     global _HOST_KEYS
+    if len(parts) == 1 and parts[0].size <= _HOST_KEYS.size:
+        # One chunk with keys ready (most tensors): the loop below would do just this.
+        words = parts[0]
+        return int(np.dot(words, _HOST_KEYS[: words.size])) & MASK64
     total = sum(p.size for p in parts)
     if _HOST_KEYS.size < min(total, CHUNK_WORDS):
         size = min(CHUNK_WORDS, max(total, 4096, 2 * _HOST_KEYS.size))

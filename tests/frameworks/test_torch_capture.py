@@ -536,3 +536,12 @@ def test_a_loaded_tensor_is_an_entry_even_when_copied_before_it_is_read() -> Non
     assert entries == ["external:tensor from a storage (aten.set_)"]
     reads = [r for r in rows if names(recorder, [r])[0] == "aten.sum.default"]
     assert reads and not int(reads[0]["flags"]) & Flag.READS_UNINIT
+
+
+def test_kept_copies_never_stop_a_tensor_from_being_resized() -> None:
+    """Outputs kept for the parent (lockstep) are host copies: ``Tensor.numpy()`` on the
+    script's own memory would mark its storage as not resizable for good."""
+    for t in (torch.randn(5), torch.randn(4, 3).t(), torch.randn(3).to(torch.bfloat16)):
+        kept = _to_numpy(t)
+        assert kept.flags.c_contiguous and torch.equal(torch.from_numpy(kept), t.float())
+        t.resize_(40)  # raised "Trying to resize storage that is not resizable"

@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 
 from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys  # noqa: E402
 from nondet.frameworks.torch.hashing import HOST_LIMIT, TorchHasher  # noqa: E402
+from nondet.frameworks.torch.hostwords import StateViews  # noqa: E402
 
 HASHER = TorchHasher()
 
@@ -204,3 +205,108 @@ def test_large_odd_strided_and_misaligned_tensors_hash_chunk_by_chunk(make: obje
     assert int(HASHER.content(t.contiguous())) & MASK64 == expected  # type: ignore[arg-type]
     group = HASHER.content_of_many([t])
     assert [int(v) & MASK64 for v in group.values()] == [expected]
+
+
+def _golden_tensors() -> list[tuple[str, torch.Tensor]]:
+    """Exactly computed values (integer arithmetic, /8) in several dtypes and sizes, from
+    one element to above HOST_LIMIT, contiguous, misaligned ([1:]) and strided."""
+    out = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64,
+                  torch.uint8, torch.bool):
+        for n in (1, 3, 32, 1001, 70_001, 300_000):
+            base = torch.arange(n, dtype=torch.int64) * 2654435761 % 65521 - 32760
+            t = ((base > 0) if dtype == torch.bool else
+                 base.to(dtype) / 8 if dtype.is_floating_point else base.to(dtype))
+            out.append((f"{dtype} {n}", t))
+            if n > 3:
+                out.append((f"{dtype} {n} [1:]", t[1:]))
+            if n == 300_000:
+                out.append((f"{dtype} {n} strided", t.reshape(-1, 10)[:, ::3]))
+    return out
+
+
+def test_fingerprint_values_are_those_of_earlier_versions() -> None:
+    """Captures and baselines are compared across nondet versions: a faster kernel must give
+    the same numbers. The digests below were computed by the version before the zero-copy
+    host path (commit 6b1dd9b, torch's multiply-then-sum for CPU tensors above HOST_LIMIT)."""
+    import hashlib
+
+    values = {name: int(HASHER.content(t)) & MASK64  # type: ignore[arg-type]
+              for name, t in _golden_tensors()}
+    digest = hashlib.sha256(repr(sorted(values.items())).encode()).hexdigest()
+    assert digest == "33fa79415b7c8120615410bd9d7bd8ad9d2cf21e43d762915a6553683bfe800f"
+    group = HASHER.content_of_many([t for _, t in _golden_tensors()[:40]])
+    assert [int(v) & MASK64 for v in group.values()] == [17753861392501052773]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_contiguous_cpu_tensors_of_any_size_take_the_host_path_and_agree(
+        dtype: torch.dtype) -> None:
+    """The zero-copy host path (np.dot over the tensor's own memory) serves contiguous CPU
+    tensors of every size, also above HOST_LIMIT and off an 8-byte boundary, with the
+    device path's value."""
+    for n in (1, 7, HOST_LIMIT + 3, 3 * HOST_LIMIT):
+        whole = _sample(dtype, n + 1)
+        for t in (whole[:n], whole[1:]):
+            host = HASHER.content(t)
+            assert isinstance(host, int), f"{dtype} {n}: not the host path"
+            device = HASHER.content(t, on_device=True)
+            assert isinstance(device, torch.Tensor)
+            assert host & MASK64 == int(device.item()) & MASK64
+    # Large and not contiguous: the torch path still (a host copy would be unbounded).
+    assert isinstance(HASHER.content(_sample(dtype, 4 * HOST_LIMIT)[::2]), torch.Tensor)
+
+
+def test_state_views_are_reused_only_while_they_are_the_tensors_bytes() -> None:
+    """Step-level groups reuse word views across steps (hostwords.StateViews); every way
+    a kept tensor can change what it shows must give the fingerprint of a fresh read."""
+    views = StateViews()
+    p = torch.nn.Parameter(torch.randn(300, 7))
+    b = torch.randn(5)
+    step = torch.tensor(3.0)
+    group = [p, b, step]
+
+    def check() -> int:
+        kept = HASHER.content_of_many(group, views=views)
+        fresh = HASHER.content_of_many(group)
+        device = HASHER.content_of_many(group, on_device=True)
+        assert kept == fresh
+        assert [int(v) & MASK64 for v in kept.values()] == [
+            int(v) & MASK64 for v in device.values()]
+        return int(next(iter(kept.values())))
+
+    first = check()
+    reused = views.words(group)[0]
+    assert reused is views.words(group)[0], "an unchanged tensor reuses its view"
+    with torch.no_grad():
+        p.add_(1)  # in place: the same memory, new values
+    changed = check()
+    assert changed != first
+    p.data = torch.randn(300, 7)  # new memory, same shape
+    assert check() != changed
+    p.data = torch.randn(7, 300)  # new shape
+    check()
+    b.resize_(6)  # may move the memory
+    b.fill_(2.0)
+    check()
+    step.set_(torch.tensor([4.0, 5.0]).untyped_storage(), 1, ())  # another storage
+    assert float(step) == 5.0
+    check()
+    p.data = p.data.t()  # not contiguous: the general path
+    check()
+    assert views.words([b])[0] is not None and len(views._views) == 1, "dropped when gone"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(5), lambda: torch.randn(3 * HOST_LIMIT), lambda: torch.randn(40)[1:],
+    lambda: torch.randn(6, 4).t(), lambda: torch.randn(4, dtype=torch.complex128),
+    lambda: torch.zeros(0),
+], ids=["small", "large", "misaligned", "transposed", "complex128", "empty"])
+def test_hashing_never_stops_a_tensor_from_being_resized(make: object) -> None:
+    """``Tensor.numpy()`` marks a storage as not resizable for good: had the hasher read a
+    tensor that way, a later ``resize_`` in the user's script would raise."""
+    for read in (lambda t: HASHER.content(t), lambda t: HASHER.content_of_many([t]),
+                 lambda t: HASHER.content_of_many([t], views=StateViews())):
+        t = make()  # type: ignore[operator]
+        read(t)
+        t.resize_(50)  # raises "Trying to resize storage that is not resizable"

@@ -36,6 +36,7 @@ from nondet.frameworks.torch import children, comm, compiled, cuda
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.hostwords import StateViews
 from nondet.frameworks.torch.kept import KeptOutputs
 from nondet.frameworks.torch.ops import CaptureMode, OpRecorder, tensors_in
 from nondet.frameworks.torch.state import (
@@ -65,6 +66,10 @@ class TorchBackend(StepLifecycle):
         self.roots: list[torch.nn.Module] = []
         self.param_names: dict[int, str] = {}  # id(tensor) -> "encoder.weight"
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        # Word views of the state groups that keep their tensors from step to step (not
+        # gradients: often new tensors each step, and a view would keep the old ones alive)
+        self.views = {group: StateViews() for group in (Group.PARAM, Group.BUFFER,
+                                                         Group.OPTIM)}
         super().__init__(session)
         self.recorder = OpRecorder(self)
         self.recorder.collectives = comm.Collectives(
@@ -293,7 +298,8 @@ class TorchBackend(StepLifecycle):
             return self._fps([(n, p.grad) for n, p in params if p.grad is not None],
                              detailed=self.session.captures_ops())
 
-    def _fps(self, named: list[tuple[str, Any]], detailed: bool) -> Named:
+    def _fps(self, named: list[tuple[str, Any]], detailed: bool,
+             views: StateViews | None = None) -> Named:
         """Fingerprints of named tensors (and numbers): one per tensor in steps with op
         capture (the report can then name them), else one for the whole group, hashed as a
         single concatenation (a few large ops instead of several small ones per tensor)."""
@@ -305,7 +311,7 @@ class TorchBackend(StepLifecycle):
             out = [(n, self._fp_of(t), t) for n, t in tensors]
         else:
             out = [("(group)", fp, None) for fp in self.recorder.fingerprint_many(
-                [t for _, t in tensors])]
+                [t for _, t in tensors], views)]
         return out + numbers
 
     def _fp_of(self, t: torch.Tensor) -> Fp:
@@ -316,10 +322,10 @@ class TorchBackend(StepLifecycle):
         grads = self.grads if self.grads is not None else self._grad_snapshot()
         with self.paused_capture():
             groups: list[tuple[Group, Named]] = [
-                (Group.PARAM, self._fps(params, detailed)),
-                (Group.BUFFER, self._fps(buffers, detailed)),
+                (Group.PARAM, self._fps(params, detailed, self.views[Group.PARAM])),
+                (Group.BUFFER, self._fps(buffers, detailed, self.views[Group.BUFFER])),
                 (Group.GRAD, grads),
-                (Group.OPTIM, self._fps(optim, detailed)),
+                (Group.OPTIM, self._fps(optim, detailed, self.views[Group.OPTIM])),
             ]
             rng = [self._fp_of(torch.get_rng_state())]
             if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
@@ -327,9 +333,10 @@ class TorchBackend(StepLifecycle):
             sums = [p.detach().sum(dtype=torch.float64) for _, p in params
                     if p.is_floating_point()]
             params_sum = torch.stack(sums).sum() if sums else None
-            stats = {(group, name): self.hasher.stats(t)
-                     for group, items in (groups if detailed else []) for name, _, t in items
-                     if t is not None}
+            keys = [(group, name, t) for group, items in (groups if detailed else [])
+                    for name, _, t in items if t is not None]
+            stats = dict(zip([(group, name) for group, name, _ in keys],
+                             self.hasher.stats_many([t for _, _, t in keys]), strict=True))
             # Every pending Fp of this step (data and losses too) and these float64 scalars
             # come back in one transfer per device (readback.py), never one per tensor.
             floats = [x for x in (params_sum, self.loss_scalar) if x is not None]

@@ -43,6 +43,7 @@ from nondet.frameworks.fp import Fp, combined
 from nondet.frameworks.torch import cuda
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.hostwords import StateViews
 from nondet.frameworks.torch.optable import OpInfo
 from nondet.frameworks.torch.readback import read_back
 from nondet.frameworks.torch.tensors import Storages, StorageState
@@ -90,6 +91,7 @@ class FingerprintCache:
         # after the collective ("comm:<op>", frameworks/torch/comm.py)
         self.comm_outputs: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
+        self.unnamed_entries: dict[tuple[Any, tuple[int, ...] | None], int] = {}
         self.dump_at = self.session.config.dump
         self.keep_outputs = self.session.config.keep_bytes > 0
         #: A child process the script started (children.py): memory it shares with other
@@ -110,11 +112,14 @@ class FingerprintCache:
         self.pending.append(fp)
         return fp
 
-    def fingerprint_many(self, tensors: list[torch.Tensor]) -> list[Fp]:
-        """One fingerprint for a group of tensors (per device): their words concatenated."""
+    def fingerprint_many(self, tensors: list[torch.Tensor],
+                         views: StateViews | None = None) -> list[Fp]:
+        """One fingerprint for a group of tensors (per device): their words concatenated.
+        ``views``: the group's word views kept across steps (parameters, buffers, optimizer
+        state; hostwords.StateViews)."""
         meta = tuple(x for t in tensors for x in _describe(t))
         fps = []
-        for content in self.hasher.content_of_many(tensors).values():  # one per device
+        for content in self.hasher.content_of_many(tensors, views=views).values():
             fp = Fp()
             fp.content, fp.meta = content, meta
             self.pending.append(fp)
@@ -258,13 +263,19 @@ class FingerprintCache:
             return self.session.intern(comm[1])
         if self.creating is not None:
             kind, what = self.creating
-        else:
-            kind = "external"
-            name = self.backend.tensor_name(t) or self._view_name(t)
-            sizes = safe.shape(t)
+            return self.session.intern(f"{kind}:{what}")
+        name = self.backend.tensor_name(t) or self._view_name(t)
+        if name:
+            return self.session.intern(f"external:{name}")
+        sizes = safe.shape(t)
+        key = (t.dtype, sizes)
+        sid = self.unnamed_entries.get(key)
+        if sid is None:  # formatted once per dtype and shape (entries recur every step)
             dims = "[nested]" if sizes is None else str(list(sizes))
-            what = name or f"tensor {str(t.dtype).removeprefix('torch.')}{dims}"
-        return self.session.intern(f"{kind}:{what}")
+            sid = self.session.intern(f"external:tensor {str(t.dtype).removeprefix('torch.')}"
+                                      f"{dims}")
+            self.unnamed_entries[key] = sid
+        return sid
 
     def _view_name(self, t: torch.Tensor) -> str | None:
         """"parameter 2.weight (a view)": a view of a named parameter (the transposed weight

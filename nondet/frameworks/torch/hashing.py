@@ -15,6 +15,7 @@ Tests force both paths on the same tensors and check that they agree.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -26,23 +27,26 @@ from nondet.fingerprint import (
     CHUNK_WORDS,
     chunk_keys,
     host_content,
-    host_words,
     position_keys,
     word_size,
 )
 from nondet.frameworks.torch import cuda
+from nondet.frameworks.torch.hostwords import StateViews, dense_cpu_words, host_words, zero_copy
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
-_NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Floating dtypes with sum/abs/max kernels on every device; others are widened for stats.
 _REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 # Taken before nondet wraps torch.from_numpy to see data entering the user's script.
 _from_numpy = torch.from_numpy
 
 Content = torch.Tensor | int
-#: Single CPU tensors above this many elements use torch's multi-threaded kernels instead.
+#: Non-contiguous CPU tensors above this many elements take the torch path (its staging
+#: bounds the memory a copy would take); contiguous ones of any size are read zero-copy by
+#: ``np.dot``, which writes no products: measured on the narrow benchmark model, it hashes
+#: a freshly written 4 MB activation in about half the time of torch's multiply-then-sum
+#: (single-threaded) and does not stall when other processes hold the cores.
 HOST_LIMIT = 1 << 16
+_CPU = torch.device("cpu")
 
 
 class TorchHasher:
@@ -58,38 +62,59 @@ class TorchHasher:
 
         ``on_device=True`` forces the torch-op path on CPU tensors too (for tests).
         """
+        if not on_device:
+            words = dense_cpu_words(tensor)
+            if words is not None:  # the common case, without the general machinery below
+                return host_content([words])
         leaves = _leaves(tensor)
         if leaves is None:
             return None
         device = leaves[0].device
         if any(t.device != device for t in leaves):
             return None  # a wrapper with parts on several devices: no single sum
-        if device.type == "cpu" and not on_device and sum(t.numel() for t in leaves) <= HOST_LIMIT:
-            return host_content([_host_words(t) for t in leaves])
+        if device.type == "cpu" and not on_device and (
+                sum(t.numel() for t in leaves) <= HOST_LIMIT
+                or all(zero_copy(t) for t in leaves)):
+            return host_content([host_words(t) for t in leaves])
         return self._device_sum([_word_pieces(t, self._stage(device)) for t in leaves], device)
 
-    def content_of_many(self, tensors: Sequence[torch.Tensor], *,
-                        on_device: bool = False) -> dict[str, Content]:
+    def content_of_many(self, tensors: Sequence[torch.Tensor], *, on_device: bool = False,
+                        views: StateViews | None = None) -> dict[str, Content]:
         """Content sum of the concatenated words of ``tensors``, per device type.
 
         Used for step-level state outside the op window, where one fingerprint per group
-        (all parameters, all gradients, ...) is enough.
+        (all parameters, all gradients, ...) is enough. ``views``: the group's word views
+        kept from the previous step (hostwords.StateViews).
         """
-        groups: dict[Any, list[torch.Tensor]] = {}
-        for tensor in tensors:
+        if on_device:
+            fast: list[np.ndarray | None] = [None] * len(tensors)
+        elif views is not None:
+            fast = views.words(list(tensors))
+        else:
+            fast = [dense_cpu_words(t) for t in tensors]
+        # device -> (tensor, its zero-copy host words if it is a plain dense CPU tensor)
+        groups: dict[Any, list[tuple[torch.Tensor, np.ndarray | None]]] = {}
+        for tensor, words in zip(tensors, fast, strict=True):
+            if words is not None:  # its own leaf: _leaves' checks are not needed
+                if words.size:
+                    groups.setdefault(_CPU, []).append((tensor, words))
+                continue
             for t in _leaves(tensor) or ():
                 if t.numel():
-                    groups.setdefault(t.device, []).append(t)
+                    groups.setdefault(t.device, []).append((t, None))
         out: dict[str, Content] = {}
-        for device, ts in groups.items():
+        for device, items in groups.items():
             # The host path reads zero-copy views; a non-contiguous CPU tensor would need a
             # whole copy there, so such a group takes the (chunked) torch path instead.
             if device.type == "cpu" and not on_device and all(
-                    t.is_contiguous() or t.layout == torch.sparse_coo for t in ts):
-                out[str(device)] = host_content([_host_words(t) for t in ts])
+                    w is not None or t.is_contiguous() or t.layout == torch.sparse_coo
+                    for t, w in items):
+                out[str(device)] = host_content(
+                    [host_words(t) if w is None else w for t, w in items])
             else:
                 stage = self._stage(device)
-                out[str(device)] = self._device_sum([_word_pieces(t, stage) for t in ts], device)
+                out[str(device)] = self._device_sum([_word_pieces(t, stage) for t, _ in items],
+                                                    device)
         return out
 
     # -- device path ----------------------------------------------------------------------
@@ -197,23 +222,49 @@ class TorchHasher:
     def stats(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(sum, max |x|) as float64 device scalars, for floating and complex tensors; None
         where they cannot be computed (they only size a difference, never decide one)."""
-        t = _prepare(tensor)
-        if (t is None or t.layout != torch.strided or t.is_nested
-                or not (t.is_floating_point() or t.is_complex())):
+        return TorchHasher.stats_many([tensor])[0]
+
+    @staticmethod
+    def stats_many(tensors: Sequence[torch.Tensor]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """``stats`` of each tensor, the max |x| of all those of one device and dtype in one
+        call (``torch._foreach_norm`` with ord=inf is max |x|, exactly: no arithmetic):
+        a step with op capture has them for every parameter, gradient and Adam state."""
+        ready = [_stat_input(t) for t in tensors]
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(ready)
+        groups: dict[tuple[Any, Any], list[int]] = {}
+        for i, t in enumerate(ready):
+            if t is None:
+                continue
+            if t.numel() == 0:
+                zero = torch.zeros((), dtype=torch.float64, device=t.device)
+                out[i] = zero, zero
+            else:
+                groups.setdefault((t.device, t.dtype), []).append(i)
+        for indices in groups.values():
+            parts = [t for t in (ready[i] for i in indices) if t is not None]
+            maxabs = torch.stack(torch._foreach_norm(parts, math.inf)).to(torch.float64)
+            for i, t, m in zip(indices, parts, maxabs.unbind(), strict=True):
+                out[i] = t.sum(dtype=torch.float64), m
+        return out
+
+
+def _stat_input(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The real floating values ``stats`` reduces, or None where there are none."""
+    t = _prepare(tensor)
+    if (t is None or t.layout != torch.strided or t.is_nested
+            or not (t.is_floating_point() or t.is_complex())):
+        return None
+    if t.is_complex():
+        t = torch.view_as_real(t)  # _prepare resolved conj/neg views
+    if t.dtype not in _REDUCIBLE:
+        # fp8/fp4 have no reduction kernels: widen (exact: their values are float32
+        # values). Step-level state only, in steps with op capture.
+        try:
+            t = t.to(torch.float32)
+        except (RuntimeError, NotImplementedError):  # no conversion kernel (fp4 x2)
             return None
-        if t.numel() == 0:
-            zero = torch.zeros((), dtype=torch.float64, device=t.device)
-            return zero, zero
-        if t.is_complex():
-            t = torch.view_as_real(t)  # _prepare resolved conj/neg views
-        if t.dtype not in _REDUCIBLE:
-            # fp8/fp4 have no reduction kernels: widen (exact: their values are float32
-            # values). Step-level state only, in steps with op capture.
-            try:
-                t = t.to(torch.float32)
-            except (RuntimeError, NotImplementedError):  # no conversion kernel (fp4 x2)
-                return None
-        return t.sum(dtype=torch.float64), t.abs().max().to(torch.float64)
+    return t
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -384,18 +435,3 @@ def _regroup(blocks: Iterator[torch.Tensor], word: int, stage: Stage) -> Iterato
         words = block.view(dtype) if word > 1 else block
         for start in range(0, words.numel(), CHUNK_WORDS):
             yield words[start : start + CHUNK_WORDS]
-
-
-def _host_words(t: torch.Tensor) -> np.ndarray:
-    """The same words as ``TorchHasher.words`` as a NumPy array (CPU tensors): a zero-copy
-    view of a contiguous tensor, in its narrow word type (``host_content`` widens them one
-    chunk at a time, like the device path)."""
-    if t.layout == torch.sparse_coo:
-        return np.concatenate([_host_words(t._indices()), _host_words(t._values())])
-    if t.element_size() not in _SAME_SIZE_INT:  # complex128: two float64 per element
-        t = torch.view_as_real(t)
-    values = t.view(_SAME_SIZE_INT[t.element_size()]).numpy()  # zero-copy view
-    if not values.flags.c_contiguous:
-        return host_words(values)  # small tensors only (see content_of_many)
-    raw = values.reshape(-1).view(np.uint8)
-    return raw.view(_NP_WORDS[word_size(raw.size)])

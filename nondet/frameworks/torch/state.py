@@ -12,8 +12,10 @@ import numpy as np
 import torch
 
 from nondet.frameworks.torch.hashing import local_tensor
+from nondet.frameworks.torch.hostwords import raw_bytes
 
 Named = list[tuple[str, Any]]
+_NP_DTYPES: dict[torch.dtype, Any] = {}  # NumPy's dtype for each torch dtype to_numpy copies
 
 
 def named_state(roots: list[torch.nn.Module],
@@ -79,7 +81,18 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
         t = t.float()  # exact: every bf16/fp16/fp8 value is a float32 value
     elif t.dtype == torch.complex32:
         t = t.to(torch.complex64)
-    return t.numpy().copy()
+    # Copied through the bytes: numpy() marks the storage it views as not resizable for
+    # good, so on the script's memory a later resize_ there would raise. (Not a torch clone
+    # either: an extra storage per kept output changes which addresses the allocator hands
+    # out next, which tests/frameworks/test_torch_capture.py's recycled-address test needs.)
+    dtype = _NP_DTYPES.get(t.dtype)
+    if dtype is None:
+        dtype = _NP_DTYPES[t.dtype] = torch.empty(0, dtype=t.dtype).numpy().dtype
+    out = np.empty(tuple(t.shape), dtype=dtype)
+    if out.size:
+        dense = t if t.is_contiguous() else t.contiguous()  # alive while its bytes are read
+        out.reshape(-1).view(np.uint8)[:] = raw_bytes(dense)
+    return out
 
 
 def torch_facts() -> dict[str, Any]:

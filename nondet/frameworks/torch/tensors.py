@@ -68,11 +68,19 @@ def owner(t: torch.Tensor) -> object:
         return t
 
 
+_CPU_CODE = name_code("cpu")
+
+
 def describe(t: torch.Tensor) -> tuple[int, ...]:
-    """dtype, device, rank and sizes as integers (sizes replaced by a marker if ragged)."""
+    """dtype, device, rank and sizes as integers (sizes replaced by a marker if ragged, or
+    for a 0-dim tensor)."""
     code = _DTYPE_CODES.get(t.dtype)
     if code is None:
         code = _DTYPE_CODES[t.dtype] = name_code(str(t.dtype))
+    kind = type(t)
+    if (kind is torch.Tensor or kind is torch.nn.Parameter) and t.is_cpu and not t.is_nested:
+        # the common case, read directly: a plain dense tensor's sizes are ints
+        return (code, _CPU_CODE, t.dim(), *(t.shape or (_NO_SHAPE,)))
     sizes = shape(t)
     return (code, name_code(t.device.type), t.dim(), *(sizes or (_NO_SHAPE,)))
 

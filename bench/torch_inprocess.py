@@ -1,0 +1,152 @@
+"""Op-level capture's cost inside one process, where a shared machine's load cancels out.
+
+    python bench/torch_inprocess.py [--narrow] [--rounds N] [--threads N]
+
+Runs the benchmark model's training step (bench/model_torch.py's model, optimizer and
+data) in one process, round-robin: plainly; under a dispatch mode that only passes ops
+through (what any Python ``TorchDispatchMode`` costs); under nondet's op recorder with
+hashing replaced by a constant (the bookkeeping: cache, records, derived fingerprints);
+and under the recorder as it runs in a capture. Each configuration's median thread CPU
+time and wall time per step are printed, with ratios to the plain step. CPU time of the
+main thread is what the recorder adds (it is single-threaded Python); with ``--threads 1``
+(the default) torch's kernels run in that thread too, so the ratios do not move with
+other processes' load. Step boundaries (step-level state) are not included: the recorder
+is driven directly, as tests/frameworks/test_torch_capture.py does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.ops import OpRecorder
+from nondet.records import Phase
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(dump=None, keep_bytes=0)
+        self.step = 0
+        self.sources = SimpleNamespace(here=lambda depth=2: -1)
+        self.strings: dict[str, int] = {}
+
+    def intern(self, text: str) -> int:
+        return self.strings.setdefault(text, len(self.strings))
+
+
+class _Host:
+    """The part of the torch backend the recorder calls."""
+
+    def __init__(self) -> None:
+        self.session = _Session()
+        self.hasher = TorchHasher()
+        self.phase = Phase.FORWARD
+        self.disabled = False
+
+    def current_module(self) -> int:
+        return -1
+
+    def node_origin(self, node: Any) -> tuple[int, int]:
+        return -1, -1
+
+    def tensor_name(self, t: torch.Tensor) -> str | None:
+        return None
+
+
+class _Pass(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+    def __init__(self, recorder: OpRecorder) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return self.recorder.dispatch(func, args, kwargs or {})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--narrow", action="store_true")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1)
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    torch.manual_seed(0)
+    c1, c2 = (16, 32) if opts.narrow else (64, 128)
+    model = nn.Sequential(
+        nn.Conv2d(3, c1, 3, padding=1), nn.BatchNorm2d(c1), nn.ReLU(),
+        nn.Conv2d(c1, c2, 3, padding=1), nn.BatchNorm2d(c2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(c2, c2, 3, padding=1), nn.BatchNorm2d(c2), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(c2 * 8 * 8, 128), nn.ReLU(), nn.Dropout(0.1),
+        nn.Linear(128, 10),
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(8, 32, 3, 32, 32, generator=g)
+    labels = torch.randint(0, 10, (8, 32), generator=g)
+
+    def step(i: int) -> None:
+        loss = nn.functional.cross_entropy(model(images[i % 8]), labels[i % 8])
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+
+    recorder = OpRecorder(_Host())  # type: ignore[arg-type]
+    content = recorder.hasher.content
+    records: dict[str, int] = {}
+
+    def run(kind: str, i: int) -> None:
+        if kind == "plain":
+            step(i)
+            return
+        if kind == "pass-through mode":
+            with _Pass():  # type: ignore[no-untyped-call]
+                step(i)
+            return
+        recorder.hasher.content = (  # type: ignore[method-assign]
+            (lambda t, **_: 0) if kind == "recorder, no hashing" else content)
+        recorder.open_window()  # as at each captured step: the cache starts empty
+        with _Record(recorder):
+            step(i)
+        recorder.resolve()
+        records[kind] = len(recorder.take_rows(0))
+        recorder.prune()
+
+    kinds = ["plain", "pass-through mode", "recorder, no hashing", "recorder"]
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
+    wall: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(opts.rounds + 2):
+        for kind in kinds:
+            c0, w0 = time.thread_time(), time.perf_counter()
+            run(kind, i)
+            if i >= 2:  # warm-up rounds left out
+                cpu[kind].append(time.thread_time() - c0)
+                wall[kind].append(time.perf_counter() - w0)
+    base_cpu, base_wall = (statistics.median(cpu["plain"]), statistics.median(wall["plain"]))
+    print(f"{'narrow' if opts.narrow else 'reference'} model, {opts.threads} thread(s), "
+          f"{opts.rounds} rounds; op records per step: {records.get('recorder', 0)}")
+    for kind in kinds:
+        c, w = statistics.median(cpu[kind]), statistics.median(wall[kind])
+        print(f"  {kind:22s} cpu {1000 * c:7.2f} ms ({c / base_cpu:.2f}x)  "
+              f"wall {1000 * w:7.2f} ms ({w / base_wall:.2f}x)")
+    per_op = (statistics.median(cpu["recorder"]) - base_cpu) / max(1, records["recorder"])
+    print(f"  recorder cost per op record (cpu): {1e6 * per_op:.1f} us")
+
+
+if __name__ == "__main__":
+    main()

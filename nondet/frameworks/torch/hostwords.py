@@ -1,0 +1,126 @@
+"""CPU tensors as NumPy word arrays for the host path of the content sum (hashing.py).
+
+Note [Fingerprint definition] (nondet/fingerprint.py) reads a tensor's bytes as words; on
+the CPU, ``np.dot`` of a zero-copy view of those words with the position keys computes the
+sum without writing any products. Three ways in:
+
+- ``dense_cpu_words``: a plain, dense, contiguous CPU tensor (what almost every op makes),
+  with a few attribute reads instead of the general checks of ``hashing._leaves``;
+- ``host_words``: any prepared CPU tensor (sparse, complex128, non-contiguous copied);
+- ``StateViews``: views of the step-level state (parameters, buffers, optimizer state),
+  kept from one step to the next and reused while they are exactly the tensor's bytes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from nondet.fingerprint import word_size
+
+NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
+
+
+def zero_copy(t: torch.Tensor) -> bool:
+    """``host_words`` reads ``t`` without copying it (so memory stays bounded)."""
+    return t.layout == torch.strided and t.is_contiguous()
+
+
+class _Memory:
+    """An address range as NumPy's array interface (read-only bytes; owns nothing)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (address, True), "shape": (nbytes,),
+                                    "typestr": "|u1", "version": 3}
+
+
+def raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a uint8 array over its own memory, valid
+    while ``t`` keeps that memory (the array does not hold it). Not ``t.numpy()``: that
+    marks the storage as not resizable for good, so a later ``resize_`` in the user's
+    script (a buffer grown in place) would raise there because nondet had hashed it."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.asarray(_Memory(t.data_ptr(), nbytes))
+
+
+def dense_cpu_words(t: torch.Tensor) -> np.ndarray | None:
+    """``host_words`` of a plain, dense, contiguous CPU tensor, or None for anything else:
+    the same words as ``hashing._leaves`` + ``host_words`` give, without their general
+    checks (about 20 us per tensor on the narrow benchmark model: the cost of a small op).
+    Valid while ``t`` keeps its memory (``raw_bytes``)."""
+    kind = type(t)
+    if ((kind is not torch.Tensor and kind is not torch.nn.Parameter) or not t.is_cpu
+            or t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_conj()
+            or t.is_neg() or not t.is_contiguous()):
+        return None
+    raw = raw_bytes(t)
+    return raw.view(NP_WORDS[word_size(raw.size)])
+
+
+def host_words(t: torch.Tensor) -> np.ndarray:
+    """The same words as ``TorchHasher.words`` as a NumPy array (prepared CPU tensors), in
+    their narrow word type (``host_content`` widens them one chunk at a time, like the
+    device path): a view of a contiguous tensor's memory, valid while ``t`` keeps it."""
+    if t.layout == torch.sparse_coo:
+        return np.concatenate([host_words(t._indices()), host_words(t._values())])
+    if not t.is_contiguous():
+        # small tensors only (see content_of_many); the array owns the copy
+        raw = t.contiguous().view(torch.uint8).numpy().reshape(-1)
+    else:
+        raw = raw_bytes(t)
+    return raw.view(NP_WORDS[word_size(raw.size)])
+
+
+class StateViews:
+    """Word views of step-level state tensors, reused across steps (one per group).
+
+    Parameters, buffers and optimizer state are the same tensors, over the same memory, at
+    every step: making their views anew costs more than hashing most of them (about 10 us
+    per tensor, against a few for the checks below). A view is reused only while it is
+    exactly the tensor's bytes: the same tensor object (a weak reference, never a recycled
+    ``id``), at the same address, with the same dtype and shape, still contiguous (and for
+    complex dtypes neither conjugate nor negative views). The view's address is fixed when
+    it is made, so equal addresses mean it reads the tensor's current memory whatever
+    happened to the storage in between. Views are dropped for tensors that leave the group;
+    a view does not hold the memory it shows (``raw_bytes``) and is read only after those
+    checks, while the tensor is alive.
+    """
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any,
+                                     np.ndarray]] = {}
+
+    def words(self, tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
+        """The words of each tensor (None: not a plain dense contiguous CPU tensor)."""
+        old, new = self._views, {}
+        out: list[np.ndarray | None] = []
+        for t in tensors:
+            key = id(t)
+            entry = old.get(key)
+            if (entry is not None and entry[0]() is t and t.is_cpu
+                    and t.layout == torch.strided and t.data_ptr() == entry[1]
+                    and t.dtype == entry[2] and t.shape == entry[3] and t.is_contiguous()
+                    and not (t.is_complex() and (t.is_conj() or t.is_neg()))):
+                new[key] = entry
+                out.append(entry[4])
+                continue
+            words = dense_cpu_words(t)
+            out.append(words)
+            if words is not None:
+                try:
+                    ref = weakref.ref(t)
+                except TypeError:  # not weakly referenceable: not kept
+                    continue
+                new[key] = (ref, t.data_ptr(), t.dtype, t.shape, words)
+        self._views = new
+        return out
+
+    def clear(self) -> None:
+        self._views = {}

@@ -185,8 +185,9 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         window = [s for s in common_op_steps if s <= step_div.step]
         div = localize(a, b, window) if window else None
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
-            div = _data_entry_divergence(a, b, step_div) or _step_level_divergence(
-                step_div, a, b)
+            div = (_data_entry_divergence(a, b, step_div)
+                   or _entered_next_step(a, b, step_div.step, common_op_steps)
+                   or _step_level_divergence(step_div, a, b))
     if not div.explained and (kids.divergence or end_state.children_differ(a, b)):
         # A tensor changed outside every op this process ran, and a child process differs
         # (its recorded steps, or the tensors it was handed): the child is the better
@@ -258,6 +259,21 @@ def _data_entry_divergence(a: Capture, b: Capture,
                    "records do not cover this step"])
         return div
     return None
+
+
+def _entered_next_step(a: Capture, b: Capture, step: int,
+                       op_steps: list[int]) -> Divergence | None:
+    """Every op recorded at ``step`` matched, yet its end state differs: the state changed
+    after the step's last op, outside every op (another process writing shared memory, a
+    thread). The next recorded step reads it: its entry there is the evidence."""
+    if step not in op_steps or step + 1 not in op_steps:
+        return None  # an op of an unrecorded step may have made it: narrowing finds it
+    div = localize(a, b, [step + 1])
+    if div is None:
+        return None
+    return with_notes(div, f"the state at the end of step {'init' if step == INIT_STEP else step} "
+                      "already differed, after every op that step ran matched: it was changed "
+                      "outside the ops nondet sees, and is read here")
 
 
 def _step_level_divergence(step_div: compare.StepDivergence, a: Capture,

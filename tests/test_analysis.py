@@ -11,6 +11,7 @@ import pytest
 
 from nondet import analysis
 from nondet.errors import NondetError
+from nondet.records import Kind, Phase
 from nondet.store import open_capture
 from tests.conftest import OpStream, run_cli, step_rows, write_capture
 
@@ -164,3 +165,32 @@ def test_runs_that_end_on_their_own_after_different_step_counts_differ(tmp_path:
     assert report.verdict == "nondeterministic" and div is not None
     assert div.kind == "structure" and div.step == 1
     assert "run b ended after 1 steps, run a after 2" in div.notes[0]
+
+
+def _ops_two_steps(weight_at_step_1: int) -> OpStream:
+    s = OpStream()
+    s.add(0, "external:parameter w", out=1, kind=Kind.ENTRY, source="train.py:5")
+    s.add(0, "aten.mm.default", out=10, inputs=1, source="train.py:5")
+    s.add(0, "aten.add_.Tensor", out=3, inputs=1, phase=Phase.OPTIMIZER, source="train.py:7")
+    s.add(1, "external:parameter w", out=weight_at_step_1, kind=Kind.ENTRY, source="train.py:5")
+    s.add(1, "aten.mm.default", out=10 + weight_at_step_1, inputs=weight_at_step_1,
+          source="train.py:5")
+    return s
+
+
+def test_state_changed_after_a_steps_last_op_is_found_where_the_next_step_reads_it(
+        tmp_path: Path) -> None:
+    """Every op of step 0 matched but its end state differs (another process wrote the
+    shared weights after the optimizer's update): the finding is the entry at step 1 that
+    read the changed value, not an unplaced 'op' with no op."""
+    b_steps = step_rows(*STEPS)
+    b_steps[1]["params_fp"] = 33
+    b_steps[2]["params_fp"] = 55
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS), _ops_two_steps(3),
+                      attrs={"op_steps": [0, 1]})
+    b = write_capture(tmp_path / "b.h5", b_steps, _ops_two_steps(33),
+                      attrs={"op_steps": [0, 1]})
+    div = analysis.compare_captures(open_capture(a), open_capture(b)).first_divergence
+    assert div is not None and div.kind == "entry" and div.step == 1, div
+    assert div.op == "parameter w" and div.source == "train.py:5"
+    assert any("changed outside the ops" in n for n in div.notes)

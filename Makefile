@@ -21,7 +21,7 @@ demo:
 
 test: install lint typecheck
 	./tools/ensure-chromium
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 lint:
 	$(BIN)/ruff check nondet tests fixtures bench

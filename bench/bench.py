@@ -27,11 +27,9 @@ this script reports them.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import tempfile
-from datetime import date
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,14 +37,18 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from measure import (  # noqa: E402
+    MARKERS,
     capture_per_step,
     captured_run,
     logged_ops,
+    measured_line,
     median_ms,
     nondet_run,
     op_record_bytes,
     plain_run,
+    replace_section,
     timed,
+    uptime,
 )
 
 MODELS = {"torch": REPO / "bench" / "model_torch.py",
@@ -75,14 +77,14 @@ def main() -> None:
             texts.append(bench(framework, variant, opts.steps, opts.repeat))
             print(texts[-1], flush=True)
             if opts.write:  # after each table: a long benchmark keeps what it measured
-                _update(opts.write, "\n".join(texts))
+                replace_section(opts.write, "\n".join(texts), *MARKERS)
     if "comm" in frameworks:  # its own section of the file (bench_comm.py)
         import bench_comm
 
         comm_text = bench_comm.bench(opts.steps, opts.repeat)
         print(comm_text, flush=True)
         if opts.write:
-            bench_comm.update(opts.write, comm_text)
+            replace_section(opts.write, comm_text, *bench_comm.MARKERS)
 
 
 def one_round(framework: str, variant: str, steps: int, out: Path) -> dict[str, float]:
@@ -130,6 +132,7 @@ def one_round(framework: str, variant: str, steps: int, out: Path) -> dict[str, 
 def bench(framework: str, variant: str, steps: int, repeat: int) -> str:
     """One framework's results table for one model, as Markdown."""
     rounds = []
+    load_before = uptime()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(repeat):
             print(f"{framework} {variant}: round {i + 1}/{repeat}", file=sys.stderr)
@@ -180,34 +183,10 @@ def bench(framework: str, variant: str, steps: int, repeat: int) -> str:
             continue
         table.append(f"| {name} | {shown} | <= {target}{unit} | "
                      f"{'yes' if value <= target else 'no'} |")
-    context = (f"{date.today()}, {platform.processor() or platform.machine()}, "
-               f"{_cpu_model()}, Python {platform.python_version()}, "
-               f"{framework} {_version(framework)}; plain step {best['plain_step']:.1f} ms, "
-               f"plain run {best['plain_wall']:.1f} s ({steps} steps); ratios are medians "
-               f"over {repeat} rounds, each against a plain run just before it")
-    return "\n".join(table) + f"\n\nMeasured {context}.\n"
-
-
-def _update(path: Path, text: str) -> None:
-    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
-    old = path.read_text() if path.exists() else f"# Benchmarks\n\n{begin}\n{end}\n"
-    if begin not in old:
-        old += f"\n{begin}\n{end}\n"
-    head, rest = old.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{begin}\n{text}{end}{tail}")
-
-
-def _cpu_model() -> str:
-    from nondet.environment import cpu_model
-
-    return cpu_model()
-
-
-def _version(framework: str) -> str:
-    from importlib.metadata import version
-
-    return version("tensorflow-cpu" if framework == "tensorflow" else framework)
+    setup = (f"plain step {best['plain_step']:.1f} ms, plain run {best['plain_wall']:.1f} s "
+             f"({steps} steps)")
+    return "\n".join(table) + "\n\n" + measured_line(framework, setup, repeat, "plain run",
+                                                      load_before)
 
 
 if __name__ == "__main__":

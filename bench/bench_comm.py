@@ -21,24 +21,21 @@ the median over ``--repeat`` rounds.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import measure  # noqa: E402
 from measure import median_ms, timed  # noqa: E402
 
 MODEL = REPO / "bench" / "model_ddp.py"
 LAUNCH = ("--nproc-per-node", "2")
-BEGIN, END = "<!-- bench-comm:begin -->", "<!-- bench-comm:end -->"
+MARKERS = ("<!-- bench-comm:begin -->", "<!-- bench-comm:end -->")
 
 
 def main() -> None:
@@ -50,7 +47,7 @@ def main() -> None:
     text = bench(opts.steps, opts.repeat)
     print(text, flush=True)
     if opts.write:
-        update(opts.write, text)
+        measure.replace_section(opts.write, text, *MARKERS)
 
 
 def one_round(steps: int, out: Path) -> dict[str, float]:
@@ -90,7 +87,7 @@ def _captured_job(args: list[str], op_steps: list[int] | None, out: Path,
 
 def bench(steps: int, repeat: int) -> str:
     rounds = []
-    load_before = _uptime()
+    load_before = measure.uptime()
     with tempfile.TemporaryDirectory(prefix="nondet-bench-comm-") as tmp:
         for i in range(repeat):
             rounds.append(one_round(steps, Path(tmp) / f"round{i}"))
@@ -103,45 +100,11 @@ def bench(steps: int, repeat: int) -> str:
     ]
     table = ["| measure | ratio to plain torchrun |", "| --- | --- |"]
     table += [f"| {name} | {value:.2f}x |" for name, value in rows]
-    load_after = _uptime()
-    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    context = (f"{when}, {_cpu_model()} ({os.cpu_count()} cores), Python "
-               f"{platform.python_version()}, torch {_torch_version()}, gloo; 2 ranks, "
-               f"{steps} steps; plain step {med['plain_step']:.1f} ms, plain torchrun "
-               f"{med['plain_wall']:.1f} s; {med['comm_rows']:.0f} collective records per "
-               f"op-level step; medians over {repeat} rounds, each against a plain torchrun "
-               f"just before it; `uptime` before: {load_before}; after: {load_after}")
-    return "\n".join(table) + f"\n\nMeasured {context}.\n"
-
-
-def update(path: Path, text: str) -> None:
-    """Replace the comm section's figures (between its markers) in ``path``."""
-    old = path.read_text() if path.exists() else ""
-    if BEGIN not in old:
-        old += f"\n{BEGIN}\n{END}\n"
-    head, rest = old.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
-
-
-def _uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10,
-                              check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _cpu_model() -> str:
-    from nondet.environment import cpu_model
-
-    return cpu_model()
-
-
-def _torch_version() -> str:
-    from importlib.metadata import version
-
-    return version("torch")
+    setup = (f"gloo, 2 ranks, {steps} steps; plain step {med['plain_step']:.1f} ms, plain "
+             f"torchrun {med['plain_wall']:.1f} s; {med['comm_rows']:.0f} collective records "
+             "per op-level step")
+    line = measure.measured_line("torch", setup, repeat, "plain torchrun", load_before)
+    return "\n".join(table) + "\n\n" + line
 
 
 if __name__ == "__main__":

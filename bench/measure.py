@@ -13,6 +13,9 @@ from pathlib import Path
 
 import psutil
 
+# Where bench.py writes its tables in docs/benchmarks.md.
+MARKERS = ("<!-- bench:begin -->", "<!-- bench:end -->")
+
 
 class PeakMemory:
     """Samples the resident memory of a process and all its descendants every 50 ms and
@@ -118,3 +121,51 @@ def _field(output: str, name: str) -> str:
     if not hit:
         raise SystemExit(f"no {name} in the script's output:\n{output[-2000:]}")
     return hit.group(1)
+
+
+def replace_section(path: Path, text: str, begin: str, end: str) -> None:
+    """Put ``text`` between the markers ``begin`` and ``end`` of the Markdown file ``path``
+    (appending the markers when the file has none), leaving the rest of the file as it was."""
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    if begin not in old:
+        old += f"\n{begin}\n{end}\n"
+    head, rest = old.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text}{end}{tail}")
+
+
+def uptime() -> str:
+    """The machine's load as `uptime` prints it: a benchmark on a shared machine says how
+    busy it was, since the load moves every ratio."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10,
+                              check=False).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cpu_model() -> str:
+    from nondet.environment import cpu_model as model
+
+    return model()
+
+
+def package_version(framework: str) -> str:
+    from importlib.metadata import version
+
+    return version("tensorflow-cpu" if framework == "tensorflow" else framework)
+
+
+def measured_line(framework: str, setup: str, repeat: int, baseline: str,
+                  load_before: str) -> str:
+    """The line under a results table: when, on what, what was run, against what, and how
+    loaded the machine was before and after (ratios on a shared machine move with load)."""
+    import os
+    import platform
+    from datetime import UTC, datetime
+
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"Measured {when}, {platform.machine()}, {cpu_model()} ({os.cpu_count()} cores), "
+            f"Python {platform.python_version()}, {framework} {package_version(framework)}; "
+            f"{setup}; ratios are medians over {repeat} rounds, each against a {baseline} just "
+            f"before it; `uptime` before: {load_before}; after: {uptime()}.\n")

@@ -13,6 +13,7 @@ import click
 
 from nondet import outdir
 from nondet.errors import NondetError
+from nondet.exitcodes import EPILOG
 
 if TYPE_CHECKING:  # launch (subprocesses, the capture writer) loads only for run and check
     from nondet.launch import Target
@@ -31,6 +32,20 @@ class TargetCommand(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta["nondet.raw_args"] = list(args)
         return super().parse_args(ctx, args)
+
+
+def target_command(cls: type[TargetCommand] = TargetCommand) -> Callable[[F], click.Command]:
+    """Declare a command that runs a target (``run``, ``check``): options first, then SCRIPT
+    and everything after it, passed to the script unparsed; ``target_options`` included."""
+
+    def declare(function: F) -> click.Command:
+        return click.command(
+            cls=cls,
+            context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+            epilog=EPILOG,
+        )(target_options(function))
+
+    return declare
 
 
 def target_options(command: F) -> F:

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from nondet.analysis import Comparison, with_notes, with_suggestions
+from nondet.analysis import Comparison, with_suggestions
 from nondet.distributed import STALL_AFTER, JobResult
+from nondet.finding import with_notes
 from nondet.jobrun import run_checked
 from nondet.jobs import Options, compare_jobs, first_plan, rank_path
 from nondet.launch import Plan, Target

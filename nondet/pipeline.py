@@ -30,15 +30,12 @@ from nondet import baseline, compare, environment, interventions, jobs, outdir, 
 from nondet.analysis import (
     Comparison,
     compare_pair,
-    concat,
     finding_facts,
-    localize,
-    measure_from_dumps,
     summary_of_capture,
-    with_notes,
     with_suggestions,
 )
 from nondet.errors import NondetError, ScriptFailed
+from nondet.finding import concat, localize, measure_from_dumps, with_notes
 from nondet.launch import CapturedRun, Plan, RunResult, Target
 from nondet.live import Early, LiveCompare, narrowing_window
 from nondet.recipe import Suggestion

@@ -1,4 +1,4 @@
-"""A job's finding, narrowed down to its op as for one process (``pipeline._narrow``).
+"""A job's finding, narrowed down to its op as for one process (``narrow.narrow``).
 
 The first jobs record ops at init and step 0 only (unless ``--ops all``). When they part
 at a later step, only the step is known; then two more jobs (``run-a-ops/``,

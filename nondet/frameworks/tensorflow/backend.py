@@ -81,7 +81,7 @@ class TFBackend(StepLifecycle):
         if not self.started:
             # Sent before the init row: the first step traces the step function (seconds of
             # single-threaded Python), so lockstep runs it in both runs at once (measured in
-            # docs/benchmarks.md; schedule.Turns).
+            # docs/benchmarks.md; turns.Turns).
             self.session.send_meta({channel.META_OVERLAP_FIRST_STEP: True})
         super().start_training()
 

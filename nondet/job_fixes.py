@@ -24,10 +24,10 @@ from nondet.analysis import GROWTH_STEPS
 from nondet.distributed import STALL_AFTER, JobResult
 from nondet.jobrun import run_checked
 from nondet.jobs import Options, first_plan, rank_results
-from nondet.launch import Plan, RunResult, Target
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
 from nondet.report import CombinedFix, Divergence, Source
+from nondet.runspec import Plan, RunResult, Target
 from nondet.store import Capture, open_capture
 
 

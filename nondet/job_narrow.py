@@ -20,10 +20,10 @@ from nondet.distributed import STALL_AFTER, JobResult
 from nondet.finding import with_notes
 from nondet.jobrun import run_checked
 from nondet.jobs import Options, compare_jobs, first_plan, rank_path
-from nondet.launch import Plan, Target
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
 from nondet.report import Divergence
+from nondet.runspec import Plan, Target
 from nondet.store import open_capture
 
 

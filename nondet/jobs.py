@@ -33,10 +33,10 @@ from nondet.exitcodes import ExitCode
 from nondet.finding import with_notes
 from nondet.frameworks.torch.comm import ENTRY_PREFIX
 from nondet.jobrun import run_checked
-from nondet.launch import Plan, RunResult, Target
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP, STEP_COMPONENTS, Kind, Phase
 from nondet.report import Divergence, RepeatRow, Report, RunSummary, Source
+from nondet.runspec import Plan, RunResult, Target
 from nondet.sources import Budget
 from nondet.store import Capture, open_capture
 

@@ -23,8 +23,9 @@ import numpy as np
 
 from nondet import compare
 from nondet.analysis import GROWTH_STEPS
-from nondet.launch import CapturedRun, Plan
+from nondet.launch import CapturedRun
 from nondet.records import INIT_STEP
+from nondet.runspec import Plan
 from nondet.schedule import KEEP_BYTES
 
 #: How long a discarded early run may take to stop at its turn before it is ended by signal.

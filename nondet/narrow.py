@@ -20,10 +20,10 @@ from nondet import compare
 from nondet.analysis import finding_facts
 from nondet.errors import ScriptFailed
 from nondet.finding import localize, measure_from_dumps, with_notes
-from nondet.launch import Plan, RunResult
 from nondet.live import narrowing_window
 from nondet.records import INIT_STEP
 from nondet.report import Divergence
+from nondet.runspec import Plan, RunResult
 from nondet.schedule import Judge, never_stop
 from nondet.store import Capture, open_capture
 

@@ -46,12 +46,13 @@ from nondet.analysis import (
 )
 from nondet.errors import NondetError
 from nondet.finding import concat, with_notes
-from nondet.launch import CapturedRun, Plan, RunResult, Target
+from nondet.launch import CapturedRun
 from nondet.live import Early, LiveCompare
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
 from nondet.repeatability import outcome, rows
 from nondet.report import Report, RunSummary
+from nondet.runspec import Plan, RunResult, Target
 from nondet.schedule import InternalChildError  # noqa: F401 - re-exported
 from nondet.store import Capture, open_capture
 

@@ -8,10 +8,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from nondet import narrow, pipeline, verify
-from nondet.launch import Plan, RunResult, Target
 from nondet.live import LiveCompare
 from nondet.recipe import Suggestion
 from nondet.report import Divergence
+from nondet.runspec import Plan, RunResult, Target
 from nondet.store import Capture
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from nondet import channel
 from nondet.errors import NondetError, ScriptFailed, Terminated
-from nondet.launch import Plan, RunResult
+from nondet.runspec import Plan, RunResult
 from nondet.turns import Judge as Judge  # re-exported: the judge of every schedule
 from nondet.turns import Turns
 

@@ -15,8 +15,8 @@ from nondet import outdir
 from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG
 
-if TYPE_CHECKING:  # launch (subprocesses, the capture writer) loads only for run and check
-    from nondet.launch import Target
+if TYPE_CHECKING:  # runspec (and the session config) loads only for run and check
+    from nondet.runspec import Target
 
 F = Callable[..., Any]
 
@@ -142,7 +142,7 @@ def make_target(module: str | None, script_and_args: tuple[str, ...],
     """The script (or module) and its arguments; unknown options and paths nondet cannot
     store are usage errors (exit 2), found before anything runs."""
     from nondet import launchline
-    from nondet.launch import Target
+    from nondet.runspec import Target
 
     if launchline.is_launch_line(script_and_args, module):
         target = launchline.parse_launch_line(script_and_args, module)

@@ -44,7 +44,7 @@ META_HOOK_ERROR = "hook_error"  # str: traceback of an exception inside nondet's
 META_DUMP_DONE = "dump_done"  # [step, index, count]: every kept output of a dump request sent
 META_OP_STEPS = "op_steps"  # list: the run records ops at these steps, not the planned ones
 #: true: this run's first training step is mostly single-threaded work (TensorFlow traces
-#: its step function there), so lockstep lets both runs compute it at once (schedule.Turns)
+#: its step function there), so lockstep lets both runs compute it at once (turns.Turns)
 META_OVERLAP_FIRST_STEP = "overlap_first_step"
 
 # -- END payload -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet.analysis import source_text
+from nondet.finding import source_text
 from nondet.frameworks.torch.comm import ENTRY_PREFIX
 from nondet.records import CommOutput, Kind, Phase
 from nondet.report import Divergence

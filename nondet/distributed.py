@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nondet import channel
-from nondet.launch import Plan, RunResult, Target, capture_attrs, child_config, child_env
 from nondet.launchline import RUN_MODULE, multi_node
+from nondet.runspec import Plan, RunResult, Target, capture_attrs, child_config, child_env
 from nondet.store import CaptureWriter
 from nondet.stream import RunStream
 

@@ -19,15 +19,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from nondet import compare, job_narrow, pipeline, sources, verify
+from nondet import compare, job_narrow, narrow, sources, verify
 from nondet.analysis import GROWTH_STEPS
 from nondet.distributed import STALL_AFTER, JobResult
 from nondet.jobrun import run_checked
 from nondet.jobs import Options, first_plan, rank_results
-from nondet.launch import Plan, RunResult, Target
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
 from nondet.report import CombinedFix, Divergence, Source
+from nondet.runspec import Plan, RunResult, Target
 from nondet.store import Capture, open_capture
 
 
@@ -91,7 +91,7 @@ class JobSteps:
             return self.run_pair(plans, apply + ids, folder)
 
         return verify.verify(suggestions, pair, run_fixed, self.stage,
-                             pipeline._op_steps_of(pair[0]), finding_step,
+                             narrow.op_steps_of(pair[0]), finding_step,
                              self.options.budget.pairs,
                              upto=max(finding_step, 0) + GROWTH_STEPS)
 

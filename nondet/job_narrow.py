@@ -1,4 +1,4 @@
-"""A job's finding, narrowed down to its op as for one process (``pipeline._narrow``).
+"""A job's finding, narrowed down to its op as for one process (``narrow.narrow``).
 
 The first jobs record ops at init and step 0 only (unless ``--ops all``). When they part
 at a later step, only the step is known; then two more jobs (``run-a-ops/``,
@@ -15,14 +15,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from nondet.analysis import Comparison, with_notes, with_suggestions
+from nondet.analysis import Comparison, with_suggestions
 from nondet.distributed import STALL_AFTER, JobResult
+from nondet.finding import with_notes
 from nondet.jobrun import run_checked
 from nondet.jobs import Options, compare_jobs, first_plan, rank_path
-from nondet.launch import Plan, Target
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
 from nondet.report import Divergence
+from nondet.runspec import Plan, Target
 from nondet.store import open_capture
 
 

@@ -17,8 +17,8 @@ from nondet.jobs import (
     rank_results,
     start,
 )
-from nondet.launch import Plan, Target
 from nondet.report import Report
+from nondet.runspec import Plan, Target
 from nondet.store import open_capture
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from nondet import channel, interventions
 from nondet.distributed import STALL_AFTER, Job, JobResult
 from nondet.errors import NondetError, ScriptFailed
-from nondet.launch import Plan, Target
+from nondet.runspec import Plan, Target
 from nondet.schedule import InternalChildError
 
 

@@ -25,17 +25,18 @@ from typing import Protocol
 import numpy as np
 
 from nondet import outdir
-from nondet.analysis import Comparison, compare_pair, with_notes, with_suggestions
+from nondet.analysis import Comparison, compare_pair, with_suggestions
 from nondet.collective import as_collective, is_collective
 from nondet.distributed import JobResult
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
+from nondet.finding import with_notes
 from nondet.frameworks.torch.comm import ENTRY_PREFIX
 from nondet.jobrun import run_checked
-from nondet.launch import Plan, RunResult, Target
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP, STEP_COMPONENTS, Kind, Phase
 from nondet.report import Divergence, RepeatRow, Report, RunSummary, Source
+from nondet.runspec import Plan, RunResult, Target
 from nondet.sources import Budget
 from nondet.store import Capture, open_capture
 

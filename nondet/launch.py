@@ -2,155 +2,34 @@
 
 ``CapturedRun`` starts ``python -m nondet.boot`` with the seed and plan in its environment,
 stores everything the child streams into the run's HDF5 file, keeps the step rows in memory
-(for live comparison and progress) and tells the child to stop when asked. How two runs
-share the machine (lockstep, one after the other) is ``nondet.schedule``.
+(for live comparison and progress) and tells the child to stop when asked. What a run is
+(``Target``, ``Plan``, ``RunResult``, the child's config) is ``nondet.runspec``; how two
+runs share the machine (lockstep, one after the other) is ``nondet.schedule``.
 """
 
 from __future__ import annotations
 
 import os
 import select
-import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 
-from nondet import channel, child_captures, environment, idle
+from nondet import channel, child_captures, idle
 from nondet.errors import NondetError, Terminated
-from nondet.session import CONFIG_ENV, ChildConfig
+from nondet.runspec import Plan as Plan  # re-exported: tests and callers name runs here
+from nondet.runspec import RunResult as RunResult
+from nondet.runspec import Target as Target
+from nondet.runspec import capture_attrs, child_config, child_env
 from nondet.store import CaptureWriter
 from nondet.stream import RunStream, ensure_space, write_failure
-
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
-
-
-@dataclass(frozen=True)
-class Target:
-    """What to run: a script path or a module name, plus the script's own arguments."""
-
-    script: str | None
-    module: str | None
-    args: tuple[str, ...] = ()
-    #: torchrun's own options (``--nproc-per-node 2 ...``) for a distributed job, else None:
-    #: the job is launched by ``nondet.distributed``, one capture per rank
-    launcher: tuple[str, ...] | None = None
-
-    def check(self) -> None:
-        if self.script is not None:
-            path = Path(self.script)
-            if not path.exists():
-                raise NondetError(f"script not found: {self.script}")
-            if not path.is_file():
-                raise NondetError(f"not a script file: {self.script}")
-
-    @property
-    def command(self) -> list[str]:
-        head = ["-m", str(self.module)] if self.module else [str(self.script)]
-        return [*head, *self.args]
-
-    def describe(self) -> str:
-        if self.launcher is not None:
-            return shlex.join(["torchrun", *self.launcher, *self.command])
-        return shlex.join(self.command)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What one run captures and when it stops."""
-
-    label: str  # "a", "b", "a-ops", ...
-    op_steps: list[int] | None  # steps with op-level recording (None: every step)
-    stop_after: int | None = None  # last step to run
-    dump: tuple[int, int] | None = None  # (step, record index) whose outputs to save
-    lockstep: bool = False  # take turns with another run (schedule.Lockstep)
-    keep_bytes: int = 0  # keep op outputs of op-captured steps, for dump requests
-    # op_steps is the first pair's default window: a framework whose op-level capture costs
-    # the whole run (TensorFlow) may record none and say so (session.ChildConfig)
-    ops_optional: bool = False
-
-
-@dataclass
-class RunResult:
-    label: str
-    path: Path
-    log_path: Path
-    status: str  # one of channel.STATUSES
-    exit_code: int
-    steps: int
-    error: str = ""
-    hook_error: str = ""
-    final: dict[str, Any] = field(default_factory=dict)
-    write_error: str = ""  # the parent could not write the capture: one line saying why
-    idle_ended: float = 0.0  # > 0: nondet ended the run after this many idle seconds
-
-    @property
-    def idle_note(self) -> str:
-        if not self.idle_ended:
-            return ""
-        return (f"run {self.label} sent nothing and used no CPU for {self.idle_ended:.0f} s "
-                f"after its last step ({self.steps} steps): nondet ended it and compared the "
-                "steps it recorded (NONDET_IDLE_AFTER sets the limit)")
-
-    @property
-    def complete(self) -> bool:
-        return self.status in ("complete", "stopped")
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").rstrip().splitlines()
-        except OSError:
-            return ""
-        return "\n".join(text[-lines:])
-
-
-
-def child_config(target: Target, plan: Plan, seed: int) -> ChildConfig:
-    """What a recorded run is told (its descriptors are filled in when it starts)."""
-    return ChildConfig(
-        label=plan.label, seed=seed, channel_fd=-1, control_fd=-1,
-        script=os.path.abspath(target.script) if target.script else None,
-        module=target.module, args=list(target.args),
-        op_steps=plan.op_steps, stop_after=plan.stop_after, dump=plan.dump,
-        lockstep=plan.lockstep, keep_bytes=plan.keep_bytes, ops_optional=plan.ops_optional,
-    )
-
-
-def child_env(config: ChildConfig, extra_env: dict[str, str]) -> dict[str, str]:
-    """A recorded run's environment: ours, the interventions, its config, a fixed
-    PYTHONHASHSEED (unless the user set one) and nondet importable."""
-    env = {**os.environ, **extra_env}
-    env[CONFIG_ENV] = config.to_env()
-    env.setdefault("PYTHONHASHSEED", str(config.seed % 2**32))
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def capture_attrs(target: Target, plan: Plan, seed: int, rank: int = 0,
-                  world_size: int = 1) -> dict[str, Any]:
-    """The root attributes of a run's capture (a rank's, in a distributed job)."""
-    return {
-        "label": plan.label,
-        "command": target.command,
-        "script": target.script or "",
-        "module": target.module or "",
-        "script_sha256": environment.script_digest(target.script) if target.script else "",
-        "seed": seed,
-        "started": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cwd": os.getcwd(),
-        "rank": rank,
-        "world_size": world_size,
-        "op_steps": "all" if plan.op_steps is None else plan.op_steps,
-    }
 
 
 class CapturedRun(RunStream):

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from nondet.errors import NondetError
-from nondet.launch import Target
+from nondet.runspec import Target
 
 #: The words that start a torchrun launch line (after nondet's options).
 _TORCHRUN = ("torchrun",)

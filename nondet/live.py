@@ -2,7 +2,7 @@
 
 A first pair that parts at a step it did not record op by op (TensorFlow declines step 0 of
 its op window: docs/architecture.md, "The first pair") is followed by a narrowing pair
-(``pipeline._narrow``), whose start-up (interpreter, framework import, the script's own
+(``narrow.narrow``), whose start-up (interpreter, framework import, the script's own
 set-up up to its first step) costs seconds. In lockstep those two runs are started as soon
 as the first pair parts (``Early.anticipate``): they run to their init row and wait there
 for their turn, while the first pair runs its growth steps and stops, so their start-up
@@ -23,8 +23,9 @@ import numpy as np
 
 from nondet import compare
 from nondet.analysis import GROWTH_STEPS
-from nondet.launch import CapturedRun, Plan
+from nondet.launch import CapturedRun
 from nondet.records import INIT_STEP
+from nondet.runspec import Plan
 from nondet.schedule import KEEP_BYTES
 
 #: How long a discarded early run may take to stop at its turn before it is ended by signal.
@@ -98,7 +99,7 @@ class Early:
             if self._closed or self._runs:
                 return
             for label in ("a-ops", "b-ops"):
-                # exactly what pipeline._narrow's lockstep pair asks for (schedule.Lockstep)
+                # exactly what narrow.narrow's lockstep pair asks for (schedule.Lockstep)
                 plan = Plan(label, window, lockstep=True, keep_bytes=KEEP_BYTES)
                 run = self.make_run(plan)
                 try:

@@ -6,9 +6,11 @@
    steps after the first difference.
 2. If that step had no op-level recording (or only its step rows name the data that
    differs, without a line), re-run both recording the ops of it and the step before
-   (in lockstep these runs start as soon as the first pair parts: ``nondet.live``).
+   (``nondet.narrow``; in lockstep these runs start as soon as the first pair parts:
+   ``nondet.live``).
 3. Apply the injection rule to the op records; then re-run both once more up to the
-   finding and save its outputs, to count how many elements differ and by how much.
+   finding and save its outputs, to count how many elements differ and by how much
+   (``narrow.measured``).
 4. Look the finding up in the recipe table; with ``Options.verify``, re-run the pair with
    each suggested fix applied from outside until one makes the runs repeat (``verify``),
    then run on with it applied to find every further source (``sources``).
@@ -17,34 +19,40 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from nondet import baseline, compare, environment, interventions, jobs, outdir, schedule, sources
+from nondet import (
+    baseline,
+    compare,
+    environment,
+    interventions,
+    jobs,
+    narrow,
+    outdir,
+    schedule,
+    sources,
+)
 from nondet.analysis import (
     Comparison,
     compare_pair,
-    concat,
-    finding_facts,
-    localize,
-    measure_from_dumps,
     summary_of_capture,
-    with_notes,
     with_suggestions,
 )
-from nondet.errors import NondetError, ScriptFailed
-from nondet.launch import CapturedRun, Plan, RunResult, Target
-from nondet.live import Early, LiveCompare, narrowing_window
+from nondet.errors import NondetError
+from nondet.finding import concat, with_notes
+from nondet.launch import CapturedRun
+from nondet.live import Early, LiveCompare
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
 from nondet.repeatability import outcome, rows
-from nondet.report import Divergence, Report, RunSummary
+from nondet.report import Report, RunSummary
+from nondet.runspec import Plan, RunResult, Target
 from nondet.schedule import InternalChildError  # noqa: F401 - re-exported
 from nondet.store import Capture, open_capture
 
@@ -85,6 +93,16 @@ def _run_pair(target: Target, plans: tuple[Plan, Plan], options: Options,
     the script again. Sequentially, the second run is judged against the first as it goes.
     """
     return _schedule(target, options, progress).run_pair(plans, judge, on_hold=_fetch_kept)
+
+
+def _pair_runner(target: Target, options: Options, progress: ProgressSink) -> narrow.RunPair:
+    """``_run_pair`` for this target and options, for the re-runs of ``nondet.narrow``."""
+
+    def run_pair(plans: tuple[Plan, Plan],
+                 judge: schedule.Judge = schedule.never_stop) -> tuple[RunResult, RunResult]:
+        return _run_pair(target, plans, options, progress, judge=judge)
+
+    return run_pair
 
 
 def _schedule(target: Target, options: Options, progress: ProgressSink) -> schedule.Schedule:
@@ -311,10 +329,12 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
     # may not say where it entered; the op records of that step always do.
     unplaced_entry = div.kind == "entry" and div.op_index is None and not div.source
     # A first pair's framework may also have declined step 0 of its op window (``_first``).
-    covered = _op_steps_of(a)
+    covered = narrow.op_steps_of(a)
+    run_pair = _pair_runner(target, options, progress)
     if (not div.localized or unplaced_entry) and step_div is not None and (
             step_div.step >= 1 or (covered is not None and step_div.step not in covered)):
-        narrowed, written = _narrow(target, options, progress, step_div.step)
+        narrowed, written = narrow.narrow(run_pair, progress.stage, step_div.step,
+                                          lockstep=options.schedule == "lockstep")
         extra += written
         if narrowed is None:
             div = with_notes(
@@ -325,97 +345,11 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
             div, op_capture, op_capture_b = narrowed
 
     if div.localized and div.kind in ("op", "entry") and div.op_index is not None:
-        div, written = _measured(target, options, progress, div, op_capture, op_capture_b)
+        div, written = narrow.measured(run_pair, progress.stage, div, op_capture,
+                                       op_capture_b)
         extra += written
     found = replace(found, first_divergence=div)
     return (*with_suggestions(found, a), extra)
-
-
-def _measured(target: Target, options: Options, progress: ProgressSink, div: Divergence,
-              op_capture: Capture, op_capture_b: Capture) -> tuple[Divergence, list[str]]:
-    """The finding with the sizes of its difference: from the outputs the runs kept, else
-    from two more runs (not for TensorFlow graph ops, which are hashed inside the graph and
-    whose outputs are not saved)."""
-    measured = measure_from_dumps(div, op_capture, op_capture_b)
-    if measured is not None:
-        return measured, []
-    if finding_facts(div, op_capture)["framework"] == "tensorflow":
-        return with_notes(div, "sizes are not measured for TensorFlow ops"), []
-    return _measure(target, options, progress, div, op_capture)
-
-
-def _narrow(target: Target, options: Options, progress: ProgressSink, step: int,
-            ) -> tuple[tuple[Divergence, Capture, Capture] | None, list[str]]:
-    """Re-run both with op-level recording for ``step`` and the one before: the finding with
-    the captures it is in (None if the re-runs did not part there), and every capture written.
-
-    A timing-dependent cause may strike at another step in the re-runs. If they part
-    elsewhere (or not at all by ``step``), the second attempt captures every op and runs
-    until the runs first differ, wherever that is.
-    """
-    first = narrowing_window(step)  # the runs nondet.live may have started early
-    attempts: list[tuple[str, list[int] | None, Any]] = [
-        (*first, lambda k, _a, _b: k < step),
-        ("every step until the runs differ", None, _until_different),
-    ]
-    written: list[str] = []
-    for number, (scope, window, judge) in enumerate(attempts, start=1):
-        again = " (second try)" if number == 2 else ""
-        progress.stage(f"narrowing down: op-level recording of {scope}, in two new runs{again}")
-        # In lockstep the judge stops both runs (held, so they can be asked for the outputs
-        # they kept); one after the other, the first attempt's runs stop themselves.
-        stop_after = max(step, 0) if options.schedule != "lockstep" and window is not None \
-            else None
-        ra, rb = _run_pair(target, (Plan("a-ops", window, stop_after=stop_after),
-                                    Plan("b-ops", window, stop_after=stop_after)),
-                           options, progress, judge=judge)
-        oa, ob = open_capture(ra.path), open_capture(rb.path)
-        written += [str(oa.path), str(ob.path)]
-        parted = compare.first_step_divergence(oa.steps, ob.steps)
-        steps = window if window is not None else oa.op_steps()
-        if parted is None or not steps or parted.step < steps[0]:
-            continue  # these runs did not part inside the window
-        found = localize(oa, ob, [s for s in steps if s <= parted.step])
-        if found is not None:
-            return (with_notes(found, f"the first difference was at step {step} in the first "
-                               "two runs; op-level recording was re-run to find the op"),
-                    oa, ob), written
-    return None, written
-
-
-def _until_different(step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
-    return row_a is not None and row_b is not None and not compare.rows_differ(row_a, row_b)
-
-
-def _measure(target: Target, options: Options, progress: ProgressSink, div: Divergence,
-             capture: Capture) -> tuple[Divergence, list[str]]:
-    """The dump pass: save the finding's outputs in two more runs and compare them."""
-    op_steps = _op_steps_of(capture)
-    step = INIT_STEP if div.step is None else div.step
-    progress.stage(f"measuring the difference: two short runs up to op #{div.op_index}")
-    plans = (Plan("a-dump", op_steps, stop_after=max(step, 0), dump=(step, div.op_index or 0)),
-             Plan("b-dump", op_steps, stop_after=max(step, 0), dump=(step, div.op_index or 0)))
-    try:
-        ra, rb = _run_pair(target, plans, options, progress)
-    except ScriptFailed as exc:
-        return with_notes(div, f"could not measure the difference: {exc}"), []
-    da, db = open_capture(ra.path), open_capture(rb.path)
-    written = [str(da.path), str(db.path)]
-    measured = measure_from_dumps(div, da, db)
-    if measured is None:
-        return with_notes(div, "the measuring runs did not reach the op again; sizes not "
-                          "measured"), written
-    if measured.mismatched_elements == 0:
-        return with_notes(measured, "in the measuring runs this op happened to give identical "
-                          "outputs; the difference is intermittent"), written
-    return measured, written
-
-
-def _op_steps_of(capture: Capture) -> list[int] | None:
-    value = capture.attrs.get("op_steps", "all")
-    if value == "all":
-        return None
-    return list(json.loads(value)) if isinstance(value, str) else list(value)
 
 
 # -- summaries -----------------------------------------------------------------------------------

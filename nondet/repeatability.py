@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from nondet.fingerprint import combine
-from nondet.launch import RunResult
 from nondet.report import RepeatRow
+from nondet.runspec import RunResult
 from nondet.store import Capture
 
 #: (final weights' digest, training steps, last loss) of one run (one rank).

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from nondet import pipeline, verify
-from nondet.launch import Plan, RunResult, Target
+from nondet import narrow, pipeline, verify
 from nondet.live import LiveCompare
 from nondet.recipe import Suggestion
 from nondet.report import Divergence
+from nondet.runspec import Plan, RunResult, Target
 from nondet.store import Capture
 
 
@@ -47,8 +47,8 @@ class PipelineSteps:
         def run_fixed(plans: tuple[Plan, Plan], ids: tuple[str, ...],
                       ) -> tuple[RunResult, RunResult]:
             return pipeline._run_pair(self.target, plans, self._with(apply + ids, folder),
-                             self.progress, judge=pipeline._until_different)
+                             self.progress, judge=narrow.until_different)
 
         return verify.verify(suggestions, pair, run_fixed, self.progress.stage,
-                             pipeline._op_steps_of(pair[0]), finding_step,
+                             narrow.op_steps_of(pair[0]), finding_step,
                              self.options.budget.pairs)

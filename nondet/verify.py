@@ -33,8 +33,8 @@ import numpy as np
 
 from nondet import compare, interventions
 from nondet.errors import ScriptFailed
-from nondet.launch import Plan, RunResult
 from nondet.recipe import Suggestion
+from nondet.runspec import Plan, RunResult
 from nondet.store import Capture, open_capture
 
 #: Runs a pair with the given interventions applied, judged by the given function.

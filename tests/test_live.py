@@ -11,7 +11,8 @@ from nondet import channel
 from nondet.launch import Plan
 from nondet.live import Early, LiveCompare, narrowing_window
 from nondet.records import STEP_DTYPE
-from nondet.schedule import KEEP_BYTES, Lockstep, Turns, never_stop
+from nondet.schedule import KEEP_BYTES, Lockstep, never_stop
+from nondet.turns import Turns
 from tests.test_schedule import BOUND, FakeRun, Script, _bounded, _Recorder, _row
 
 

@@ -370,7 +370,7 @@ def _row(step: int, fp: int = 0) -> np.void:
 def test_turns_a_stop_reaches_a_run_that_already_ended() -> None:
     """The hang of issue 12: run b fails, the judge stops at the step it is missing; run b
     may be waiting in Session.finish and must be told too."""
-    from nondet.schedule import Turns
+    from nondet.turns import Turns
 
     a, b = _Recorder("a"), _Recorder("b")
     turns = Turns(a, b, _stop_when_a_row_is_missing, hold=True)  # type: ignore[arg-type]
@@ -387,7 +387,7 @@ def test_turns_a_stop_reaches_a_run_that_already_ended() -> None:
 
 
 def test_turns_hold_then_release_stops_both() -> None:
-    from nondet.schedule import Turns
+    from nondet.turns import Turns
 
     a, b = _Recorder("a"), _Recorder("b")
     turns = Turns(a, b, lambda step, ra, rb: step < 1, hold=True)  # type: ignore[arg-type]
@@ -402,7 +402,7 @@ def test_turns_hold_then_release_stops_both() -> None:
 
 
 def test_turns_stall_frees_both_once() -> None:
-    from nondet.schedule import Turns
+    from nondet.turns import Turns
 
     now = [0.0]
     a, b = _Recorder("a"), _Recorder("b")
@@ -420,7 +420,7 @@ def test_turns_stall_frees_both_once() -> None:
 def test_turns_both_runs_compute_the_first_step_when_both_ask() -> None:
     """TensorFlow traces its step function in step 0 (single-threaded Python): when both
     runs say so, both get their word after init at once; turns resume from step 1."""
-    from nondet.schedule import Turns
+    from nondet.turns import Turns
 
     a, b = _Recorder("a"), _Recorder("b")
     a.overlap_first_step = b.overlap_first_step = True  # type: ignore[attr-defined]
@@ -437,7 +437,7 @@ def test_turns_both_runs_compute_the_first_step_when_both_ask() -> None:
 
 
 def test_turns_take_turns_at_the_first_step_unless_both_ask() -> None:
-    from nondet.schedule import Turns
+    from nondet.turns import Turns
 
     a, b = _Recorder("a"), _Recorder("b")
     a.overlap_first_step = True  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
-from nondet import analysis
+from nondet import analysis, finding
 from nondet.records import Phase
 from nondet.report import Divergence, Report, github, junit
 from nondet.session import SourceLocator
@@ -56,7 +56,7 @@ def test_source_text_is_what_the_run_captured(tmp_path: Path) -> None:
     assert div is not None and div.source == "train.py:2"
     assert div.source_text == "out = table[idx]  # captured"
     (tmp_path / "other.py").write_text("secret = 1\n")
-    assert analysis.source_text(ca, "other.py:1") == ""  # no text captured for it
+    assert finding.source_text(ca, "other.py:1") == ""  # no text captured for it
     assert ca.source_text("train.py:2") == "out = table[idx]  # captured"
 
 

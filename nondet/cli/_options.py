@@ -13,9 +13,10 @@ import click
 
 from nondet import outdir
 from nondet.errors import NondetError
+from nondet.exitcodes import EPILOG
 
-if TYPE_CHECKING:  # launch (subprocesses, the capture writer) loads only for run and check
-    from nondet.launch import Target
+if TYPE_CHECKING:  # runspec (and the session config) loads only for run and check
+    from nondet.runspec import Target
 
 F = Callable[..., Any]
 
@@ -31,6 +32,20 @@ class TargetCommand(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta["nondet.raw_args"] = list(args)
         return super().parse_args(ctx, args)
+
+
+def target_command(cls: type[TargetCommand] = TargetCommand) -> Callable[[F], click.Command]:
+    """Declare a command that runs a target (``run``, ``check``): options first, then SCRIPT
+    and everything after it, passed to the script unparsed; ``target_options`` included."""
+
+    def declare(function: F) -> click.Command:
+        return click.command(
+            cls=cls,
+            context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+            epilog=EPILOG,
+        )(target_options(function))
+
+    return declare
 
 
 def target_options(command: F) -> F:
@@ -127,7 +142,7 @@ def make_target(module: str | None, script_and_args: tuple[str, ...],
     """The script (or module) and its arguments; unknown options and paths nondet cannot
     store are usage errors (exit 2), found before anything runs."""
     from nondet import launchline
-    from nondet.launch import Target
+    from nondet.runspec import Target
 
     if launchline.is_launch_line(script_and_args, module):
         target = launchline.parse_launch_line(script_and_args, module)

@@ -18,13 +18,13 @@ from nondet.cli._options import (
     make_target,
     require_utf8,
     source_root,
-    target_options,
+    target_command,
     verify_options,
     write_html,
     write_output,
 )
 from nondet.errors import NondetError
-from nondet.exitcodes import EPILOG, ExitCode
+from nondet.exitcodes import ExitCode
 from nondet.outdir import display
 
 
@@ -56,12 +56,7 @@ def _raw_value(args: list[str], option: str) -> str | None:
     return None
 
 
-@click.command(
-    cls=CheckCommand,
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
-    epilog=EPILOG,
-)
-@target_options
+@target_command(CheckCommand)
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write a JUnit XML report (one test case) to this file.")
 @click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False, path_type=Path),

@@ -8,27 +8,20 @@ import click
 
 from nondet.cli._common import App
 from nondet.cli._options import (
-    TargetCommand,
     check_html_file,
     check_output_file,
     invocation,
     make_options,
     make_target,
     source_root,
-    target_options,
+    target_command,
     verify_options,
     write_html,
     write_output,
 )
-from nondet.exitcodes import EPILOG
 
 
-@click.command(
-    cls=TargetCommand,
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
-    epilog=EPILOG,
-)
-@target_options
+@target_command()
 @click.option("--no-verify", is_flag=True,
               help="Do not re-run with the suggested fixes applied to verify them.")
 @verify_options

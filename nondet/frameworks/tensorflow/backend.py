@@ -1,7 +1,7 @@
 """The TensorFlow backend: steps, variables, data and op capture for TF 2.x and Keras 3.
 
 Installed right after the script imports tensorflow. It seeds TF (and Keras when imported),
-then hooks:
+then hooks (tensorflow/hooks.py, unless said otherwise):
 
 - the op callbacks (tensorflow/ops.py): eager ops as they run, graph ops when traced;
 - variable creation (a variable creator): every ``tf.Variable`` with the line that made it,
@@ -18,9 +18,9 @@ from __future__ import annotations
 import functools
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -28,7 +28,7 @@ import tensorflow as tf
 from nondet import channel, frameworks
 from nondet.frameworks.base import Session, StepLifecycle, StepState, group_fp
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.tensorflow import data
+from nondet.frameworks.tensorflow import data, hooks
 from nondet.frameworks.tensorflow import seeding as tf_seeding
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
@@ -42,13 +42,6 @@ from nondet.frameworks.tensorflow.state import (
 from nondet.frameworks.tensorflow.statehash import StateHasher
 from nondet.records import INIT_STEP, Group, Kind, Phase
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _not_converted(function: _F) -> _F:
-    """AutoGraph leaves ``function`` alone (a typed ``do_not_convert``: TF's is untyped)."""
-    return cast(_F, tf.autograph.experimental.do_not_convert(function))
-
 
 class TFBackend(StepLifecycle):
     name = "tensorflow"
@@ -57,9 +50,9 @@ class TFBackend(StepLifecycle):
         self.layer_stack: list[int] = []
         self.scopes: dict[str, tuple[int, int]] = {}  # graph name scope -> (module, source)
         self.variables: list[TrackedVariable] = []
-        self._making_own_variables = False
+        self.making_own_variables = False
         self._state_hasher: StateHasher | None = None  # made with the recorder's variables
-        self.evaluating = False  # inside Keras evaluate/predict (see _mark_evaluation)
+        self.evaluating = False  # inside Keras evaluate/predict (see hooks._mark_evaluation)
         super().__init__(session)
         try:
             tf.random.set_seed(session.config.seed)
@@ -74,10 +67,10 @@ class TFBackend(StepLifecycle):
             self._decline_on_trace = bool(session.config.ops_optional and planned
                                           and max(planned) > INIT_STEP)
             self.recorder = TFOpRecorder(self)
-            self._install_hooks()
+            self._creator_scope = hooks.install(self)  # kept referenced: see hooks.install
             data.install(self)  # tf.data options, Keras PyDataset workers
             tf_seeding.install(session)  # after nondet's own seeding above
-            frameworks.after_import("keras", self._install_keras_hooks)
+            frameworks.after_import("keras", functools.partial(hooks.install_keras, self))
             session.send_meta({"env": tf_environment()})
             self._sync_capture()
         except Exception:
@@ -88,7 +81,7 @@ class TFBackend(StepLifecycle):
         if not self.started:
             # Sent before the init row: the first step traces the step function (seconds of
             # single-threaded Python), so lockstep runs it in both runs at once (measured in
-            # docs/benchmarks.md; schedule.Turns).
+            # docs/benchmarks.md; turns.Turns).
             self.session.send_meta({channel.META_OVERLAP_FIRST_STEP: True})
         super().start_training()
 
@@ -96,156 +89,7 @@ class TFBackend(StepLifecycle):
         super()._reset_step()
         self.grads: list[Fp] = []  # eager updates only: traced gradients stay in the graph
 
-    # -- hooks ---------------------------------------------------------------------------------
-    def _install_hooks(self) -> None:
-        backend = self
-
-        def creator(next_creator: Any, **kwargs: Any) -> Any:
-            variable = next_creator(**kwargs)
-            if not backend.disabled and not backend._making_own_variables:
-                with backend.guarded():
-                    backend._track(variable)
-            return variable
-
-        # Entered for good (and kept referenced, or leaving the generator would exit it):
-        # every variable made in this thread from now on passes through.
-        self._creator_scope = tf.variable_creator_scope(creator)
-        self._creator_scope.__enter__()
-
-        original_gradient = tf.GradientTape.gradient
-
-        @functools.wraps(original_gradient)
-        @_not_converted
-        def gradient(tape: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-            if backend.disabled:
-                return original_gradient(tape, target, *args, **kwargs)
-            with backend.guarded():
-                backend._note_loss(target)
-            previous, backend.phase = backend.phase, Phase.BACKWARD
-            try:
-                return original_gradient(tape, target, *args, **kwargs)
-            finally:
-                backend.phase = previous
-
-        tf.GradientTape.gradient = gradient
-
-        from tensorflow.python.data.ops import iterator_ops
-
-        original_next = iterator_ops.OwnedIterator.__next__
-
-        @functools.wraps(original_next)
-        @_not_converted
-        def iterator_next(iterator: Any) -> Any:
-            if backend.disabled or backend.evaluating or not tf.executing_eagerly():
-                return original_next(iterator)
-            previous, backend.phase = backend.phase, Phase.DATA
-            try:
-                element = original_next(iterator)
-            finally:
-                backend.phase = previous
-            tensors = tf.nest.flatten(element)
-            with backend.guarded():
-                fps = backend.recorder.entry("tf_data", "iterator next", tensors)
-                if fps:
-                    numel = sum(t.shape.num_elements() or 0 for t in tensors if hashable(t))
-                    backend.add_data("tf_data:iterator next", fps, numel)
-            return element
-
-        iterator_ops.OwnedIterator.__next__ = iterator_next
-
-    def _install_keras_hooks(self) -> None:
-        import keras
-        from keras.src.layers.layer import Layer
-        from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-        backend = self
-        keras.utils.set_random_seed(self.session.config.seed)
-
-        original_call = Layer.__call__
-
-        @functools.wraps(original_call)
-        @_not_converted
-        def layer_call(layer: Any, *args: Any, **kwargs: Any) -> Any:
-            if backend.disabled:
-                return original_call(layer, *args, **kwargs)
-            layer_id = -1
-            with backend.guarded():
-                layer_id = backend._layer_id(layer)
-            backend.layer_stack.append(layer_id)
-            try:
-                return original_call(layer, *args, **kwargs)
-            finally:
-                backend.layer_stack.pop()
-
-        Layer.__call__ = layer_call
-
-        original_init = BaseOptimizer.__init__
-
-        @functools.wraps(original_init)
-        @_not_converted
-        def optimizer_init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-            original_init(optimizer, *args, **kwargs)
-            if not backend.disabled and not backend.started:
-                with backend.guarded(), tf.init_scope():
-                    backend.start_training()
-
-        BaseOptimizer.__init__ = optimizer_init
-
-        original_apply = BaseOptimizer.apply
-
-        @functools.wraps(original_apply)
-        @_not_converted
-        def apply(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            if backend.disabled:
-                return original_apply(optimizer, *args, **kwargs)
-            previous, backend.phase = backend.phase, Phase.OPTIMIZER
-            try:
-                result = original_apply(optimizer, *args, **kwargs)
-            finally:
-                backend.phase = previous
-            with backend.guarded():
-                if tf.executing_eagerly():
-                    backend._note_gradients(args[0] if args else kwargs.get("grads", ()))
-                    if not backend.explicit:
-                        backend.boundary()
-                else:
-                    backend.recorder.count_update()  # in a graph: counted when it runs
-            return result
-
-        BaseOptimizer.apply = apply
-        self._mark_evaluation()
-
-    def _mark_evaluation(self) -> None:
-        """``evaluate``/``predict`` (also ``fit``'s validation) do not train: what their
-        functions read and compute is not part of the next training step."""
-        try:
-            from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-        except ImportError:  # another Keras layout: validation counts into the next step
-            return
-        backend = self
-        for method in ("evaluate", "predict"):
-            original = getattr(TensorFlowTrainer, method)
-
-            def not_training(model: Any, *args: Any, _original: Any = original,
-                             **kwargs: Any) -> Any:
-                outer, backend.evaluating = backend.evaluating, True
-                try:
-                    return _original(model, *args, **kwargs)
-                finally:
-                    backend.evaluating = outer
-
-            setattr(TensorFlowTrainer, method, functools.wraps(original)(not_training))
-
-    def _layer_id(self, layer: Any) -> int:
-        path = getattr(layer, "path", None) or getattr(layer, "name", "")
-        import keras
-
-        parts = str(path).split("/")
-        if isinstance(layer, keras.Model) and len(parts) == 1:
-            return self.session.intern("")
-        return self.session.intern("/".join(parts[1:]) if len(parts) > 1 else parts[0])
-
-    def _track(self, variable: Any) -> None:
+    def track(self, variable: Any) -> None:
         files = " ".join(frame.filename for frame in traceback.extract_stack(limit=40))
         group = variable_group(variable, files)
         source = self.session.sources.here(3)
@@ -256,7 +100,7 @@ class TFBackend(StepLifecycle):
         self.variables.append(TrackedVariable(ref, str(getattr(variable, "name", "?")),
                                               self.session.string(source), group))
 
-    def _note_loss(self, target: Any) -> None:
+    def note_loss(self, target: Any) -> None:
         if not tf.executing_eagerly():
             self.recorder.carry_loss(target)
             return
@@ -271,7 +115,7 @@ class TFBackend(StepLifecycle):
         except (TypeError, ValueError):
             pass
 
-    def _note_gradients(self, grads: Any) -> None:
+    def note_gradients(self, grads: Any) -> None:
         """The gradients an eager update applies (traced updates keep theirs in the graph:
         their effect shows in the parameters after the update)."""
         with self._paused():
@@ -363,11 +207,11 @@ class TFBackend(StepLifecycle):
     @contextmanager
     def own_variables(self) -> Iterator[None]:
         """Variables made in here are nondet's: not tracked as the script's state."""
-        self._making_own_variables = True
+        self.making_own_variables = True
         try:
             yield
         finally:
-            self._making_own_variables = False
+            self.making_own_variables = False
 
     @contextmanager
     def _paused(self) -> Iterator[None]:

@@ -1,0 +1,212 @@
+"""The script's TensorFlow and Keras calls hooked for the backend (``TFBackend``).
+
+- variable creation (a variable creator): every ``tf.Variable`` with the line that made it;
+- ``GradientTape.gradient``: the backward phase, and the loss (``note_loss``);
+- tf.data iterators used from Python: data entering;
+- Keras (once ``keras`` has finished importing): layer calls (module paths), optimizer
+  creation (training starts) and updates (the step boundary in eager code, counted in-graph
+  for ``tf.function``/``fit``); ``evaluate``/``predict`` marked as not training.
+
+Each hook calls the original first when capture is disabled, and never raises into the
+script (``guarded``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, TypeVar, cast
+
+import tensorflow as tf
+
+from nondet.frameworks.base import RecorderHost
+from nondet.frameworks.fp import Fp
+from nondet.frameworks.tensorflow.hashing import hashable
+from nondet.frameworks.tensorflow.ops import TFOpRecorder
+from nondet.records import Phase
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def not_converted(function: _F) -> _F:
+    """AutoGraph leaves ``function`` alone (a typed ``do_not_convert``: TF's is untyped)."""
+    return cast(_F, tf.autograph.experimental.do_not_convert(function))
+
+
+class HookHost(RecorderHost, Protocol):
+    """What the hooks need from the backend (``TFBackend``)."""
+
+    recorder: TFOpRecorder
+    started: bool
+    explicit: bool  # nondet.step() is in charge of boundaries
+    evaluating: bool  # inside Keras evaluate/predict
+    layer_stack: list[int]
+    making_own_variables: bool  # nondet's own variables are not the script's state
+
+    def guarded(self) -> AbstractContextManager[None]: ...
+
+    def start_training(self) -> None: ...
+
+    def boundary(self) -> None: ...
+
+    def add_data(self, label: str, fps: list[Fp], numel: int) -> None: ...
+
+    def track(self, variable: Any) -> None: ...
+
+    def note_loss(self, target: Any) -> None: ...
+
+    def note_gradients(self, grads: Any) -> None: ...
+
+
+def install(backend: HookHost) -> Any:
+    """Hook variable creation, ``GradientTape.gradient`` and tf.data iterators; returns the
+    variable creator scope, which the caller keeps referenced (see below)."""
+
+    def creator(next_creator: Any, **kwargs: Any) -> Any:
+        variable = next_creator(**kwargs)
+        if not backend.disabled and not backend.making_own_variables:
+            with backend.guarded():
+                backend.track(variable)
+        return variable
+
+    # Entered for good (and kept referenced, or leaving the generator would exit it):
+    # every variable made in this thread from now on passes through.
+    creator_scope = tf.variable_creator_scope(creator)
+    creator_scope.__enter__()
+
+    original_gradient = tf.GradientTape.gradient
+
+    @functools.wraps(original_gradient)
+    @not_converted
+    def gradient(tape: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        if backend.disabled:
+            return original_gradient(tape, target, *args, **kwargs)
+        with backend.guarded():
+            backend.note_loss(target)
+        previous, backend.phase = backend.phase, Phase.BACKWARD
+        try:
+            return original_gradient(tape, target, *args, **kwargs)
+        finally:
+            backend.phase = previous
+
+    tf.GradientTape.gradient = gradient
+
+    from tensorflow.python.data.ops import iterator_ops
+
+    original_next = iterator_ops.OwnedIterator.__next__
+
+    @functools.wraps(original_next)
+    @not_converted
+    def iterator_next(iterator: Any) -> Any:
+        if backend.disabled or backend.evaluating or not tf.executing_eagerly():
+            return original_next(iterator)
+        previous, backend.phase = backend.phase, Phase.DATA
+        try:
+            element = original_next(iterator)
+        finally:
+            backend.phase = previous
+        tensors = tf.nest.flatten(element)
+        with backend.guarded():
+            fps = backend.recorder.entry("tf_data", "iterator next", tensors)
+            if fps:
+                numel = sum(t.shape.num_elements() or 0 for t in tensors if hashable(t))
+                backend.add_data("tf_data:iterator next", fps, numel)
+        return element
+
+    iterator_ops.OwnedIterator.__next__ = iterator_next
+    return creator_scope
+
+
+def install_keras(backend: HookHost) -> None:
+    """Seed Keras and hook layer calls, optimizer creation and updates, evaluation."""
+    import keras
+    from keras.src.layers.layer import Layer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    keras.utils.set_random_seed(backend.session.config.seed)
+
+    original_call = Layer.__call__
+
+    @functools.wraps(original_call)
+    @not_converted
+    def layer_call(layer: Any, *args: Any, **kwargs: Any) -> Any:
+        if backend.disabled:
+            return original_call(layer, *args, **kwargs)
+        layer_id = -1
+        with backend.guarded():
+            layer_id = _layer_id(backend, layer)
+        backend.layer_stack.append(layer_id)
+        try:
+            return original_call(layer, *args, **kwargs)
+        finally:
+            backend.layer_stack.pop()
+
+    Layer.__call__ = layer_call
+
+    original_init = BaseOptimizer.__init__
+
+    @functools.wraps(original_init)
+    @not_converted
+    def optimizer_init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(optimizer, *args, **kwargs)
+        if not backend.disabled and not backend.started:
+            with backend.guarded(), tf.init_scope():
+                backend.start_training()
+
+    BaseOptimizer.__init__ = optimizer_init
+
+    original_apply = BaseOptimizer.apply
+
+    @functools.wraps(original_apply)
+    @not_converted
+    def apply(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if backend.disabled:
+            return original_apply(optimizer, *args, **kwargs)
+        previous, backend.phase = backend.phase, Phase.OPTIMIZER
+        try:
+            result = original_apply(optimizer, *args, **kwargs)
+        finally:
+            backend.phase = previous
+        with backend.guarded():
+            if tf.executing_eagerly():
+                backend.note_gradients(args[0] if args else kwargs.get("grads", ()))
+                if not backend.explicit:
+                    backend.boundary()
+            else:
+                backend.recorder.count_update()  # in a graph: counted when it runs
+        return result
+
+    BaseOptimizer.apply = apply
+    _mark_evaluation(backend)
+
+
+def _mark_evaluation(backend: HookHost) -> None:
+    """``evaluate``/``predict`` (also ``fit``'s validation) do not train: what their
+    functions read and compute is not part of the next training step."""
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:  # another Keras layout: validation counts into the next step
+        return
+    for method in ("evaluate", "predict"):
+        original = getattr(TensorFlowTrainer, method)
+
+        def not_training(model: Any, *args: Any, _original: Any = original,
+                         **kwargs: Any) -> Any:
+            outer, backend.evaluating = backend.evaluating, True
+            try:
+                return _original(model, *args, **kwargs)
+            finally:
+                backend.evaluating = outer
+
+        setattr(TensorFlowTrainer, method, functools.wraps(original)(not_training))
+
+
+def _layer_id(backend: HookHost, layer: Any) -> int:
+    path = getattr(layer, "path", None) or getattr(layer, "name", "")
+    import keras
+
+    parts = str(path).split("/")
+    if isinstance(layer, keras.Model) and len(parts) == 1:
+        return backend.session.intern("")
+    return backend.session.intern("/".join(parts[1:]) if len(parts) > 1 else parts[0])

@@ -67,7 +67,7 @@ from nondet.frameworks.tensorflow.graph import (
     entry_label,
     numel,
 )
-from nondet.frameworks.tensorflow.hashing import hashable
+from nondet.frameworks.tensorflow.hashing import hashable, static_plan
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
 
 
@@ -245,7 +245,7 @@ class GraphRecorder:
             with tf.control_dependencies([self.vars.buffer.scatter_nd_update([[slot]],
                                                                              [value])]):
                 return tf.constant(True)
-        then, otherwise = self.vars.guard(t.dtype)
+        then, otherwise = self.vars.guard(t.dtype, static_plan(t))
         inputs = [tf.stop_gradient(t), tf.constant(slot, tf.int32), *then.captured_inputs]
         return gen_functional_ops._if(self.vars.window_flag, inputs, [tf.bool],
                                       then_branch=then, else_branch=otherwise)[0]

@@ -7,8 +7,11 @@ fingerprint of each output written into a slot of one int64 buffer variable
 (``content + 1``, so 0 means "did not run"), guarded by an ``If`` op on a boolean
 variable that is true only during steps with op-level capture: graphs are traced once but
 run every step, and outside the op window the guard skips all the work. The guard's two
-branches are functions traced once per dtype and shared by all ops (``tf.cond`` would
-trace two graphs per op: tracing a Keras CNN took 20 s instead of 4). Only the slots
+branches are functions traced once per dtype and plan (word size and chunking, from the
+output's static shape: ``hashing.static_plan``) and shared by all ops (``tf.cond`` would
+trace two graphs per op: tracing a Keras CNN took 20 s instead of 4; a branch that chose
+the word size and chunking itself held three nested ``tf.cond``s, which made TensorFlow's
+first call of an instrumented step seconds dearer). Only the slots
 leave the device. When a traced function has run (its eager call shows up in the eager
 callback), nondet reads the slots, zeroes them, and turns the graph's op table (built at
 trace time, in creation order, which is deterministic unlike execution order) into

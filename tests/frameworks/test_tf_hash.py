@@ -9,7 +9,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from nondet.fingerprint import CHUNK_WORDS, MASK64  # noqa: E402
-from nondet.frameworks.tensorflow.hashing import GraphHasher, host  # noqa: E402
+from nondet.frameworks.tensorflow.hashing import GraphHasher, host, static_plan  # noqa: E402
 
 HASHER = GraphHasher()
 DTYPES = [tf.bool, tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16,
@@ -36,6 +36,19 @@ def test_graph_host_and_unknown_shape_paths_agree(dtype: tf.DType, n: int) -> No
     unknown = tf.function(HASHER.content).get_concrete_function(
         tf.TensorSpec([None], dtype))
     assert int(unknown(t).numpy()) & MASK64 == eager
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("n", SIZES)
+def test_planned_path_agrees(dtype: tf.DType, n: int) -> None:
+    """The op guards trace the hash once per (dtype, plan) for tensors of any shape: the
+    plan read from the static shape gives the same number without knowing it."""
+    t = tf.reshape(_sample(dtype, n), [1, n])
+    plan = static_plan(t)
+    assert plan is not None
+    planned = tf.function(lambda x: HASHER.content_planned(x, plan)).get_concrete_function(
+        tf.TensorSpec(None, dtype))
+    assert int(planned(t).numpy()) & MASK64 == host(t) & MASK64
 
 
 def test_every_position_and_order_counts() -> None:

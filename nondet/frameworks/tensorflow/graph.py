@@ -15,7 +15,7 @@ from tensorflow.python.framework.func_graph import FuncGraph
 
 from nondet.fingerprint import name_code
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.tensorflow.hashing import GraphHasher
+from nondet.frameworks.tensorflow.hashing import GraphHasher, Plan
 from nondet.records import Kind
 
 #: Elementwise ops (and pass-throughs) whose outputs are derived, not hashed.
@@ -121,17 +121,23 @@ class RecorderVariables:
         loss_value = float(values[2:3].view(np.float64)[0])
         return int(values[0]), int(values[1]), loss_value, values[3:]
 
-    def guard(self, dtype: Any) -> tuple[Any, Any]:
-        """The two branches of the guard for tensors of ``dtype``, traced once per dtype
-        (a ``tf.cond`` per op would trace two small graphs per op, which made tracing a
-        Keras model many times slower): ``then`` hashes its tensor into the given slot,
-        ``otherwise`` does nothing; both take the tensor, the slot and ``then``'s captured
-        variables, as an ``If`` op requires."""
-        if dtype not in self._guards:
+    def guard(self, dtype: Any, plan: Plan | None) -> tuple[Any, Any]:
+        """The two branches of the guard for tensors of ``dtype`` whose static shape gave
+        ``plan`` (word size, chunked: ``hashing.static_plan``; None: decided when the graph
+        runs), traced once per key (a ``tf.cond`` per op would trace two small graphs per
+        op, which made tracing a Keras model many times slower; without the plan each
+        branch held a ``tf.cond`` per word size and one on the size, a dozen functions
+        for TensorFlow to optimize and instantiate): ``then`` hashes its tensor into the
+        given slot, ``otherwise`` does nothing; both take the tensor, the slot and
+        ``then``'s captured variables, as an ``If`` op requires."""
+        key = (dtype, plan)
+        if key not in self._guards:
             hasher, buffer = self.hasher, self.buffer
 
             def write(t: tf.Tensor, slot: tf.Tensor) -> tf.Tensor:
-                buffer.scatter_nd_update([[slot]], [hasher.content(t) + 1])
+                content = hasher.content(t) if plan is None \
+                    else hasher.content_planned(t, plan)
+                buffer.scatter_nd_update([[slot]], [content + 1])
                 return tf.constant(True)
 
             def skip(t: tf.Tensor, slot: tf.Tensor, *captured: tf.Tensor) -> tf.Tensor:
@@ -143,8 +149,8 @@ class RecorderVariables:
                 captured = [tf.TensorSpec(c.shape, c.dtype) for c in then.captured_inputs]
                 otherwise = tf.function(skip, autograph=False).get_concrete_function(
                     *specs, *captured)
-            self._guards[dtype] = (then, otherwise)
-        return self._guards[dtype]
+            self._guards[key] = (then, otherwise)
+        return self._guards[key]
 
 
 #: How many times nondet copied its own values from TensorFlow to the host (``to_host``): on

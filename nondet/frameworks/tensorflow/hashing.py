@@ -68,14 +68,21 @@ class GraphHasher:
     def content(self, t: tf.Tensor) -> tf.Tensor:
         return _words(t, self._sum)
 
-    def _sum(self, words: tf.Tensor) -> tf.Tensor:
-        """Content sum of narrow words (uint8, int32 or int64), chunk by chunk."""
+    def content_planned(self, t: tf.Tensor, plan: Plan) -> tf.Tensor:
+        """``content(t)`` for a tensor whose static shape gave ``plan`` (``static_plan``),
+        traced without knowing the shape: the same number, with no branch on the size."""
+        word, chunked = plan
+        return _as_words(_flat(t), word, lambda w: self._sum(w, chunked))
+
+    def _sum(self, words: tf.Tensor, chunked: bool | None = None) -> tf.Tensor:
+        """Content sum of narrow words (uint8, int32 or int64), chunk by chunk; ``chunked``:
+        known in advance whether there is more than one chunk (else from the size)."""
         n = tf.size(words, out_type=tf.int64)
 
         def one_chunk() -> tf.Tensor:
             return tf.reduce_sum(_widen(words) * self.keys[:n])
 
-        def chunked() -> tf.Tensor:
+        def several() -> tf.Tensor:
             chunks = (n + CHUNK_WORDS - 1) // CHUNK_WORDS
 
             def body(i: tf.Tensor, acc: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -92,8 +99,10 @@ class GraphHasher:
 
         size = _static_size(words)
         if size is not None:  # known when tracing: no branch needed
-            return one_chunk() if size <= CHUNK_WORDS else chunked()
-        return tf.cond(n <= CHUNK_WORDS, one_chunk, chunked)
+            return one_chunk() if size <= CHUNK_WORDS else several()
+        if chunked is not None:
+            return several() if chunked else one_chunk()
+        return tf.cond(n <= CHUNK_WORDS, one_chunk, several)
 
 
 def _static_size(t: tf.Tensor) -> int | None:
@@ -104,27 +113,54 @@ def _widen(words: tf.Tensor) -> tf.Tensor:
     return words if words.dtype == tf.int64 else tf.cast(words, tf.int64)
 
 
+#: (word size in bytes, more than one chunk): how a tensor's content is computed, known
+#: from its static shape (``static_plan``).
+Plan = tuple[int, bool]
+
+
+def static_plan(t: tf.Tensor) -> Plan | None:
+    """The word size and chunking of ``t``'s content when its shape is known at trace time
+    (None: decided from the size when the graph runs)."""
+    if not t.shape.is_fully_defined():
+        return None
+    nbytes = t.shape.num_elements() * t.dtype.size  # bool: one byte; complex: both parts
+    word = word_size(nbytes)
+    return word, nbytes // word > CHUNK_WORDS
+
+
+def _flat(t: tf.Tensor) -> tf.Tensor:
+    """The tensor's bytes as same-size integers, flat (booleans as bytes; complex numbers
+    as their real and imaginary parts, interleaved: the same bytes)."""
+    if t.dtype == tf.bool:
+        t = tf.cast(t, tf.uint8)
+    elif t.dtype.is_complex:
+        t = tf.stack([tf.math.real(t), tf.math.imag(t)], axis=-1)
+    return tf.reshape(tf.bitcast(t, _INT_OF_SIZE[t.dtype.size]), [-1])
+
+
+def _as_words(flat: tf.Tensor, word: int, reduce: Any) -> tf.Tensor:
+    """``reduce`` of ``flat`` (``_flat``) grouped into words of ``word`` bytes."""
+    size = flat.dtype.size
+    if word == size:
+        grouped = flat
+    elif word > size:
+        grouped = tf.bitcast(tf.reshape(flat, [-1, word // size]), _INT_OF_SIZE[word])
+    else:  # bytes
+        grouped = tf.reshape(tf.bitcast(flat, tf.uint8), [-1])
+    return reduce(grouped)
+
+
 def _words(t: tf.Tensor, reduce: Any) -> tf.Tensor:
     """``reduce`` applied to the tensor's bytes as narrow words (8, else 4, else 1 bytes:
     see the Note); uint8 words are zero-extended and int32 sign-extended when widened."""
-    if t.dtype == tf.bool:
-        t = tf.cast(t, tf.uint8)
-    elif t.dtype.is_complex:  # real and imaginary parts, interleaved: the same bytes
-        t = tf.stack([tf.math.real(t), tf.math.imag(t)], axis=-1)
-    size = t.dtype.size
-    flat = tf.reshape(tf.bitcast(t, _INT_OF_SIZE[size]), [-1])  # same-size integers
+    flat = _flat(t)
+    size = flat.dtype.size
 
     def as_words(word: int) -> tf.Tensor:
-        if word == size:
-            grouped = flat
-        elif word > size:
-            grouped = tf.bitcast(tf.reshape(flat, [-1, word // size]), _INT_OF_SIZE[word])
-        else:  # bytes
-            grouped = tf.reshape(tf.bitcast(flat, tf.uint8), [-1])
-        return reduce(grouped)
+        return _as_words(flat, word, reduce)
 
     if t.shape.is_fully_defined():  # the usual case: the word size is known when tracing
-        return as_words(word_size(t.shape.num_elements() * size))
+        return as_words(word_size(t.shape.num_elements() * t.dtype.size))
     nbytes = tf.size(flat, out_type=tf.int64) * size
     choices = [w for w in (8, 4) if w >= size] + [1]
     result = functools.partial(as_words, choices[-1])

@@ -7,8 +7,11 @@ fingerprint of each output written into a slot of one int64 buffer variable
 (``content + 1``, so 0 means "did not run"), guarded by an ``If`` op on a boolean
 variable that is true only during steps with op-level capture: graphs are traced once but
 run every step, and outside the op window the guard skips all the work. The guard's two
-branches are functions traced once per dtype and shared by all ops (``tf.cond`` would
-trace two graphs per op: tracing a Keras CNN took 20 s instead of 4). Only the slots
+branches are functions traced once per dtype and plan (word size and chunking, from the
+output's static shape: ``hashing.static_plan``) and shared by all ops (``tf.cond`` would
+trace two graphs per op: tracing a Keras CNN took 20 s instead of 4; a branch that chose
+the word size and chunking itself held three nested ``tf.cond``s, which made TensorFlow's
+first call of an instrumented step seconds dearer). Only the slots
 leave the device. When a traced function has run (its eager call shows up in the eager
 callback), nondet reads the slots, zeroes them, and turns the graph's op table (built at
 trace time, in creation order, which is deterministic unlike execution order) into
@@ -67,7 +70,7 @@ from nondet.frameworks.tensorflow.graph import (
     entry_label,
     numel,
 )
-from nondet.frameworks.tensorflow.hashing import hashable
+from nondet.frameworks.tensorflow.hashing import hashable, static_plan
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
 
 
@@ -245,7 +248,7 @@ class GraphRecorder:
             with tf.control_dependencies([self.vars.buffer.scatter_nd_update([[slot]],
                                                                              [value])]):
                 return tf.constant(True)
-        then, otherwise = self.vars.guard(t.dtype)
+        then, otherwise = self.vars.guard(t.dtype, static_plan(t))
         inputs = [tf.stop_gradient(t), tf.constant(slot, tf.int32), *then.captured_inputs]
         return gen_functional_ops._if(self.vars.window_flag, inputs, [tf.bool],
                                       then_branch=then, else_branch=otherwise)[0]

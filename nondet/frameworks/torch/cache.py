@@ -30,6 +30,8 @@ never hashed: see ``Fp``.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -37,7 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from nondet.fingerprint import combine, scalar_value
+from nondet.fingerprint import MASK64, combine, scalar_value
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp, combined
 from nondet.frameworks.torch import cuda
@@ -66,6 +68,39 @@ class TorchHost(RecorderHost, Protocol):
 
 _VIEW_TAG = 0x71E3_5EED
 _describe = safe.describe
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: A cache entry: the tensor (weakly), its version counter (-1: none) and storage state
+#: when the fingerprint was taken, the storage's write count then, the fingerprint.
+Entry = tuple[weakref.ref[torch.Tensor], int, StorageState, int, Fp]
+_blake2b = hashlib.blake2b
+#: describe() of plain dense CPU tensors by (dtype, sizes), with its packed words: a step
+#: makes the same few shapes again and again. Capped: a script may make endless shapes.
+_CPU_META: dict[tuple[Any, Any], tuple[tuple[int, ...], bytes]] = {}
+
+
+def _cpu_meta(t: torch.Tensor) -> tuple[tuple[int, ...], bytes]:
+    """``describe(t)`` of a plain CPU tensor, and the same words packed as ``combine``
+    packs them."""
+    key = (t.dtype, t.shape)
+    known = _CPU_META.get(key)
+    if known is None:
+        meta = _describe(t)
+        known = meta, struct.pack(f"<{len(meta)}Q", *(m & MASK64 for m in meta))
+        if len(_CPU_META) < 4096:
+            _CPU_META[key] = known
+    return known
+
+
+def _owner_and_version(t: torch.Tensor) -> tuple[object, int]:
+    """The object standing for ``t``'s memory (Note [Storage identity]) and its version
+    counter (-1 for tensors without one): read directly for plain tensors."""
+    if type(t) in _PLAIN_TYPES:
+        try:
+            return t.untyped_storage(), t._version
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            pass  # an inference or sparse tensor: the guarded reads below
+    version = safe.version(t)
+    return safe.owner(t), -1 if version is None else version
 
 
 class FingerprintCache:
@@ -78,7 +113,7 @@ class FingerprintCache:
         self.hasher = backend.hasher
         self.window = False  # op-level capture is on for the current step
         self.active = False  # ... and nondet is not running its own ops right now
-        self.cache: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int], Fp]] = {}
+        self.cache: dict[int, Entry] = {}
         self.storages = Storages()  # Note [Storage identity]
         self.pending: list[Fp] = []
         self.records: list[tuple[Any, ...]] = []
@@ -106,10 +141,16 @@ class FingerprintCache:
         content = self.hasher.content(t) if safe.readable(t) else None
         if content is None:
             fp.value = 0  # unhashable: compared as "no information"
-            return fp
-        fp.content = content
-        fp.meta = _describe(t)
-        self.pending.append(fp)
+        elif type(content) is int and type(t) in _PLAIN_TYPES:
+            # On the host already (a CPU tensor): the final value now, as Fp.finalize
+            # would compute it at the step end, with the description packed once per shape.
+            packed = _cpu_meta(t)[1]
+            fp.value = int.from_bytes(_blake2b(content.to_bytes(8, "little") + packed,
+                                               digest_size=8).digest(), "little") or 1
+        else:
+            fp.content = content
+            fp.meta = _describe(t)
+            self.pending.append(fp)
         return fp
 
     def fingerprint_many(self, tensors: list[torch.Tensor],
@@ -137,16 +178,26 @@ class FingerprintCache:
             return self.fingerprint(view, fp)
         fp.parents = (base,)
         fp.meta = (_VIEW_TAG, *_describe(view), *where)
-        self.pending.append(fp)
-        return fp
+        return self._derived(fp)
 
     def derive_output(self, info: OpInfo, inputs: list[Fp], scalars: list[Any],
                       out: torch.Tensor) -> Fp:
         """A pointwise op's output fingerprint from its inputs' (Note [Derived fingerprints])."""
         fp = Fp()
         fp.parents = tuple(inputs)
-        fp.meta = (info.code, *_describe(out), *(scalar_value(x) for x in scalars))
-        self.pending.append(fp)
+        meta = (_cpu_meta(out)[0] if type(out) in _PLAIN_TYPES and out.is_cpu
+                and not out.is_nested else _describe(out))
+        fp.meta = (info.code, *meta, *(scalar_value(x) for x in scalars))
+        return self._derived(fp)
+
+    def _derived(self, fp: Fp) -> Fp:
+        """A derived fingerprint: final now if its parents are (what ``Fp.finalize`` would
+        compute at the step end), else pending until they are."""
+        assert fp.parents is not None
+        if all(p.value is not None for p in fp.parents):
+            fp.finalize()
+        else:
+            self.pending.append(fp)
         return fp
 
     # -- the cache (see Note [Fingerprint cache]) -------------------------------------------
@@ -161,11 +212,6 @@ class FingerprintCache:
         self.storages.clear()
         self.stamp = None
 
-    def _stamp_of(self, t: torch.Tensor) -> tuple[int, int]:
-        state = self.storages.get(t)
-        version = safe.version(t)
-        return -1 if version is None else version, 0 if state is None else state.writes
-
     def note_write(self, t: torch.Tensor) -> None:
         state = self.storages.state(t)
         state.writes += 1
@@ -173,18 +219,28 @@ class FingerprintCache:
 
     def remember(self, t: torch.Tensor, fp: Fp) -> Fp:
         if self.window:
-            state = self.storages.state(t)
-            version = safe.version(t)
-            self.cache[id(t)] = (weakref.ref(t), (-1 if version is None else version,
-                                                  state.writes), fp)
+            obj, version = _owner_and_version(t)
+            state = self.storages.state_of(obj)
+            self.cache[id(t)] = (weakref.ref(t), version, state, state.writes, fp)
             state.uninit = fp.uninit
         return fp
 
-    def _hit(self, t: torch.Tensor) -> tuple[tuple[int, int], Fp] | None:
+    def entry(self, t: torch.Tensor) -> Entry | None:
+        """The cache entry of ``t`` (current or not), never one of a recycled ``id``."""
         entry = self.cache.get(id(t))
         if entry is None or entry[0]() is not t:
             return None
-        return entry[1], entry[2]
+        return entry
+
+    @staticmethod
+    def current(t: torch.Tensor, entry: Entry) -> bool:
+        """``entry`` (``t``'s) is exact still: the same version counter, the same storage
+        object, and no recorded write to that storage since (Note [Fingerprint cache])."""
+        state = entry[2]
+        if state.writes != entry[3]:
+            return False
+        obj, version = _owner_and_version(t)
+        return version == entry[1] and state() is obj
 
     def prune(self) -> None:
         """Drop cache entries of tensors that no longer exist."""
@@ -206,10 +262,10 @@ class FingerprintCache:
         """The cached fingerprint of ``t`` if it is current (materialized if lazy)."""
         if not self.window:
             return None
-        hit = self._hit(t)
-        if hit is None or hit[0] != self._stamp_of(t):
+        entry = self.entry(t)
+        if entry is None or not self.current(t, entry):
             return None
-        fp = hit[1]
+        fp = entry[4]
         if fp.lazy:
             self.fingerprint(t, fp)
         return fp
@@ -218,10 +274,10 @@ class FingerprintCache:
         """Fingerprint of an op input; records an entry point for a tensor never seen."""
         if self.shared_is_volatile and _shared(t):
             self.forget(t)
-        hit = self._hit(t)
-        if hit is not None:
-            stamp, fp = hit
-            if stamp == self._stamp_of(t):
+        entry = self.entry(t)
+        if entry is not None:
+            fp = entry[4]
+            if self.current(t, entry):
                 if fp.lazy and materialize:
                     self.fingerprint(t, fp)
                 return fp

@@ -31,7 +31,13 @@ from nondet.fingerprint import (
     word_size,
 )
 from nondet.frameworks.torch import cuda
-from nondet.frameworks.torch.hostwords import StateViews, dense_cpu_words, host_words, zero_copy
+from nondet.frameworks.torch.hostwords import (
+    StateViews,
+    dense_cpu_content,
+    dense_cpu_words,
+    host_words,
+    zero_copy,
+)
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 1: torch.uint8}
 #: Floating dtypes with sum/abs/max kernels on every device; others are widened for stats.
@@ -63,9 +69,9 @@ class TorchHasher:
         ``on_device=True`` forces the torch-op path on CPU tensors too (for tests).
         """
         if not on_device:
-            words = dense_cpu_words(tensor)
-            if words is not None:  # the common case, without the general machinery below
-                return host_content([words])
+            value = dense_cpu_content(tensor)
+            if value is not None:  # the common case, without the general machinery below
+                return value
         leaves = _leaves(tensor)
         if leaves is None:
             return None

@@ -103,6 +103,12 @@ class OpInfo:
     aux: tuple[int, ...] = ()  # positions of outputs never hashed nor compared (AUX_OUTPUTS)
     comm: bool = False  # a torch.distributed collective (comm.py): phase comm, outputs later
 
+    @property
+    def measured(self) -> bool:
+        """Its outputs are hashed (not derived, uninitialized or wrapped), so a difference
+        there can be measured from kept copies."""
+        return not (self.pointwise or self.uninit_output or self.from_storage)
+
 
 
 def op_info(func: Any, name_id: int) -> OpInfo:

@@ -5,7 +5,7 @@ the CPU, ``np.dot`` of a zero-copy view of those words with the position keys co
 sum without writing any products. Three ways in:
 
 - ``dense_cpu_words``: a plain, dense, contiguous CPU tensor (what almost every op makes),
-  with a few attribute reads instead of the general checks of ``hashing._leaves``;
+  with a few attribute reads instead of the general checks of ``leaves.data_leaves``;
 - ``host_words``: any prepared CPU tensor (sparse, complex128, non-contiguous copied);
 - ``StateViews``: views of the step-level state (parameters, buffers, optimizer state),
   kept from one step to the next and reused while they are exactly the tensor's bytes.
@@ -52,7 +52,7 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
 
 def dense_cpu_words(t: torch.Tensor) -> np.ndarray | None:
     """``host_words`` of a plain, dense, contiguous CPU tensor, or None for anything else:
-    the same words as ``hashing._leaves`` + ``host_words`` give, without their general
+    the same words as ``leaves.data_leaves`` + ``host_words`` give, without their general
     checks (about 20 us per tensor on the narrow benchmark model: the cost of a small op).
     Valid while ``t`` keeps its memory (``raw_bytes``)."""
     kind = type(t)

@@ -57,9 +57,10 @@ from nondet.fingerprint import scalar_value
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import comm, cuda
 from nondet.frameworks.torch import tensors as safe
-from nondet.frameworks.torch.cache import FingerprintCache, TorchHost
+from nondet.frameworks.torch.cache import FingerprintCache
 from nondet.frameworks.torch.compiled import in_region
 from nondet.frameworks.torch.optable import OpInfo, aux_tensors, op_info
+from nondet.frameworks.torch.steprecords import TorchHost
 from nondet.frameworks.torch.tensors import StorageState
 from nondet.records import Flag, Kind, Phase
 
@@ -105,6 +106,8 @@ class OpRecorder(FingerprintCache):
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         info = self.infos.get(func) or self.info(func)
+        if self.settling:
+            self.settle()
         if self.stamp is not None:
             self.apply_stamp()
         node = _autograd_node()
@@ -207,6 +210,8 @@ class OpRecorder(FingerprintCache):
                 out_fps.append(self.remember(t, self.fingerprint(t)))
         if not outputs and isinstance(out, (bool, int, float, complex)):
             out_fps.append(Fp(value=scalar_value(out)))  # .item() and friends
+        if info.mutated_args or info.mutated_kwargs:
+            self.wrote(outputs)
         if needs_grad and phase != _BACKWARD:
             # Not gated on grad mode: a custom op's autograd Function runs its forward with
             # grad mode off, yet its output gets a grad_fn afterwards.

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from nondet.fingerprint import name_code
-from nondet.frameworks.torch.hashing import storage_owner
+from nondet.frameworks.torch.leaves import storage_owner
 
 #: What torch raises when an attribute does not apply to a tensor (see the Note). Anything
 #: else is a bug in nondet and is left to the backend's containment.

@@ -3,8 +3,6 @@ hashed (Note [Fingerprint cache], Note [Version bumps after the op] in torch/cac
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 pytest.importorskip("torch")
@@ -14,22 +12,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from nondet.fingerprint import combine
 from nondet.frameworks.torch import tensors as safe
-from nondet.frameworks.torch.ops import OpRecorder
-from nondet.frameworks.torch.testing import recorder, recording
-
-
-def _spy(recorder: OpRecorder, watched: torch.Tensor) -> list[int]:
-    """Counts how often ``watched`` is hashed."""
-    hashed: list[int] = []
-    original = recorder.fingerprint
-
-    def spy(t: torch.Tensor, fp: Any = None) -> Any:
-        if t is watched:
-            hashed.append(1)
-        return original(t, fp)
-
-    recorder.fingerprint = spy  # type: ignore[method-assign]
-    return hashed
+from nondet.frameworks.torch.testing import count_hashes, recorder, recording
 
 
 def _fresh_value(t: torch.Tensor) -> int:
@@ -47,7 +30,7 @@ def test_a_tensor_an_op_wrote_is_not_hashed_again_at_its_next_read() -> None:
     into the entry at the next op, so the next reader uses the cached fingerprint."""
     with recording() as recorder:
         x = torch.ones(1000) * 3
-        hashed = _spy(recorder, x)
+        hashed = count_hashes(recorder, x)
         for _ in range(3):
             x.mul_(2)  # a recorded write (pointwise: its fingerprint is derived, not hashed)
             x.sum()  # a read: a cache hit

@@ -22,7 +22,7 @@ from nondet.compare import first_op_divergence as localize
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.ops import OpRecorder
 from nondet.frameworks.torch.state import to_numpy as _to_numpy
-from nondet.frameworks.torch.testing import recording
+from nondet.frameworks.torch.testing import count_hashes, recording
 from nondet.launch import CapturedRun, Plan, Target
 from nondet.records import Flag, Kind, Phase
 from nondet.store import Capture, open_capture
@@ -309,15 +309,7 @@ def test_every_dtype_fingerprints_and_has_statistics() -> None:
 def test_inference_tensors_are_hashed_once_per_write() -> None:
     with recording() as recorder, torch.inference_mode():
         x = torch.arange(1000.0)
-        hashed = []
-        original = recorder.fingerprint
-
-        def spy(t: torch.Tensor, fp: Any = None) -> Any:
-            if t is x:
-                hashed.append(1)
-            return original(t, fp)
-
-        recorder.fingerprint = spy  # type: ignore[method-assign]
+        hashed = count_hashes(recorder, x)
         for _ in range(3):
             (x * 2).sum()  # old code: x fingerprinted again at every use
         before = recorder.known(x)

@@ -88,3 +88,17 @@ def recording(keep: bool = True) -> Iterator[OpRecorder]:
     with RecordMode(rec):
         yield rec
     rec.resolve()
+
+
+def count_hashes(rec: OpRecorder, watched: torch.Tensor) -> list[int]:
+    """Make ``rec`` note each time it hashes ``watched``: the returned list grows by one."""
+    hashed: list[int] = []
+    original = rec.fingerprint
+
+    def spy(t: torch.Tensor, fp: Any = None) -> Any:
+        if t is watched:
+            hashed.append(1)
+        return original(t, fp)
+
+    rec.fingerprint = spy  # type: ignore[method-assign]
+    return hashed

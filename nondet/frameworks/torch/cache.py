@@ -178,17 +178,19 @@ class FingerprintCache(StepRecords):
         fp.parents = tuple(inputs)
         meta = (_cpu_meta(out)[0] if type(out) in _PLAIN_TYPES and out.is_cpu
                 and not out.is_nested else _describe(out))
-        fp.meta = (info.code, *meta, *(scalar_value(x) for x in scalars))
+        fp.meta = ((info.code, *meta, *(scalar_value(x) for x in scalars)) if scalars
+                   else (info.code, *meta))
         return self._derived(fp)
 
     def _derived(self, fp: Fp) -> Fp:
         """A derived fingerprint: final now if its parents are (what ``Fp.finalize`` would
         compute at the step end), else pending until they are."""
         assert fp.parents is not None
-        if all(p.value is not None for p in fp.parents):
-            fp.finalize()
-        else:
-            self.pending.append(fp)
+        for parent in fp.parents:
+            if parent.value is None:
+                self.pending.append(fp)
+                return fp
+        fp.finalize()
         return fp
 
     # -- the cache (see Note [Fingerprint cache]) -------------------------------------------

@@ -5,6 +5,7 @@ the parent asked, and turned into OP_DTYPE rows once the step's fingerprints are
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,6 +34,9 @@ class TorchHost(RecorderHost, Protocol):
     def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None: ...
 
 
+_get_ident = threading.get_ident
+
+
 class StepRecords:
     """The current step's records (the base of ``cache.FingerprintCache``)."""
 
@@ -51,7 +55,7 @@ class StepRecords:
     ) -> None:
         record = (kind, phase, flags, name_id, module, source, outs, ins, taints, scalars,
                   numel)
-        if not self.threads.on_owner():  # an autograd worker thread: merged later
+        if _get_ident() != self.threads.owner:  # an autograd worker thread: merged later
             self.threads.buffer(record, tensors,
                                 hold=self.keep_outputs or self.dump_at is not None)
             return

@@ -47,7 +47,8 @@ _CPU = torch.device("cpu")
 
 
 class TorchHasher:
-    """Computes content sums; keeps per-device keys and per-thread scratch buffers."""
+    """Computes content sums (the device path's keys and buffers are ``self.device``) and
+    the float statistics of step-level state."""
 
     def __init__(self) -> None:
         self.device = DeviceSums()

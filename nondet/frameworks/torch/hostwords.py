@@ -5,7 +5,8 @@ the CPU, ``np.dot`` of a zero-copy view of those words with the position keys co
 sum without writing any products. Three ways in:
 
 - ``dense_cpu_words``: a plain, dense, contiguous CPU tensor (what almost every op makes),
-  with a few attribute reads instead of the general checks of ``leaves.data_leaves``;
+  with a few attribute reads instead of the general checks of ``leaves.data_leaves``
+  (``dense_cpu_content``: its content sum at once, the op recorder's common case);
 - ``host_words``: any prepared CPU tensor (sparse, complex128, non-contiguous copied);
 - ``StateViews``: views of the step-level state (parameters, buffers, optimizer state),
   kept from one step to the next and reused while they are exactly the tensor's bytes.

@@ -11,7 +11,8 @@ time and wall time per step are printed, with ratios to the plain step. CPU time
 main thread is what the recorder adds (it is single-threaded Python); with ``--threads 1``
 (the default) torch's kernels run in that thread too, so the ratios do not move with
 other processes' load. Step boundaries (step-level state) are not included: the recorder
-is driven directly, as tests/frameworks/test_torch_capture.py does.
+is driven directly through the stand-in backend the tests use
+(nondet/frameworks/torch/testing.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,53 +30,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nondet.frameworks.torch.hashing import TorchHasher
-from nondet.frameworks.torch.ops import OpRecorder
-from nondet.records import Phase
-
-
-class _Session:
-    def __init__(self) -> None:
-        self.config = SimpleNamespace(dump=None, keep_bytes=0)
-        self.step = 0
-        self.sources = SimpleNamespace(here=lambda depth=2: -1)
-        self.strings: dict[str, int] = {}
-
-    def intern(self, text: str) -> int:
-        return self.strings.setdefault(text, len(self.strings))
-
-
-class _Host:
-    """The part of the torch backend the recorder calls."""
-
-    def __init__(self) -> None:
-        self.session = _Session()
-        self.hasher = TorchHasher()
-        self.phase = Phase.FORWARD
-        self.disabled = False
-
-    def current_module(self) -> int:
-        return -1
-
-    def node_origin(self, node: Any) -> tuple[int, int]:
-        return -1, -1
-
-    def tensor_name(self, t: torch.Tensor) -> str | None:
-        return None
+from nondet.frameworks.torch.testing import RecordMode
+from nondet.frameworks.torch.testing import recorder as fake_recorder
 
 
 class _Pass(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))
-
-
-class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
-    def __init__(self, recorder: OpRecorder) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.recorder = recorder
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return self.recorder.dispatch(func, args, kwargs or {})
 
 
 def main() -> None:
@@ -106,7 +66,7 @@ def main() -> None:
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
 
-    recorder = OpRecorder(_Host())  # type: ignore[arg-type]
+    recorder = fake_recorder()
     content = recorder.hasher.content
     records: dict[str, int] = {}
 
@@ -121,7 +81,7 @@ def main() -> None:
         recorder.hasher.content = (  # type: ignore[method-assign]
             (lambda t, **_: 0) if kind == "recorder, no hashing" else content)
         recorder.open_window()  # as at each captured step: the cache starts empty
-        with _Record(recorder):
+        with RecordMode(recorder):
             step(i)
         recorder.resolve()
         records[kind] = len(recorder.take_rows(0))

@@ -5,10 +5,8 @@ from __future__ import annotations
 import copy
 import io
 import textwrap
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -18,12 +16,13 @@ pytest.importorskip("torch")
 
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from nondet.compare import first_op_divergence as localize
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.ops import OpRecorder
 from nondet.frameworks.torch.state import to_numpy as _to_numpy
+from nondet.frameworks.torch.testing import count_hashes, recording
 from nondet.launch import CapturedRun, Plan, Target
 from nondet.records import Flag, Kind, Phase
 from nondet.store import Capture, open_capture
@@ -179,60 +178,6 @@ def test_steps_outside_the_op_window_have_no_op_records(tmp_path: Path) -> None:
 
 
 # -- the recorder in this process: one tensor kind, dtype or pattern at a time ------------------
-class _Session:
-    def __init__(self) -> None:
-        self.config = SimpleNamespace(dump=None, keep_bytes=1 << 20)
-        self.step = 0
-        self.sources = SimpleNamespace(here=lambda depth=2: -1)
-        self.strings: list[str] = []
-
-    def intern(self, text: str) -> int:
-        if text not in self.strings:
-            self.strings.append(text)
-        return self.strings.index(text)
-
-
-class _Backend:
-    """The part of TorchBackend the recorder calls, without hooks or a parent process."""
-
-    def __init__(self) -> None:
-        self.session = _Session()
-        self.hasher = TorchHasher()
-        self.phase = Phase.FORWARD
-
-    def current_module(self) -> int:
-        return -1
-
-    def node_origin(self, node: Any) -> tuple[int, int]:
-        return -1, -1
-
-    def tensor_name(self, t: torch.Tensor) -> str | None:
-        return None
-
-    def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None:
-        for t in tensors:  # what the lockstep schedule keeps of every output
-            _to_numpy(t)
-
-
-class _Mode(TorchDispatchMode):
-    def __init__(self, recorder: OpRecorder) -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        return self.recorder.dispatch(func, args, kwargs or {})
-
-
-@contextmanager
-def recording() -> Iterator[OpRecorder]:
-    recorder = OpRecorder(_Backend())  # type: ignore[arg-type]
-    recorder.open_window()
-    with _Mode(recorder):
-        yield recorder
-    recorder.resolve()
-
-
 def names(recorder: OpRecorder, rows: np.ndarray, kind: Kind | None = None) -> list[str]:
     strings = recorder.session.strings
     return [strings[int(r["name"])] for r in rows if kind is None or int(r["kind"]) == kind]
@@ -364,15 +309,7 @@ def test_every_dtype_fingerprints_and_has_statistics() -> None:
 def test_inference_tensors_are_hashed_once_per_write() -> None:
     with recording() as recorder, torch.inference_mode():
         x = torch.arange(1000.0)
-        hashed = []
-        original = recorder.fingerprint
-
-        def spy(t: torch.Tensor, fp: Any = None) -> Any:
-            if t is x:
-                hashed.append(1)
-            return original(t, fp)
-
-        recorder.fingerprint = spy  # type: ignore[method-assign]
+        hashed = count_hashes(recorder, x)
         for _ in range(3):
             (x * 2).sum()  # old code: x fingerprinted again at every use
         before = recorder.known(x)

@@ -23,12 +23,13 @@ import torch
 from nondet.frameworks.torch import cuda, optable, readback
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.ops import CaptureMode, OpRecorder
+from nondet.frameworks.torch.testing import FakeHost
 from nondet.records import Kind
-from tests.frameworks.test_torch_capture import _Backend, capture, names
+from tests.frameworks.test_torch_capture import capture, names
 
 
 def _recorder() -> OpRecorder:
-    recorder = OpRecorder(_Backend())  # type: ignore[arg-type]
+    recorder = OpRecorder(FakeHost(keep=True))  # type: ignore[arg-type]
     recorder.open_window()
     return recorder
 
@@ -262,11 +263,11 @@ def test_hash_scratch_is_per_stream(fake: SimpleNamespace, monkeypatch: pytest.M
     monkeypatch.setattr(cuda, "stream_key", lambda d: (d, fake.stream[0]))
     hasher = TorchHasher()
     cpu = torch.device("cpu")
-    first = hasher._scratch_for(cpu, 10)
+    first = hasher.device._scratch_for(cpu, 10)
     fake.stream[0] = 7
-    side = hasher._scratch_for(cpu, 10)
+    side = hasher.device._scratch_for(cpu, 10)
     fake.stream[0] = 0
-    assert side is not first and hasher._scratch_for(cpu, 10) is first
+    assert side is not first and hasher.device._scratch_for(cpu, 10) is first
 
 
 def test_read_back_synchronizes_each_device_once(fake: SimpleNamespace) -> None:

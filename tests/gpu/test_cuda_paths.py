@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from nondet.frameworks.torch import cuda, optable, readback
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.ops import CaptureMode, OpRecorder
-from tests.frameworks.test_torch_capture import _Backend, names
+from nondet.frameworks.torch.testing import FakeHost
+from tests.frameworks.test_torch_capture import names
 
 
 def _recorder() -> OpRecorder:
-    recorder = OpRecorder(_Backend())  # type: ignore[arg-type]
+    recorder = OpRecorder(FakeHost(keep=True))  # type: ignore[arg-type]
     recorder.open_window()
     return recorder
 
@@ -49,7 +50,7 @@ def test_hashes_on_two_streams_at_once_equal_the_host_hash() -> None:
     # read_back synchronizes every stream first
     ints, _ = readback.read_back([s for s in sums if isinstance(s, torch.Tensor)])
     assert [v & (2**64 - 1) for v in ints] == [int(e) & (2**64 - 1) for e in expected]  # type: ignore[arg-type]
-    keys = list(hasher._local.__dict__["s"])
+    keys = list(hasher.device._local.__dict__["s"])
     assert len({k for k in keys if isinstance(k, tuple)}) == 2  # one scratch per stream
 
 

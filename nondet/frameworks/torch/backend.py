@@ -19,7 +19,6 @@ lifecycle itself (rows, probes, finish, hook-error containment) is ``base.StepLi
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,14 +28,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from nondet.fingerprint import scalar_value
-from nondet.frameworks.base import Session, StepLifecycle, StepState, TensorRow, group_fp
+from nondet.frameworks.base import Session, StepLifecycle, StepState, group_fp
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import children, comm, compiled, cuda
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
-from nondet.frameworks.torch.hostwords import StateViews
 from nondet.frameworks.torch.kept import KeptOutputs
 from nondet.frameworks.torch.ops import CaptureMode, OpRecorder, tensors_in
 from nondet.frameworks.torch.state import (
@@ -45,10 +42,8 @@ from nondet.frameworks.torch.state import (
     torch_environment,
     torch_facts,
 )
-from nondet.records import Group, Kind, Phase
-
-#: One fingerprint per named tensor (detailed steps) or per group: (name, fp, tensor).
-Named = list[tuple[str, Fp, torch.Tensor | None]]
+from nondet.frameworks.torch.stepstate import Named, StateFingerprints
+from nondet.records import Kind, Phase
 
 
 class TorchBackend(StepLifecycle):
@@ -66,12 +61,9 @@ class TorchBackend(StepLifecycle):
         self.roots: list[torch.nn.Module] = []
         self.param_names: dict[int, str] = {}  # id(tensor) -> "encoder.weight"
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
-        # Word views of the state groups that keep their tensors from step to step (not
-        # gradients: often new tensors each step, and a view would keep the old ones alive)
-        self.views = {group: StateViews() for group in (Group.PARAM, Group.BUFFER,
-                                                         Group.OPTIM)}
         super().__init__(session)
         self.recorder = OpRecorder(self)
+        self.state_fps = StateFingerprints(self.recorder, self.hasher)
         self.recorder.collectives = comm.Collectives(
             self.recorder.fingerprint, self.paused_capture, lambda: comm.is_ddp(self.roots))
         self.outputs = KeptOutputs(session, self.paused_capture)
@@ -295,71 +287,17 @@ class TorchBackend(StepLifecycle):
     def _grad_snapshot(self) -> Named:
         params, _, _ = named_state(self.roots, self.optimizers, self.param_names)
         with self.paused_capture():
-            return self._fps([(n, p.grad) for n, p in params if p.grad is not None],
-                             detailed=self.session.captures_ops())
-
-    def _fps(self, named: list[tuple[str, Any]], detailed: bool,
-             views: StateViews | None = None) -> Named:
-        """Fingerprints of named tensors (and numbers): one per tensor in steps with op
-        capture (the report can then name them), else one for the whole group, hashed as a
-        single concatenation (a few large ops instead of several small ones per tensor)."""
-        numbers: Named = [(n, Fp(value=scalar_value(v)), None) for n, v in named
-                          if not isinstance(v, torch.Tensor)]
-        tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
-        out: Named
-        if detailed:
-            out = [(n, self._fp_of(t), t) for n, t in tensors]
-        else:
-            out = [("(group)", fp, None) for fp in self.recorder.fingerprint_many(
-                [t for _, t in tensors], views)]
-        return out + numbers
-
-    def _fp_of(self, t: torch.Tensor) -> Fp:
-        return self.recorder.known(t) or self.recorder.remember(t, self.recorder.fingerprint(t))
+            return self.state_fps.named([(n, p.grad) for n, p in params if p.grad is not None],
+                                        detailed=self.session.captures_ops())
 
     def _step_state(self, step: int, detailed: bool) -> StepState:
         params, buffers, optim = named_state(self.roots, self.optimizers, self.param_names)
         grads = self.grads if self.grads is not None else self._grad_snapshot()
         with self.paused_capture():
-            groups: list[tuple[Group, Named]] = [
-                (Group.PARAM, self._fps(params, detailed, self.views[Group.PARAM])),
-                (Group.BUFFER, self._fps(buffers, detailed, self.views[Group.BUFFER])),
-                (Group.GRAD, grads),
-                (Group.OPTIM, self._fps(optim, detailed, self.views[Group.OPTIM])),
-            ]
-            rng = [self._fp_of(torch.get_rng_state())]
-            if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-                rng.extend(self._fp_of(s) for s in torch.cuda.get_rng_state_all())
-            sums = [p.detach().sum(dtype=torch.float64) for _, p in params
-                    if p.is_floating_point()]
-            params_sum = torch.stack(sums).sum() if sums else None
-            keys = [(group, name, t) for group, items in (groups if detailed else [])
-                    for name, _, t in items if t is not None]
-            stats = dict(zip([(group, name) for group, name, _ in keys],
-                             self.hasher.stats_many([t for _, _, t in keys]), strict=True))
-            # Every pending Fp of this step (data and losses too) and these float64 scalars
-            # come back in one transfer per device (readback.py), never one per tensor.
-            floats = [x for x in (params_sum, self.loss_scalar) if x is not None]
-            floats += [x for pair in stats.values() if pair for x in pair]
-            values = iter(self.recorder.resolve(floats))
-            params_value = next(values) if params_sum is not None else math.nan
-            if self.loss_scalar is not None:
-                self.loss_value = next(values)
-            host_stats = {key: (next(values), next(values)) for key, pair in stats.items()
-                          if pair}
-            state = StepState(
-                params=group_fp([fp.value or 0 for _, fp, _ in groups[0][1]]),
-                buffers=group_fp([fp.value or 0 for _, fp, _ in groups[1][1]]),
-                grads=group_fp([fp.value or 0 for _, fp, _ in groups[2][1]]),
-                optim=group_fp([fp.value or 0 for _, fp, _ in groups[3][1]]),
-                params_sum=params_value,
-                rng=[fp.value or 0 for fp in rng],
-            )
-            for group, items in groups if detailed else []:
-                for name, fp, t in items:
-                    total, maxabs = host_stats.get((group, name), (math.nan, math.nan))
-                    state.tensors.append(TensorRow(group, name, fp.value or 0, total, maxabs,
-                                                   t.numel() if t is not None else 0))
+            state, loss = self.state_fps.step_state(params, buffers, optim, grads,
+                                                    self.loss_scalar, detailed)
+        if loss is not None:
+            self.loss_value = loss
         return state
 
     def _work_waited(self, work: Any) -> None:

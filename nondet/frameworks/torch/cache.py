@@ -1,6 +1,6 @@
 """What the PyTorch op recorder remembers during a captured step: the fingerprint of
 every tensor it has seen (the cache), fingerprints still on their device (resolved once
-per step), and the step's records. The per-op logic that fills them is ``ops.py``.
+per step), and (steprecords.py) the step's records. The per-op logic is ``ops.py``.
 
 Note [Derived fingerprints]
 A view's values are fixed by its base's values and its geometry (dtype, shape, strides,
@@ -26,63 +26,91 @@ while the op window is open, because writes outside it are not seen. A tensor ne
 produced by a recorded op, over a storage never seen, is an entry point; storages are
 known by identity, never by address (Note [Storage identity] in tensors.py). Views are
 never hashed: see ``Fp``.
+
+Note [Version bumps after the op]
+An in-place op bumps its written tensors' version counters in autograd's ADInplaceOrView
+kernel, which runs *above* the Python dispatch key: after the recorder has returned. Taken
+at face value, every tensor an op wrote would look changed-outside-the-ops at its next
+read and be hashed again (86 times per step on the narrow benchmark model: parameters,
+Adam moments and steps, batch-norm statistics). So the entries of tensors an op wrote are
+*settled* at the next recorder call (the next op, or a cache query from the backend): a
+version counter then one ahead of the entry's (the bump; nothing else ran in between but
+the return through the dispatcher) is taken as the entry's version, if the storage object
+and its write count are still the entry's. Any other change leaves the entry stale, so the
+tensor is hashed again: settling can only save a hash, never keep one that changed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 
-from nondet.fingerprint import combine, scalar_value
-from nondet.frameworks.base import RecorderHost
-from nondet.frameworks.fp import Fp, combined
+from nondet.fingerprint import MASK64, scalar_value
+from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import cuda
 from nondet.frameworks.torch import tensors as safe
-from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.hostwords import StateViews
 from nondet.frameworks.torch.optable import OpInfo
 from nondet.frameworks.torch.readback import read_back
+from nondet.frameworks.torch.steprecords import StepRecords, TorchHost
 from nondet.frameworks.torch.tensors import Storages, StorageState
-from nondet.frameworks.torch.threads import ThreadRecords
-from nondet.records import OP_DTYPE, Kind
-
-
-class TorchHost(RecorderHost, Protocol):
-    """What the recorder asks of the torch backend (it never imports the backend)."""
-
-    hasher: TorchHasher
-
-    def tensor_name(self, t: torch.Tensor) -> str | None: ...
-
-    def node_origin(self, node: Any) -> tuple[int, int]: ...
-
-    def dump_and_exit(self, tensors: list[torch.Tensor]) -> None: ...
-
-    def keep(self, step: int, index: int, tensors: list[torch.Tensor]) -> None: ...
+from nondet.records import Kind
 
 _VIEW_TAG = 0x71E3_5EED
 _describe = safe.describe
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: A cache entry: the tensor (weakly), its version counter (-1: none) and storage state
+#: when the fingerprint was taken, the storage's write count then, the fingerprint.
+Entry = tuple[weakref.ref[torch.Tensor], int, StorageState, int, Fp]
+_blake2b = hashlib.blake2b
+#: describe() of plain dense CPU tensors by (dtype, sizes), with its packed words: a step
+#: makes the same few shapes again and again. Capped: a script may make endless shapes.
+_CPU_META: dict[tuple[Any, Any], tuple[tuple[int, ...], bytes]] = {}
 
 
-class FingerprintCache:
-    """Fingerprint cache, pending device values and the current step's records (the
-    state ``ops.OpRecorder`` works on)."""
+def _cpu_meta(t: torch.Tensor) -> tuple[tuple[int, ...], bytes]:
+    """``describe(t)`` of a plain CPU tensor, and the same words packed as ``combine``
+    packs them."""
+    key = (t.dtype, t.shape)
+    known = _CPU_META.get(key)
+    if known is None:
+        meta = _describe(t)
+        known = meta, struct.pack(f"<{len(meta)}Q", *(m & MASK64 for m in meta))
+        if len(_CPU_META) < 4096:
+            _CPU_META[key] = known
+    return known
+
+
+def _owner_and_version(t: torch.Tensor) -> tuple[object, int]:
+    """The object standing for ``t``'s memory (Note [Storage identity]) and its version
+    counter (-1 for tensors without one): read directly for plain tensors."""
+    if type(t) in _PLAIN_TYPES:
+        try:
+            return t.untyped_storage(), t._version
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            pass  # an inference or sparse tensor: the guarded reads below
+    version = safe.version(t)
+    return safe.owner(t), -1 if version is None else version
+
+
+class FingerprintCache(StepRecords):
+    """Fingerprint cache, pending device values and (``StepRecords``) the current step's
+    records: the state ``ops.OpRecorder`` works on."""
 
     def __init__(self, backend: TorchHost) -> None:
-        self.backend = backend
-        self.session = backend.session
+        super().__init__(backend)
         self.hasher = backend.hasher
         self.window = False  # op-level capture is on for the current step
         self.active = False  # ... and nondet is not running its own ops right now
-        self.cache: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int], Fp]] = {}
+        self.cache: dict[int, Entry] = {}
+        self.settling: list[Entry] = []  # Note [Version bumps after the op]
         self.storages = Storages()  # Note [Storage identity]
         self.pending: list[Fp] = []
-        self.records: list[tuple[Any, ...]] = []
-        self.threads = ThreadRecords()  # records of autograd worker threads
         self.graph_outputs = cuda.GraphOutputs(self.forget)  # written by captured ops
         self.infos: dict[Any, OpInfo] = {}
         self.stamp: tuple[list[torch.Tensor], int, int] | None = None
@@ -92,8 +120,6 @@ class FingerprintCache:
         self.comm_outputs: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
         self.unnamed_entries: dict[tuple[Any, tuple[int, ...] | None], int] = {}
-        self.dump_at = self.session.config.dump
-        self.keep_outputs = self.session.config.keep_bytes > 0
         #: A child process the script started (children.py): memory it shares with other
         #: processes (Hogwild weights) may be written by them at any moment, unseen by this
         #: process's version counters, so every read of it is an entry, hashed afresh.
@@ -106,10 +132,16 @@ class FingerprintCache:
         content = self.hasher.content(t) if safe.readable(t) else None
         if content is None:
             fp.value = 0  # unhashable: compared as "no information"
-            return fp
-        fp.content = content
-        fp.meta = _describe(t)
-        self.pending.append(fp)
+        elif type(content) is int and type(t) in _PLAIN_TYPES:
+            # On the host already (a CPU tensor): the final value now, as Fp.finalize
+            # would compute it at the step end, with the description packed once per shape.
+            packed = _cpu_meta(t)[1]
+            fp.value = int.from_bytes(_blake2b(content.to_bytes(8, "little") + packed,
+                                               digest_size=8).digest(), "little") or 1
+        else:
+            fp.content = content
+            fp.meta = _describe(t)
+            self.pending.append(fp)
         return fp
 
     def fingerprint_many(self, tensors: list[torch.Tensor],
@@ -137,16 +169,28 @@ class FingerprintCache:
             return self.fingerprint(view, fp)
         fp.parents = (base,)
         fp.meta = (_VIEW_TAG, *_describe(view), *where)
-        self.pending.append(fp)
-        return fp
+        return self._derived(fp)
 
     def derive_output(self, info: OpInfo, inputs: list[Fp], scalars: list[Any],
                       out: torch.Tensor) -> Fp:
         """A pointwise op's output fingerprint from its inputs' (Note [Derived fingerprints])."""
         fp = Fp()
         fp.parents = tuple(inputs)
-        fp.meta = (info.code, *_describe(out), *(scalar_value(x) for x in scalars))
-        self.pending.append(fp)
+        meta = (_cpu_meta(out)[0] if type(out) in _PLAIN_TYPES and out.is_cpu
+                and not out.is_nested else _describe(out))
+        fp.meta = ((info.code, *meta, *(scalar_value(x) for x in scalars)) if scalars
+                   else (info.code, *meta))
+        return self._derived(fp)
+
+    def _derived(self, fp: Fp) -> Fp:
+        """A derived fingerprint: final now if its parents are (what ``Fp.finalize`` would
+        compute at the step end), else pending until they are."""
+        assert fp.parents is not None
+        for parent in fp.parents:
+            if parent.value is None:
+                self.pending.append(fp)
+                return fp
+        fp.finalize()
         return fp
 
     # -- the cache (see Note [Fingerprint cache]) -------------------------------------------
@@ -158,13 +202,9 @@ class FingerprintCache:
     def close_window(self) -> None:
         self.window = self.active = False
         self.cache = {}
+        self.settling = []
         self.storages.clear()
         self.stamp = None
-
-    def _stamp_of(self, t: torch.Tensor) -> tuple[int, int]:
-        state = self.storages.get(t)
-        version = safe.version(t)
-        return -1 if version is None else version, 0 if state is None else state.writes
 
     def note_write(self, t: torch.Tensor) -> None:
         state = self.storages.state(t)
@@ -173,18 +213,48 @@ class FingerprintCache:
 
     def remember(self, t: torch.Tensor, fp: Fp) -> Fp:
         if self.window:
-            state = self.storages.state(t)
-            version = safe.version(t)
-            self.cache[id(t)] = (weakref.ref(t), (-1 if version is None else version,
-                                                  state.writes), fp)
+            obj, version = _owner_and_version(t)
+            state = self.storages.state_of(obj)
+            self.cache[id(t)] = (weakref.ref(t), version, state, state.writes, fp)
             state.uninit = fp.uninit
         return fp
 
-    def _hit(self, t: torch.Tensor) -> tuple[tuple[int, int], Fp] | None:
+    def wrote(self, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` were written by the op just recorded: their entries are settled at
+        the next recorder call (Note [Version bumps after the op])."""
+        for t in tensors:
+            entry = self.cache.get(id(t))
+            if entry is not None and entry[0]() is t:
+                self.settling.append(entry)
+
+    def settle(self) -> None:
+        """Take the version bumps of the last op's written tensors into their entries."""
+        settling, self.settling = self.settling, []
+        for entry in settling:
+            t = entry[0]()
+            if t is None or self.cache.get(id(t)) is not entry:
+                continue  # gone, or remembered anew since
+            obj, version = _owner_and_version(t)
+            state = entry[2]
+            if version == entry[1] + 1 and state() is obj and state.writes == entry[3]:
+                self.cache[id(t)] = (entry[0], version, state, entry[3], entry[4])
+
+    def entry(self, t: torch.Tensor) -> Entry | None:
+        """The cache entry of ``t`` (current or not), never one of a recycled ``id``."""
         entry = self.cache.get(id(t))
         if entry is None or entry[0]() is not t:
             return None
-        return entry[1], entry[2]
+        return entry
+
+    @staticmethod
+    def current(t: torch.Tensor, entry: Entry) -> bool:
+        """``entry`` (``t``'s) is exact still: the same version counter, the same storage
+        object, and no recorded write to that storage since (Note [Fingerprint cache])."""
+        state = entry[2]
+        if state.writes != entry[3]:
+            return False
+        obj, version = _owner_and_version(t)
+        return version == entry[1] and state() is obj
 
     def prune(self) -> None:
         """Drop cache entries of tensors that no longer exist."""
@@ -206,22 +276,26 @@ class FingerprintCache:
         """The cached fingerprint of ``t`` if it is current (materialized if lazy)."""
         if not self.window:
             return None
-        hit = self._hit(t)
-        if hit is None or hit[0] != self._stamp_of(t):
+        if self.settling:
+            self.settle()
+        entry = self.entry(t)
+        if entry is None or not self.current(t, entry):
             return None
-        fp = hit[1]
+        fp = entry[4]
         if fp.lazy:
             self.fingerprint(t, fp)
         return fp
 
     def lookup(self, t: torch.Tensor, ctx: tuple[int, int, int], materialize: bool = True) -> Fp:
         """Fingerprint of an op input; records an entry point for a tensor never seen."""
+        if self.settling:
+            self.settle()
         if self.shared_is_volatile and _shared(t):
             self.forget(t)
-        hit = self._hit(t)
-        if hit is not None:
-            stamp, fp = hit
-            if stamp == self._stamp_of(t):
+        entry = self.entry(t)
+        if entry is not None:
+            fp = entry[4]
+            if self.current(t, entry):
                 if fp.lazy and materialize:
                     self.fingerprint(t, fp)
                 return fp
@@ -299,46 +373,6 @@ class FingerprintCache:
             fp.finalize()
         self.pending = []
         return values
-
-    # -- records ----------------------------------------------------------------------------
-    def add(
-        self, kind: Kind, phase: int, flags: int, name_id: int, module: int, source: int,
-        outs: list[Fp], ins: list[Fp], taints: list[Fp], scalars: tuple[Any, ...],
-        numel: int, tensors: list[torch.Tensor],
-    ) -> None:
-        record = (kind, phase, flags, name_id, module, source, outs, ins, taints, scalars,
-                  numel)
-        if not self.threads.on_owner():  # an autograd worker thread: merged later
-            self.threads.buffer(record, tensors,
-                                hold=self.keep_outputs or self.dump_at is not None)
-            return
-        self._append(record, tensors)
-
-    def merge_threads(self) -> None:
-        """Append records buffered on other threads (Note [Autograd worker threads])."""
-        for record, tensors in self.threads.drain():
-            self._append(record, tensors)
-
-    def _append(self, record: tuple[Any, ...], tensors: list[torch.Tensor]) -> None:
-        index = len(self.records)
-        self.records.append(record)
-        if self.dump_at is not None and self.dump_at == (self.session.step, index):
-            self.backend.dump_and_exit(tensors)
-        if self.keep_outputs and tensors and all(safe.keepable(t) for t in tensors):
-            self.backend.keep(self.session.step, index, tensors)
-
-    def take_rows(self, step: int) -> np.ndarray:
-        """The current step's records as OP_DTYPE rows (call after ``resolve``)."""
-        self.merge_threads()
-        rows = [
-            (step, i, kind, phase, flags, name, module, source, combined(outs),
-             combined(ins), combined(taints),
-             combine(scalar_value(s) for s in scalars) if scalars else 0, numel)
-            for i, (kind, phase, flags, name, module, source, outs, ins, taints, scalars, numel)
-            in enumerate(self.records)
-        ]
-        self.records = []
-        return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)
 
 
 def _shared(t: torch.Tensor) -> bool:

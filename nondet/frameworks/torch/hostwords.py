@@ -5,7 +5,8 @@ the CPU, ``np.dot`` of a zero-copy view of those words with the position keys co
 sum without writing any products. Three ways in:
 
 - ``dense_cpu_words``: a plain, dense, contiguous CPU tensor (what almost every op makes),
-  with a few attribute reads instead of the general checks of ``hashing._leaves``;
+  with a few attribute reads instead of the general checks of ``leaves.data_leaves``
+  (``dense_cpu_content``: its content sum at once, the op recorder's common case);
 - ``host_words``: any prepared CPU tensor (sparse, complex128, non-contiguous copied);
 - ``StateViews``: views of the step-level state (parameters, buffers, optimizer state),
   kept from one step to the next and reused while they are exactly the tensor's bytes.
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nondet.fingerprint import word_size
+from nondet.fingerprint import host_content, word_size
 
 NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
 
@@ -52,7 +53,7 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
 
 def dense_cpu_words(t: torch.Tensor) -> np.ndarray | None:
     """``host_words`` of a plain, dense, contiguous CPU tensor, or None for anything else:
-    the same words as ``hashing._leaves`` + ``host_words`` give, without their general
+    the same words as ``leaves.data_leaves`` + ``host_words`` give, without their general
     checks (about 20 us per tensor on the narrow benchmark model: the cost of a small op).
     Valid while ``t`` keeps its memory (``raw_bytes``)."""
     kind = type(t)
@@ -62,6 +63,36 @@ def dense_cpu_words(t: torch.Tensor) -> np.ndarray | None:
         return None
     raw = raw_bytes(t)
     return raw.view(NP_WORDS[word_size(raw.size)])
+
+
+class _Words:
+    """A contiguous CPU tensor's memory as NumPy's array interface, already in its word
+    type (owns nothing)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, address: int, count: int, typestr: str) -> None:
+        self.__array_interface__ = {"data": (address, True), "shape": (count,),
+                                    "typestr": typestr, "version": 3}
+
+
+_TYPESTR = {8: "<i8", 4: "<i4", 1: "|u1"}
+
+
+def dense_cpu_content(t: torch.Tensor) -> int | None:
+    """``host_content([dense_cpu_words(t)])``, or None where ``dense_cpu_words`` is None:
+    the op recorder's common case (a freshly made activation, gradient or optimizer
+    state), with the word array made in one step."""
+    kind = type(t)
+    if ((kind is not torch.Tensor and kind is not torch.nn.Parameter) or not t.is_cpu
+            or t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_conj()
+            or t.is_neg() or not t.is_contiguous()):
+        return None
+    nbytes = t.nbytes
+    if nbytes == 0:
+        return host_content([np.zeros(0, dtype=np.uint8)])
+    word = word_size(nbytes)
+    return host_content([np.asarray(_Words(t.data_ptr(), nbytes // word, _TYPESTR[word]))])
 
 
 def host_words(t: torch.Tensor) -> np.ndarray:

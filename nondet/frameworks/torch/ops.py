@@ -57,9 +57,10 @@ from nondet.fingerprint import scalar_value
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import comm, cuda
 from nondet.frameworks.torch import tensors as safe
-from nondet.frameworks.torch.cache import FingerprintCache, TorchHost
+from nondet.frameworks.torch.cache import FingerprintCache
 from nondet.frameworks.torch.compiled import in_region
 from nondet.frameworks.torch.optable import OpInfo, aux_tensors, op_info
+from nondet.frameworks.torch.steprecords import TorchHost
 from nondet.frameworks.torch.tensors import StorageState
 from nondet.records import Flag, Kind, Phase
 
@@ -104,12 +105,14 @@ class OpRecorder(FingerprintCache):
         return info
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        info = self.info(func)
+        info = self.infos.get(func) or self.info(func)
+        if self.settling:
+            self.settle()
         if self.stamp is not None:
             self.apply_stamp()
-        node = torch._C._current_autograd_node()
+        node = _autograd_node()
         if node is not None:
-            phase = int(Phase.BACKWARD)
+            phase = _BACKWARD
             module, source = self.backend.node_origin(node)
         else:
             phase = int(self.backend.phase)
@@ -165,7 +168,7 @@ class OpRecorder(FingerprintCache):
         finally:
             self.depth -= 1
 
-        outputs = list(tensors_in(out))
+        outputs = [out] if isinstance(out, torch.Tensor) else list(tensors_in(out))
         for position in info.mutated_args:
             _extend_unique(outputs, args[position] if position < len(args) else None)
         for key in info.mutated_kwargs:
@@ -184,7 +187,7 @@ class OpRecorder(FingerprintCache):
             written_by = comm.ENTRY_PREFIX + str(func)
             unset = set() if bucket else {
                 id(t) for t in comm.tensors_deep((args, tuple(kwargs.values()), out))
-                if (hit := self._hit(t)) is not None and hit[1].uninit}
+                if (hit := self.entry(t)) is not None and hit[4].uninit}
             for t in comm.tensors_deep((args, tuple(kwargs.values()), out)):
                 self.note_write(t)
                 self.forget(t)
@@ -207,7 +210,9 @@ class OpRecorder(FingerprintCache):
                 out_fps.append(self.remember(t, self.fingerprint(t)))
         if not outputs and isinstance(out, (bool, int, float, complex)):
             out_fps.append(Fp(value=scalar_value(out)))  # .item() and friends
-        if needs_grad and phase != Phase.BACKWARD:
+        if info.mutated_args or info.mutated_kwargs:
+            self.wrote(outputs)
+        if needs_grad and phase != _BACKWARD:
             # Not gated on grad mode: a custom op's autograd Function runs its forward with
             # grad mode off, yet its output gets a grad_fn afterwards.
             self.stamp = (outputs, module, source)
@@ -215,12 +220,11 @@ class OpRecorder(FingerprintCache):
         if outputs:
             first = outputs[0]
             numel = safe.numel(first)
-            device = first.device.type
-            if device != "cpu":
+            if not first.is_cpu:
+                device = first.device.type
                 flags |= Flag.CUDA if device == "cuda" else Flag.OTHER_DEVICE
-        measured = not (info.pointwise or info.uninit_output or info.from_storage
-                        or garbage_moved)
-        self.add(Kind.OP, phase, flags, info.name_id, module, source, out_fps, ins, taints,
+        measured = info.measured and not garbage_moved
+        self.add(_OP, phase, flags, info.name_id, module, source, out_fps, ins, taints,
                  tuple(scalars), numel, outputs if measured else [])
         return out
 
@@ -249,6 +253,15 @@ class OpRecorder(FingerprintCache):
     def _input(self, value: Any, overwritten: bool, ctx: tuple[int, int, int],
                ins: list[Fp], taints: list[Fp], scalars: list[Any]) -> int:
         if isinstance(value, torch.Tensor):
+            if not overwritten and not self.shared_is_volatile:
+                # The common case first: a tensor whose current fingerprint is cached (what
+                # ``lookup`` then returns, and the loop below appends to ``ins``).
+                entry = self.cache.get(id(value))
+                if entry is not None and entry[0]() is value:
+                    fp = entry[4]
+                    if not fp.uninit and not fp.lazy and self.current(value, entry):
+                        ins.append(fp)
+                        return 0
             items: Any = (value,)
         elif isinstance(value, (list, tuple)):
             items = value
@@ -283,8 +296,8 @@ class OpRecorder(FingerprintCache):
         bucket: the cache saw it made by ``empty`` but not filled (in C++) with gradients."""
         fps = []
         for t in comm.tensors_deep((args, tuple(kwargs.values()))):
-            hit = self._hit(t)
-            if hit is not None and hit[1].uninit and not bucket:
+            hit = self.entry(t)
+            if hit is not None and hit[4].uninit and not bucket:
                 continue
             fps.append(self.fingerprint(t))
         return fps
@@ -311,6 +324,10 @@ def _extend_unique(outputs: list[torch.Tensor], value: Any) -> None:
         if not any(t is o for o in outputs):
             outputs.append(t)
 
+
+_autograd_node = torch._C._current_autograd_node
+_BACKWARD = int(Phase.BACKWARD)
+_OP = Kind.OP
 
 #: Op namespaces that compute nothing (profiler ranges): not recorded.
 _PASS_THROUGH = frozenset({"profiler"})

@@ -102,6 +102,9 @@ class OpInfo:
     code: int = 0  # stable code of the op name
     aux: tuple[int, ...] = ()  # positions of outputs never hashed nor compared (AUX_OUTPUTS)
     comm: bool = False  # a torch.distributed collective (comm.py): phase comm, outputs later
+    #: its outputs are hashed (not derived, uninitialized or wrapped), so a difference there
+    #: can be measured from kept copies
+    measured: bool = True
 
 
 
@@ -139,5 +142,6 @@ def op_info(func: Any, name_id: int) -> OpInfo:
     return OpInfo(name_id, view, frozenset(mutated_args), frozenset(mutated_kwargs),
                   frozenset(over_args), frozenset(over_kwargs), uninit, int(flags),
                   from_storage, handle, base in MOVE_OPS, pointwise, name_code(str(func)),
-                  AUX_OUTPUTS.get(base, ()), comm.is_comm(func))
+                  AUX_OUTPUTS.get(base, ()), comm.is_comm(func),
+                  not (pointwise or uninit or from_storage))
 

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nondet.frameworks.torch.hashing import local_tensor
 from nondet.frameworks.torch.hostwords import raw_bytes
+from nondet.frameworks.torch.leaves import local_tensor
 
 Named = list[tuple[str, Any]]
 _NP_DTYPES: dict[torch.dtype, Any] = {}  # NumPy's dtype for each torch dtype to_numpy copies

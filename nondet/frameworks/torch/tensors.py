@@ -27,13 +27,12 @@ drops the state when it dies, and never matches a different object with a recycl
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from nondet.fingerprint import name_code
-from nondet.frameworks.torch.hashing import storage_owner
+from nondet.frameworks.torch.leaves import storage_owner
 
 #: What torch raises when an attribute does not apply to a tensor (see the Note). Anything
 #: else is a bug in nondet and is left to the backend's containment.
@@ -131,13 +130,16 @@ def keepable(t: torch.Tensor) -> bool:
             and t.layout in (torch.strided, torch.sparse_coo))
 
 
-class StorageState:
-    """What the recorder knows about one storage during an op window."""
+class StorageState(weakref.ref):  # type: ignore[type-arg]
+    """What the recorder knows about one storage during an op window: a weak reference to
+    the storage object (one allocation per storage: the op recorder makes one for nearly
+    every op output), with the recorder's marks."""
 
-    __slots__ = ("origin", "ref", "uninit", "writes")
+    __slots__ = ("key", "origin", "uninit", "writes")
 
-    def __init__(self, ref: weakref.ref[Any]) -> None:
-        self.ref = ref
+    def __init__(self, storage: object, callback: Any = None) -> None:
+        # (weakref.ref.__new__ took the referent and the callback)
+        self.key = id(storage)
         self.writes = 0  # recorded ops that wrote any tensor on it
         self.uninit: bool | None = None  # None: no tensor on it seen; True: garbage
         # (phase, module, source) of the ``set_`` that wrapped it while its contents were
@@ -146,41 +148,49 @@ class StorageState:
         self.origin: tuple[int, int, int] | None = None
 
 
+class _Nobody:
+    """Stands in for a storage that cannot be weakly referenced: its state is known for one
+    use only, and matches no tensor's storage."""
+
+
+_NOBODY = _Nobody()
+
+
 class Storages:
     """Per-storage state keyed by storage identity, never by address (see the Note)."""
 
     def __init__(self) -> None:
         self._states: dict[int, StorageState] = {}
+        self._drop = self._dropped  # one bound method for every state's callback
 
     def get(self, t: torch.Tensor) -> StorageState | None:
         return self.get_object(owner(t))
 
     def get_object(self, obj: object) -> StorageState | None:
         state = self._states.get(id(obj))
-        if state is None or state.ref() is not obj:
+        if state is None or state() is not obj:
             return None
         return state
 
     def state(self, t: torch.Tensor) -> StorageState:
         """The state of ``t``'s storage, created empty on first sight."""
-        obj = owner(t)
-        state = self.get_object(obj)
-        if state is None:
-            key = id(obj)
-            try:
-                ref = weakref.ref(obj, self._dropper(key))
-            except TypeError:  # not weakly referenceable: known for this use only
-                return StorageState(lambda: None)  # type: ignore[arg-type]
-            state = self._states[key] = StorageState(ref)
+        return self.state_of(owner(t))
+
+    def state_of(self, obj: object) -> StorageState:
+        """The state of the storage object ``obj`` (``owner``), created on first sight."""
+        state = self._states.get(id(obj))
+        if state is not None and state() is obj:
+            return state
+        try:
+            state = StorageState(obj, self._drop)
+        except TypeError:  # not weakly referenceable: known for this use only
+            return StorageState(_NOBODY)
+        self._states[state.key] = state
         return state
 
-    def _dropper(self, key: int) -> Callable[[weakref.ref[Any]], None]:
-        def drop(ref: weakref.ref[Any]) -> None:
-            state = self._states.get(key)
-            if state is not None and state.ref is ref:
-                del self._states[key]
-
-        return drop
+    def _dropped(self, state: StorageState) -> None:
+        if self._states.get(state.key) is state:
+            del self._states[state.key]
 
     def clear(self) -> None:
         self._states = {}

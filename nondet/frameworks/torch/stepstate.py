@@ -1,0 +1,101 @@
+"""Step-level state of the torch backend as fingerprints: parameters, buffers, gradients,
+optimizer state and RNG states, at each step end; per tensor, with float statistics, in
+steps with op-level capture (the report can then name the tensor and size a difference),
+else one fingerprint per group."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nondet.fingerprint import scalar_value
+from nondet.frameworks.base import StepState, TensorRow, group_fp
+from nondet.frameworks.fp import Fp
+from nondet.frameworks.torch.cache import FingerprintCache
+from nondet.frameworks.torch.hashing import TorchHasher
+from nondet.frameworks.torch.hostwords import StateViews
+from nondet.records import Group
+
+#: One fingerprint per named tensor (detailed steps) or per group: (name, fp, tensor).
+Named = list[tuple[str, Fp, torch.Tensor | None]]
+
+
+class StateFingerprints:
+    """Fingerprints of the named state, through the recorder (its cache in captured steps,
+    its pending values resolved with the step's own in one read-back). Call it while the
+    backend's capture is paused: the work here is nondet's, never recorded."""
+
+    def __init__(self, recorder: FingerprintCache, hasher: TorchHasher) -> None:
+        self.recorder = recorder
+        self.hasher = hasher
+        # Word views of the state groups that keep their tensors from step to step (not
+        # gradients: often new tensors each step, and a view would keep the old ones alive)
+        self.views = {group: StateViews() for group in (Group.PARAM, Group.BUFFER,
+                                                         Group.OPTIM)}
+
+    def named(self, named: list[tuple[str, Any]], detailed: bool,
+              views: StateViews | None = None) -> Named:
+        """Fingerprints of named tensors (and numbers): one per tensor in steps with op
+        capture (the report can then name them), else one for the whole group, hashed as a
+        single concatenation (a few large ops instead of several small ones per tensor)."""
+        numbers: Named = [(n, Fp(value=scalar_value(v)), None) for n, v in named
+                          if not isinstance(v, torch.Tensor)]
+        tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
+        out: Named
+        if detailed:
+            out = [(n, self.of(t), t) for n, t in tensors]
+        else:
+            out = [("(group)", fp, None) for fp in self.recorder.fingerprint_many(
+                [t for _, t in tensors], views)]
+        return out + numbers
+
+    def of(self, t: torch.Tensor) -> Fp:
+        """The fingerprint of one tensor: from the cache if current, else hashed now."""
+        return self.recorder.known(t) or self.recorder.remember(t, self.recorder.fingerprint(t))
+
+    def step_state(self, params: list[tuple[str, Any]], buffers: list[tuple[str, Any]],
+                   optim: list[tuple[str, Any]], grads: Named,
+                   loss_scalar: torch.Tensor | None, detailed: bool
+                   ) -> tuple[StepState, float | None]:
+        """The step's state row, and the loss read back with it (None: no loss scalar)."""
+        groups: list[tuple[Group, Named]] = [
+            (Group.PARAM, self.named(params, detailed, self.views[Group.PARAM])),
+            (Group.BUFFER, self.named(buffers, detailed, self.views[Group.BUFFER])),
+            (Group.GRAD, grads),
+            (Group.OPTIM, self.named(optim, detailed, self.views[Group.OPTIM])),
+        ]
+        rng = [self.of(torch.get_rng_state())]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            rng.extend(self.of(s) for s in torch.cuda.get_rng_state_all())
+        sums = [p.detach().sum(dtype=torch.float64) for _, p in params
+                if p.is_floating_point()]
+        params_sum = torch.stack(sums).sum() if sums else None
+        keys = [(group, name, t) for group, items in (groups if detailed else [])
+                for name, _, t in items if t is not None]
+        stats = dict(zip([(group, name) for group, name, _ in keys],
+                         self.hasher.stats_many([t for _, _, t in keys]), strict=True))
+        # Every pending Fp of this step (data and losses too) and these float64 scalars
+        # come back in one transfer per device (readback.py), never one per tensor.
+        floats = [x for x in (params_sum, loss_scalar) if x is not None]
+        floats += [x for pair in stats.values() if pair for x in pair]
+        values = iter(self.recorder.resolve(floats))
+        params_value = next(values) if params_sum is not None else math.nan
+        loss = next(values) if loss_scalar is not None else None
+        host_stats = {key: (next(values), next(values)) for key, pair in stats.items()
+                      if pair}
+        state = StepState(
+            params=group_fp([fp.value or 0 for _, fp, _ in groups[0][1]]),
+            buffers=group_fp([fp.value or 0 for _, fp, _ in groups[1][1]]),
+            grads=group_fp([fp.value or 0 for _, fp, _ in groups[2][1]]),
+            optim=group_fp([fp.value or 0 for _, fp, _ in groups[3][1]]),
+            params_sum=params_value,
+            rng=[fp.value or 0 for fp in rng],
+        )
+        for group, items in groups if detailed else []:
+            for name, fp, t in items:
+                total, maxabs = host_stats.get((group, name), (math.nan, math.nan))
+                state.tensors.append(TensorRow(group, name, fp.value or 0, total, maxabs,
+                                               t.numel() if t is not None else 0))
+        return state, loss

@@ -1,0 +1,76 @@
+"""The op recorder's fingerprint cache: a hit only while the tensor is exactly what was
+hashed (Note [Fingerprint cache], Note [Version bumps after the op] in torch/cache.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from nondet.fingerprint import combine
+from nondet.frameworks.torch import tensors as safe
+from nondet.frameworks.torch.testing import count_hashes, recorder, recording
+
+
+def _fresh_value(t: torch.Tensor) -> int:
+    """The fingerprint of ``t``'s current values, taken by a recorder of its own."""
+    other = recorder()
+    with _disable_current_modes():
+        fp = other.fingerprint(t)
+        other.resolve()
+    assert fp.value is not None
+    return fp.value
+
+
+def test_a_tensor_an_op_wrote_is_not_hashed_again_at_its_next_read() -> None:
+    """The version bump of an in-place op comes after the recorder returned; it is taken
+    into the entry at the next op, so the next reader uses the cached fingerprint."""
+    with recording() as recorder:
+        x = torch.ones(1000) * 3
+        hashed = count_hashes(recorder, x)
+        for _ in range(3):
+            x.mul_(2)  # a recorded write (pointwise: its fingerprint is derived, not hashed)
+            x.sum()  # a read: a cache hit
+    assert not hashed, f"x hashed again {len(hashed)} times after writes the recorder saw"
+
+
+def test_a_write_outside_the_ops_after_a_recorded_write_is_seen() -> None:
+    """Settling takes exactly one version bump: one more (a write the recorder did not see)
+    leaves the entry stale, and the next read hashes the tensor afresh."""
+    with recording() as recorder:
+        x = torch.ones(8) * 3
+        x.add_(1)  # recorded
+        with _disable_current_modes():
+            x.add_(1)  # not recorded: bumps the version once more
+        x * 2
+    rows = recorder.take_rows(0)
+    read = rows[-1]  # the record of x * 2: its input is x as it is now (5.0)
+    assert int(read["in_fp"]) == _fresh_value(torch.full((8,), 5.0))
+
+
+def test_a_tensor_given_another_storage_without_a_version_bump_is_hashed_again() -> None:
+    """``x.data = y`` swaps the storage without bumping ``x``'s version counter; the entry
+    names its storage object, so the next read cannot take the old fingerprint."""
+    with recording() as recorder:
+        x = torch.ones(8) * 3
+        y = torch.full((8,), 5.0) + 0  # recorded: its storage is known, never written
+        x.data = y
+        x * 2
+    rows = recorder.take_rows(0)
+    assert int(rows[-1]["in_fp"]) == _fresh_value(torch.full((8,), 5.0))
+
+
+def test_host_fingerprints_are_final_at_once_with_the_step_end_value() -> None:
+    """A CPU tensor's fingerprint is final when hashed, with the value ``Fp.finalize``
+    gives at the step end (content and description combined)."""
+    tensors = [torch.randn(3, 4), torch.tensor(2.5), torch.arange(7, dtype=torch.int16),
+               torch.nn.Parameter(torch.randn(5)), torch.zeros(0), torch.randn(6)[1:]]
+    with recording() as recorder:
+        for t in tensors:
+            fp = recorder.fingerprint(t)
+            content = recorder.hasher.content(t)
+            assert fp.value == combine((int(content) & (1 << 64) - 1,  # type: ignore[arg-type]
+                                        *safe.describe(t)))

@@ -89,7 +89,7 @@ def compare_captures(a: Capture, b: Capture, *, command: str = "", notes: Sequen
 def compare_pair(a: Capture, b: Capture) -> Comparison:
     """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
     env_diff = environment.differences(a.env, b.env)
-    notes = capture_notes(a, b)
+    notes = [*capture_notes(a, b), *seed_diff.unseeded_script_notes(a)]
     # Steps only one run has count only if both runs ended on their own (a different step
     # count is then itself a finding); a stopped or interrupted run is compared over the
     # steps both have.

@@ -170,3 +170,25 @@ def library_generator_notes(div: Divergence, capture: Capture) -> list[str]:
         notes.append(f"{left_out} more unseeded generator(s) made inside libraries were let "
                      "go without a single draw (replaced by seeded ones): not the cause")
     return notes
+
+
+#: The calls that seed TensorFlow's global random state (Keras' seeds Python, NumPy and
+#: TensorFlow at once); a ``Generator.from_seed`` or a NumPy ``default_rng(0)`` is not one.
+TF_GLOBAL_SEEDS = frozenset({"tf.random.set_seed", "keras.utils.set_random_seed"})
+
+UNSEEDED_TF_NOTE = (
+    "the script seeds neither TensorFlow nor Keras (no keras.utils.set_random_seed or "
+    "tf.random.set_seed call): nondet seeded Python, NumPy and TensorFlow alike in both "
+    "runs (--seed), so these two runs share initial weights, dropout masks and shuffles, "
+    "but the script run on its own draws new ones each time: call "
+    "keras.utils.set_random_seed(0) at its start")
+
+
+def unseeded_script_notes(capture: Capture) -> list[str]:
+    """A TensorFlow script that never seeds the global random state repeats under nondet
+    (which seeds it) and not on its own: the verdict alone would hide that."""
+    if capture.facts.get("framework") != "tensorflow":
+        return []
+    if any(api in TF_GLOBAL_SEEDS for api, _, _ in seed_calls(capture)):
+        return []
+    return [UNSEEDED_TF_NOTE]

@@ -179,3 +179,28 @@ def test_a_random_layers_seed_state_is_rng_state_not_a_buffer(tmp_path: Path) ->
     groups = {c.string(int(r["name"])): Group(int(r["group"])) for r in c.tensor_rows(1)}
     seed_states = [g for name, g in groups.items() if "seed_generator_state" in name]
     assert seed_states == [Group.DATA], groups
+
+
+def test_an_eager_optional_read_is_a_batch_at_the_stage_that_reorders(tmp_path: Path) -> None:
+    """A distributed iterator (MirroredStrategy's, as ``model.fit`` uses it) hands batches
+    over through ``get_next_as_optional`` run eagerly: ``OptionalGetValue`` is the batch
+    entering, reported at the stage that let it vary, not an op that "created" it."""
+    body = """
+    ds = tf.data.Dataset.range(4).interleave(  # STAGE
+        lambda i: tf.data.Dataset.range(8).map(lambda v: tf.cast(v + i, tf.float32)),
+        cycle_length=4, num_parallel_calls=4, deterministic=False)
+    ds = ds.batch(4).map(lambda v: tf.reshape(v, (1, 4)))
+    w = tf.Variable(tf.ones((4, 1)))
+    opt = tf.keras.optimizers.SGD(0.1)
+    it = iter(ds)
+    for _ in range(3):
+        x = it.get_next_as_optional().get_value()
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((x @ w) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+    """
+    c, _ = run_script(tmp_path, dedent(body), op_steps=[1])
+    optional = [r for r in records(c, 1) if "OptionalGetValue" in str(r["name"])]
+    assert optional, records(c, 1)
+    assert all(r["kind"] == Kind.ENTRY and r["phase"] == "data" for r in optional), optional
+    assert _data_lines(c, 1) == {line_of(tmp_path, "# STAGE")}

@@ -171,6 +171,34 @@ def backward_graph(graph: Any) -> bool:
     return str(getattr(graph, "name", "")).startswith("__backward_")
 
 
+#: The functions of tf.data's MultiDeviceIterator (a tf.distribute strategy's input on
+#: several devices, ``multi_device_iterator_ops``): tf.data machinery run on another
+#: device, where a guard could not read nondet's variables (TensorFlow refuses a resource
+#: read across devices); the batches they hand over are recorded where they are read.
+_MULTI_DEVICE_ITERATOR = frozenset({
+    "_init_func", "_remote_init_func", "_next_func", "_remote_next_func",
+    "_finalize_func", "_remote_finalize_func"})
+
+
+def under_strategy() -> bool:
+    """Traced under a tf.distribute strategy of the script's (MirroredStrategy traces the
+    step once per device, each replica in a thread of its own): op-level guards are not
+    placed there (they read nondet's variables from the replica's device, which
+    TensorFlow refuses or waits on forever); the batches and the step-level state are
+    still recorded."""
+    return bool(tf.distribute.has_strategy())
+
+
+def first_replica() -> bool:
+    """Not inside a replica other than the first: each replica of a strategy calls the
+    optimizer's ``apply`` once for one update of the shared (mirrored) variables."""
+    context = tf.distribute.get_replica_context()
+    if context is None:  # cross-replica context
+        return True
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    return replica is None or int(replica) == 0
+
+
 def recordable_graph(graph: Any) -> bool:
     """Ops of traced functions (nested ones too) are recorded; not those of tf.cond/while_loop
     bodies, seen as the control-flow op that runs them (their gradient machinery does not
@@ -180,7 +208,8 @@ def recordable_graph(graph: Any) -> bool:
         return False  # a TF1-style graph (``with tf.Graph().as_default()``): not ours to change
     while graph is not None:
         name = str(getattr(graph, "name", ""))
-        if name.startswith("Dataset_") or name.startswith("scratch_graph"):
+        if (name.startswith("Dataset_") or name.startswith("scratch_graph")
+                or name in _MULTI_DEVICE_ITERATOR):
             return False  # tf.data's functions; Keras' shape inference (never run)
         if type(graph).__name__ in _CONTROL_FLOW_GRAPHS:
             return False

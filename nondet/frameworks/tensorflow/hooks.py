@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.tensorflow.graph import first_replica, under_strategy
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.records import Phase
@@ -174,11 +175,20 @@ def install_keras(backend: HookHost) -> None:
                 if not backend.explicit:
                     backend.boundary()
             else:
-                backend.recorder.count_update()  # in a graph: counted when it runs
+                if under_strategy():
+                    backend.note_once("tf_distribute", DISTRIBUTE_NOTE)
+                if first_replica():  # one update, whatever the replicas (tf.distribute)
+                    backend.recorder.count_update()  # in a graph: counted when it runs
         return result
 
     BaseOptimizer.apply = apply
     _mark_evaluation(backend)
+
+
+DISTRIBUTE_NOTE = (
+    "the training step runs under a tf.distribute strategy: its ops are not recorded one by "
+    "one inside the replicas, so a difference there is named by step (batch, loss, "
+    "weights), not by op")
 
 
 def _mark_evaluation(backend: HookHost) -> None:

@@ -18,6 +18,7 @@ from nondet.fingerprint import name_code
 from nondet.frameworks.fp import Fp, combined, resolve
 from nondet.frameworks.tensorflow.data import STATEFUL_STAGE_NOTE, stateful_parallel_stage
 from nondet.frameworks.tensorflow.graph import (
+    DATA_OPS,
     DERIVED_OPS,
     ENTRY_KINDS_OF,
     FUNCTION_CALLS,
@@ -30,7 +31,7 @@ from nondet.frameworks.tensorflow.graph import (
 )
 from nondet.frameworks.tensorflow.hashing import hashable, host, on_host_and_small
 from nondet.frameworks.tensorflow.traced import GraphRecorder, TFHost
-from nondet.records import OP_DTYPE, Kind
+from nondet.records import OP_DTYPE, Kind, Phase
 
 __all__ = ["TFHost", "TFOpRecorder"]
 
@@ -114,7 +115,15 @@ class TFOpRecorder(GraphRecorder):
         if not outs_t:
             return
         name = self.session.intern(op_type)
-        if op_type in ENTRY_KINDS_OF:
+        if op_type in DATA_OPS:
+            # A batch read eagerly past the Python iterator hook (a distributed iterator's
+            # get_next_as_optional, as MirroredStrategy's fit uses): data entering, at the
+            # stage that let it vary when there is one, as in a graph.
+            kind, phase = Kind.ENTRY, int(Phase.DATA)
+            name = self.session.intern(f"tf_data:{op_type}")
+            if self.reordering_stage >= 0:
+                source = self.reordering_stage
+        elif op_type in ENTRY_KINDS_OF:
             kind = Kind.ENTRY
             name = self.session.intern(f"{ENTRY_KINDS_OF[op_type]}:{entry_label(op_type)}")
         else:

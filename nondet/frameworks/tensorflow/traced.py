@@ -69,6 +69,7 @@ from nondet.frameworks.tensorflow.graph import (
     describe,
     entry_label,
     numel,
+    under_strategy,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, static_plan
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
@@ -135,7 +136,7 @@ class GraphRecorder:
         outputs = list(outputs or ())
         if op_type in SKIPPED_OPS or op_type in LATE_OPS:
             return None
-        if op_type not in DATA_OPS and not self._window_ahead():
+        if op_type not in DATA_OPS and (not self._window_ahead() or under_strategy()):
             return None  # traced after the last op-captured step: a guard would never open
         if self.next_slot + len(outputs) + SLOT_MARGIN > CAPACITY:
             self._stop_instrumenting()

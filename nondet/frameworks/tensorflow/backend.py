@@ -6,7 +6,8 @@ then hooks:
 - the op callbacks (tensorflow/ops.py): eager ops as they run, graph ops when traced;
 - variable creation (a variable creator): every ``tf.Variable`` with the line that made it,
   fingerprinted when training starts and after each step (random generator states too);
-- Keras: layer calls (module paths), optimizer creation (training starts) and updates
+- Keras on TensorFlow (not Keras on torch or JAX: that framework's backend owns the
+  steps): layer calls (module paths), optimizer creation (training starts) and updates
   (the step boundary: directly in eager code, counted in-graph for ``tf.function``/``fit``);
 - ``GradientTape.gradient`` (backward phase, and the loss: hashed in eager code, carried
   out of traced steps by ``TFOpRecorder.carry_loss``);
@@ -48,6 +49,16 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def _not_converted(function: _F) -> _F:
     """AutoGraph leaves ``function`` alone (a typed ``do_not_convert``: TF's is untyped)."""
     return cast(_F, tf.autograph.experimental.do_not_convert(function))
+
+
+def keras_backend_name() -> str:
+    """The framework Keras runs its layers on: ``KERAS_BACKEND`` as Keras read it."""
+    import keras
+
+    try:
+        return str(keras.backend.backend())
+    except Exception:  # an older or unusual Keras: it ran on TensorFlow
+        return "tensorflow"
 
 
 class TFBackend(StepLifecycle):
@@ -158,6 +169,12 @@ class TFBackend(StepLifecycle):
         from keras.src.layers.layer import Layer
         from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+        if keras_backend_name() != "tensorflow":
+            # Keras 3 on torch (or JAX) imports TensorFlow only as a utility (its array
+            # adapter builds a tf.data pipeline, often mid-fit). Its layers and optimizer run
+            # on that other framework, whose backend owns the steps: hooking them here too
+            # would end every step twice, and reseeding now would change the running program.
+            return
         backend = self
         keras.utils.set_random_seed(self.session.config.seed)
 

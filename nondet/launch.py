@@ -88,6 +88,7 @@ class RunResult:
     steps: int
     error: str = ""
     hook_error: str = ""
+    unsupported: str = ""  # channel.META_UNSUPPORTED: what nondet cannot record, one line
     final: dict[str, Any] = field(default_factory=dict)
     write_error: str = ""  # the parent could not write the capture: one line saying why
     idle_ended: float = 0.0  # > 0: nondet ended the run after this many idle seconds
@@ -363,6 +364,7 @@ class CapturedRun(RunStream):
             label=self.plan.label, path=self.path, log_path=self.log_path, status=status,
             exit_code=code, steps=sum(1 for r in self.steps if int(r["step"]) >= 0),
             error=end.error if end else "", hook_error=self.hook_error,
+            unsupported=self.unsupported,
             final=dict(end.final) if end else {}, write_error=self.write_error,
             idle_ended=self._idle_ended,
         )

@@ -185,6 +185,10 @@ class Lockstep:
                 run.start()
                 started.append(run)
             while not turns.done.wait(self.poll):
+                if any(getattr(run, "unsupported", "") for run in (a, b)):
+                    # the script does what nondet cannot record (a thread waits for a turn
+                    # that its stopped sibling will never take): end both; check_result says why
+                    turns.stop_all()
                 if turns.stalled(time.monotonic(), self.stall_after, self.stall_factor):
                     turns.free_all()
                 for run in (a, b):
@@ -375,9 +379,9 @@ class Turns:
                 self._stopping = True
                 self.done.set()
                 return
-            self._stop_all()
+            self.stop_all()
 
-    def _stop_all(self) -> None:
+    def stop_all(self) -> None:
         # Every run, the ended ones too: a finished run may be waiting in Session.finish.
         self._stopping = True
         for run in self.runs:
@@ -390,6 +394,9 @@ def check_result(result: RunResult) -> RunResult:
         raise NondetError(result.write_error + "; the runs were stopped")
     if result.hook_error:
         raise InternalChildError(result.hook_error)
+    if result.unsupported:
+        raise NondetError(f"run {result.label}: {result.unsupported}; its output is in "
+                          f"{result.log_path}")
     if result.status == channel.INTERRUPTED:
         raise KeyboardInterrupt
     if result.status in (channel.FAILED, channel.CRASHED):

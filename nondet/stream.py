@@ -40,6 +40,7 @@ class RunStream:
         self._dumps_done = threading.Condition()
         self.end: channel.End | None = None
         self.hook_error = ""
+        self.unsupported = ""  # channel.META_UNSUPPORTED
         self.write_error = ""
         self.overlap_first_step = False  # channel.META_OVERLAP_FIRST_STEP
         self._end_reported = False
@@ -157,6 +158,8 @@ class RunStream:
             self.writer.set_op_steps(list(meta[channel.META_OP_STEPS]))
         if channel.META_HOOK_ERROR in meta:
             self.hook_error = meta[channel.META_HOOK_ERROR]
+        if channel.META_UNSUPPORTED in meta:
+            self.unsupported = self.unsupported or str(meta[channel.META_UNSUPPORTED])
         if meta.get(channel.META_OVERLAP_FIRST_STEP):
             self.overlap_first_step = True
         if channel.META_DUMP_DONE in meta:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,11 +35,16 @@ import numpy as np
 from nondet import channel
 from nondet.fingerprint import bytes_fp, combine
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.step_thread import StepThread
 from nondet.records import TENSOR_DTYPE, Group, Phase
 
 
 class StopRun(BaseException):
     """Raised at a step boundary to end the run early (BaseException: user code won't catch it)."""
+
+
+#: The thread whose steps are counted (one per process, shared by the backends).
+STEP_THREAD = StepThread()
 
 
 class Sources(Protocol):
@@ -256,6 +262,10 @@ class StepLifecycle:
         """Close the init phase: send the init row (the state when training starts)."""
         if self.started:
             return
+        if threading.current_thread() is not threading.main_thread():
+            # a worker thread that makes its optimizer trains there: it owns the steps from
+            # now on (the main thread, which often only sets up, does not)
+            self._refuse_if_clash()
         self.started = True
         self._end_step()
         self._announce()
@@ -270,7 +280,16 @@ class StepLifecycle:
         """End the current training step and start the next one."""
         if not self.started:
             self.start_training()
+        self._refuse_if_clash()
         self._end_step()
+
+    def _refuse_if_clash(self) -> None:
+        clash = STEP_THREAD.check()
+        if clash:  # two threads train at once (step_thread.py): stop, never compare
+            if not STEP_THREAD.reported:
+                STEP_THREAD.reported = True
+                self.session.send_meta({channel.META_UNSUPPORTED: clash})
+            raise StopRun()
 
     def explicit_step(self) -> None:
         if self.disabled:

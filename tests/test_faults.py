@@ -262,3 +262,17 @@ def _captured(out: Path, name: str) -> Path:
     found = sorted(out.glob(f"*/{name}"))
     assert found, sorted(out.rglob("*"))
     return found[0]
+
+
+def test_an_hdf5_write_failure_is_named_by_its_cause(tmp_path: Path) -> None:
+    # h5py reports a refused write (RLIMIT_FSIZE: EFBIG) at flush as a RuntimeError with
+    # HDF5's whole error text; the run stopped with a pump-thread traceback instead of one line
+    from nondet.stream import hdf5_write_failed, write_failure
+
+    text = ("Unable to synchronously flush file (file write failed: time = Tue Nov 24 "
+            "04:10:24 2026\n, filename = 'run-a.h5', file descriptor = 3, errno = 27, "
+            "error message = 'File too large', buf = 0x7fa900055e82, total write size = 4158)")
+    assert hdf5_write_failed(RuntimeError(text))
+    assert not hdf5_write_failed(RuntimeError("Unable to open object"))
+    assert write_failure(tmp_path / "run-a.h5", OSError(text)) == (
+        f"cannot write {tmp_path / 'run-a.h5'}: File too large")

@@ -90,10 +90,7 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
     """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
     env_diff = environment.differences(a.env, b.env)
     notes = [*capture_notes(a, b), *seed_diff.unseeded_script_notes(a)]
-    # Steps only one run has count only if both runs ended on their own (a different step
-    # count is then itself a finding); a stopped or interrupted run is compared over the
-    # steps both have.
-    both_ended = a.status == "complete" and b.status == "complete"
+    both_ended = _extra_steps_count(a, b)
     step_div = compare.first_step_divergence(a.steps, b.steps, count_extra_steps=both_ended)
     common_op_steps = sorted(set(a.op_steps()) & set(b.op_steps()))
     op_records = sum(min(len(a.ops(s)), len(b.ops(s))) for s in common_op_steps)
@@ -170,6 +167,17 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
 
 #: Step-row fields that make up the training state: the verdict follows these.
 TRAINING_STATE = ("data_fp", "loss_fp", "grads_fp", "params_fp", "buffers_fp", "optim_fp")
+
+
+def _extra_steps_count(a: Capture, b: Capture) -> bool:
+    """Steps only one run has are a finding when the run without them ended on its own: both
+    ended (different step counts), or one ended while the other, stopped by nondet, had
+    already gone past its end (lockstep stops a run once the other ends: a script that
+    exits early in one run only). A run that is shorter because it was stopped or
+    interrupted is compared over the steps both have."""
+    shorter, longer = (a, b) if a.n_steps <= b.n_steps else (b, a)
+    return shorter.status == "complete" and (
+        longer.status == "complete" or longer.n_steps > shorter.n_steps)
 
 
 def _training_state_differs(a: Capture, b: Capture, count_extra_steps: bool) -> bool:

@@ -12,6 +12,7 @@ import random
 import runpy
 import signal
 import sys
+import threading
 import traceback
 
 from nondet import channel, clock, environment, frameworks, interventions, pyhooks
@@ -54,6 +55,7 @@ def main() -> int:
     session.send_facts({clock.CLOCK_FACT: offset})
     pyhooks.install(session)
     frameworks.install_import_hooks(session)
+    _quiet_stop_in_threads()
     interventions.apply_requested(config.seed)  # --apply / verification: before the script
     session.send_meta({"env": environment.base()})
 
@@ -84,6 +86,20 @@ def main() -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     return code
+
+
+def _quiet_stop_in_threads() -> None:
+    """A training thread ended by nondet (``StopRun`` at its step boundary) ends quietly:
+    without this, Python prints "Exception in thread ..." with nondet's own traceback into
+    the user's log. Every other exception goes to the hook that was there."""
+    previous = threading.excepthook
+
+    def excepthook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is not None and issubclass(args.exc_type, StopRun):
+            return
+        previous(args)
+
+    threading.excepthook = excepthook
 
 
 def _rank_hello() -> dict[str, int]:

@@ -43,6 +43,9 @@ META_ENV = "env"  # dict: environment entries (versions, devices, variables)
 META_HOOK_ERROR = "hook_error"  # str: traceback of an exception inside nondet's hooks
 META_DUMP_DONE = "dump_done"  # [step, index, count]: every kept output of a dump request sent
 META_OP_STEPS = "op_steps"  # list: the run records ops at these steps, not the planned ones
+#: str: the script does something nondet cannot record (training in two threads at once):
+#: the run stopped itself; the parent reports this line (exit 2), never a comparison
+META_UNSUPPORTED = "unsupported"
 #: true: this run's first training step is mostly single-threaded work (TensorFlow traces
 #: its step function there), so lockstep lets both runs compute it at once (turns.Turns)
 META_OVERLAP_FIRST_STEP = "overlap_first_step"

@@ -126,9 +126,11 @@ def _step_level_divergence(step_div: compare.StepDivergence, a: Capture,
     fields = [_FIELD_LABELS.get(f, f) for f in step_div.fields]
     if step_div.structural:
         shorter, longer = (a, b) if a.n_steps < b.n_steps else (b, a)
+        went_on = (f"after {longer.n_steps}" if longer.status == "complete" else
+                   f"went on to {longer.n_steps} (then nondet stopped it)")
         return Divergence(kind="structure", step=step_div.step, phase="other", localized=False,
                           notes=[f"run {shorter.label} ended after {shorter.n_steps} steps, "
-                                 f"run {longer.label} after {longer.n_steps}: the number of "
+                                 f"run {longer.label} {went_on}: the number of "
                                  "steps depends on a value that differs between the runs"])
     kind = "init" if step_div.step == INIT_STEP else "op"
     return Divergence(

@@ -243,7 +243,7 @@ class CapturedRun(RunStream):
             exit_code=code, steps=sum(1 for r in self.steps if int(r["step"]) >= 0),
             error=end.error if end else "", hook_error=self.hook_error,
             final=dict(end.final) if end else {}, write_error=self.write_error,
-            idle_ended=self._idle_ended,
+            unsupported=self.unsupported, idle_ended=self._idle_ended,
         )
         return self._result_cache
 

@@ -10,8 +10,8 @@ Two things are recorded here (torch and TensorFlow have their own ``seeding`` mo
   "library frame, from user frame", with ``library.unseeded_generator.<package>`` set so a
   recipe can name that library's own seed parameter;
 - every seeding call (``random.seed``, ``random.Random(x)``, ``np.random.seed``,
-  ``np.random.default_rng(x)``, ``np.random.RandomState(x)``) with its value
-  (``nondet.seeding``).
+  ``np.random.default_rng(x)``, ``np.random.RandomState(x)``, and once Keras is imported
+  ``keras.utils.set_random_seed``) with its value (``nondet.seeding``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from nondet import seeding, standin
+from nondet import frameworks, seeding, standin
 from nondet import session as session_module
 from nondet.generator_use import GeneratorUse
 from nondet.session import Session
@@ -115,6 +115,19 @@ def install(session: Session) -> None:
         original_seed(a, version)
 
     random.seed = log.wrap("random.seed", seed, lambda a=None, *_, **__: a)
+    frameworks.after_import("keras", lambda: _wrap_keras_seed(log))
+
+
+def _wrap_keras_seed(log: seeding.SeedLog) -> None:
+    """``keras.utils.set_random_seed`` seeds Python, NumPy and its backend (TensorFlow,
+    torch or JAX) from Keras' own code, whose calls are not recorded: the user's call is.
+    Here, not in a framework backend: Keras on torch may never import TensorFlow."""
+    for name in ("keras.utils", "keras._tf_keras.keras.utils"):
+        module = sys.modules.get(name)
+        original = getattr(module, "set_random_seed", None)
+        if module is not None and original is not None:
+            module.set_random_seed = log.wrap(  # type: ignore[attr-defined]
+                "keras.utils.set_random_seed", original, seeding.first_arg)
 
 
 def _made_for_someone_else(log: seeding.SeedLog, frame: FrameType) -> bool:

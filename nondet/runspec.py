@@ -79,6 +79,7 @@ class RunResult:
     error: str = ""
     hook_error: str = ""
     final: dict[str, Any] = field(default_factory=dict)
+    unsupported: str = ""  # channel.META_UNSUPPORTED: what nondet cannot record, one line
     write_error: str = ""  # the parent could not write the capture: one line saying why
     idle_ended: float = 0.0  # > 0: nondet ended the run after this many idle seconds
 

@@ -185,6 +185,10 @@ class Lockstep:
                 run.start()
                 started.append(run)
             while not turns.done.wait(self.poll):
+                if any(getattr(run, "unsupported", "") for run in (a, b)):
+                    # the script does what nondet cannot record (a thread waits for a turn
+                    # that its stopped sibling will never take): end both; check_result says why
+                    turns.stop_all()
                 if turns.stalled(time.monotonic(), self.stall_after, self.stall_factor):
                     turns.free_all()
                 for run in (a, b):

@@ -13,6 +13,7 @@ import os
 import site
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -91,6 +92,13 @@ class Session:
         self.final: dict[str, Any] = {}  # final loss and weights digest, sent with END
         self.pid = os.getpid()
         self._free = False  # lockstep released: no more waiting at boundaries
+        # STOP was read (by any thread): a script that still ends "complete" (the StopRun
+        # ended a training thread, not the main one) must not wait for a second word
+        self._told_to_stop = False
+        # Steps ended by two threads (until frameworks/step_thread.py stops the run) must
+        # not both wait on the control pipe: one could take the other's STOP and leave it
+        # waiting for good.
+        self._turn_lock = threading.Lock()
         # seconds spent held at step boundaries by the parent (lockstep): left out of the
         # step rows' ``wall`` so that step times (a fix's cost) measure the script, not how
         # long the parent took to compare the step or fetch kept outputs
@@ -170,15 +178,22 @@ class Session:
         if finished >= 0 and self.config.stop_after is not None \
                 and finished >= self.config.stop_after:
             raise StopRun()
+        if self._told_to_stop:
+            raise StopRun()  # another thread read the STOP
         if self.config.lockstep and not self._free:
-            held_from = time.perf_counter()
-            answer = channel.wait_for_turn(self.config.control_fd, self._send_kept)
-            self.held += time.perf_counter() - held_from
+            with self._turn_lock:  # one reader of the control pipe at a time
+                if self._told_to_stop:
+                    raise StopRun()
+                held_from = time.perf_counter()
+                answer = channel.wait_for_turn(self.config.control_fd, self._send_kept)
+                self.held += time.perf_counter() - held_from
             if answer == channel.FREE:
                 self._free = True
             elif answer == channel.STOP:
+                self._told_to_stop = True
                 raise StopRun()
         elif channel.stop_requested(self.config.control_fd):
+            self._told_to_stop = True
             raise StopRun()
 
     def _send_kept(self, step: int, index: int) -> None:
@@ -200,7 +215,8 @@ class Session:
         self.writer.send_json(channel.END,
                               channel.End(status, exit_code, error, self.final).encode())
         self.writer.flush()
-        if self.config.lockstep and self.config.keep_bytes and status == channel.COMPLETE:
+        if self.config.lockstep and self.config.keep_bytes and status == channel.COMPLETE \
+                and not self._told_to_stop:
             # The script ended on its own: stay until the parent has asked for the outputs
             # it needs (schedule.Lockstep holds both runs here) and lets us go. The parent
             # always lets us go (or closes the pipe); the bound is only a backstop.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,7 @@ class RunStream:
         self._dumps_done = threading.Condition()
         self.end: channel.End | None = None
         self.hook_error = ""
+        self.unsupported = ""  # channel.META_UNSUPPORTED
         self.write_error = ""
         self.overlap_first_step = False  # channel.META_OVERLAP_FIRST_STEP
         self._end_reported = False
@@ -73,6 +75,9 @@ class RunStream:
             self.writer.close(status, code)
         except OSError:
             pass  # disk full: the file keeps what was flushed at the last step
+        except RuntimeError as exc:  # h5py, once a write failed: "truncate request failed"
+            if not (self.write_error or hdf5_write_failed(exc)):
+                raise
 
     def _ended(self) -> None:
         """Tell the owner once that this run will send no more steps."""
@@ -98,6 +103,10 @@ class RunStream:
             handler(payload)
         except OSError as exc:  # the capture file cannot be written (disk full, I/O error)
             self._write_failed(exc, self.path)
+        except RuntimeError as exc:
+            if not hdf5_write_failed(exc):
+                raise
+            self._write_failed(OSError(str(exc)), self.path)  # h5py's flush: same trouble
         except (ValueError, KeyError, TypeError) as exc:
             if self.write_error:
                 return  # the capture was closed while this frame was stored
@@ -157,6 +166,8 @@ class RunStream:
             self.writer.set_op_steps(list(meta[channel.META_OP_STEPS]))
         if channel.META_HOOK_ERROR in meta:
             self.hook_error = meta[channel.META_HOOK_ERROR]
+        if channel.META_UNSUPPORTED in meta:
+            self.unsupported = self.unsupported or str(meta[channel.META_UNSUPPORTED])
         if meta.get(channel.META_OVERLAP_FIRST_STEP):
             self.overlap_first_step = True
         if channel.META_DUMP_DONE in meta:
@@ -198,11 +209,20 @@ def ensure_space(path: Path, nbytes: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
 
+def hdf5_write_failed(exc: RuntimeError) -> bool:
+    """h5py reports a failed write at flush or close as a RuntimeError, not an OSError
+    (seen with RLIMIT_FSIZE: "Unable to synchronously flush file (file write failed: ...")."""
+    return "write failed" in str(exc)
+
+
 def write_failure(path: Path, exc: OSError) -> str:
     """One line for a capture or log that cannot be written."""
     text = str(exc)
     if exc.errno == errno.ENOSPC or "No space left" in text or "errno = 28" in text:
         return f"no space left on {_mount_point(path)} while writing {path}"
+    reason = re.search(r"error message = '([^']*)'", text)  # HDF5's own text holds the cause
+    if reason:
+        return f"cannot write {path}: {reason.group(1)}"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return f"cannot write {path}: {first}"
 

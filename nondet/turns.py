@@ -186,9 +186,9 @@ class Turns:
                 self._stopping = True
                 self.done.set()
                 return
-            self._stop_all()
+            self.stop_all()
 
-    def _stop_all(self) -> None:
+    def stop_all(self) -> None:
         # Every run, the ended ones too: a finished run may be waiting in Session.finish.
         self._stopping = True
         for run in self.runs:

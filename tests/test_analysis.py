@@ -12,6 +12,7 @@ import pytest
 from nondet import analysis
 from nondet.errors import NondetError
 from nondet.records import Kind, Phase
+from nondet.report import text
 from nondet.store import open_capture
 from tests.conftest import OpStream, run_cli, step_rows, write_capture
 
@@ -165,6 +166,21 @@ def test_runs_that_end_on_their_own_after_different_step_counts_differ(tmp_path:
     assert report.verdict == "nondeterministic" and div is not None
     assert div.kind == "structure" and div.step == 1
     assert "run b ended after 1 steps, run a after 2" in div.notes[0]
+
+
+def test_a_run_that_ends_early_while_the_other_went_on_differs(tmp_path: Path) -> None:
+    # lockstep stops run a once run b has ended: b exited after 1 step (sys.exit in one run
+    # only), a had already recorded step 1
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS), status="stopped")
+    b = write_capture(tmp_path / "b.h5", step_rows(*STEPS[:2]))
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    div = report.first_divergence
+    assert report.verdict == "nondeterministic" and div is not None
+    assert div.kind == "structure" and div.step == 1
+    assert "run b ended after 1 steps, run a went on to 2" in div.notes[0]
+    shown = "\n".join(text.lines(report))
+    assert "step 1, other: one run ended, the other went on" in shown
+    assert "None" not in shown  # was "record #None: run a executed None, run b None"
 
 
 def _ops_two_steps(weight_at_step_1: int) -> OpStream:

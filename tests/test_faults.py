@@ -88,6 +88,48 @@ def test_a_run_that_ends_early_is_not_an_error_and_both_captures_close(
             "complete", "stopped")
 
 
+_THREADS = """
+import threading, torch
+torch.manual_seed(0)
+models = [torch.nn.Linear(32, 1) for _ in range(2)]
+def train(i):
+    opt = torch.optim.SGD(models[i].parameters(), lr=0.1)
+    for step in range(10):
+        loss = models[i](torch.ones(64, 32) * (i + 1)).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+threads = [threading.Thread(target=train, args=(i,)) for i in {order}]
+{run}
+"""
+TWO_AT_ONCE = _THREADS.format(order="(0, 1)",
+                              run="[t.start() for t in threads]; [t.join() for t in threads]")
+ONE_AFTER_THE_OTHER = _THREADS.format(order="(0, 1)",
+                                      run="for t in threads:\n    t.start(); t.join()")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=SCHEDULE_IDS)
+def test_training_in_two_threads_at_once_is_refused_in_one_line(
+        tmp_path: Path, schedule: list[str]) -> None:
+    # Each thread trains its own model (the script repeats), but their steps interleave by
+    # thread timing: lockstep hung (two threads waiting for turns on one pipe), and the
+    # step rows differed (a false alarm). nondet cannot record it: exit 2, never a verdict.
+    script = _script(tmp_path, TWO_AT_ONCE)
+    result = run_cli("run", "-q", *schedule, script, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "trains in two threads at once" in _one_error_line(result.stderr)
+    logs = sorted((tmp_path / ".nondet").glob("*/run-*.log"))  # sequentially: run a only
+    assert logs
+    for log in logs:  # nondet's stop of a thread is not the user's output
+        assert "StopRun" not in log.read_text()
+
+
+def test_training_threads_one_after_the_other_are_compared(tmp_path: Path) -> None:
+    script = _script(tmp_path, ONE_AFTER_THE_OTHER)
+    result = run_cli("run", "-q", "--json", "r.json", script, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [r["steps"] for r in runs] == [20, 20]
+
+
 def _children_of(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
                          text=True, check=False).stdout
@@ -220,3 +262,17 @@ def _captured(out: Path, name: str) -> Path:
     found = sorted(out.glob(f"*/{name}"))
     assert found, sorted(out.rglob("*"))
     return found[0]
+
+
+def test_an_hdf5_write_failure_is_named_by_its_cause(tmp_path: Path) -> None:
+    # h5py reports a refused write (RLIMIT_FSIZE: EFBIG) at flush as a RuntimeError with
+    # HDF5's whole error text; the run stopped with a pump-thread traceback instead of one line
+    from nondet.stream import hdf5_write_failed, write_failure
+
+    text = ("Unable to synchronously flush file (file write failed: time = Tue Nov 24 "
+            "04:10:24 2026\n, filename = 'run-a.h5', file descriptor = 3, errno = 27, "
+            "error message = 'File too large', buf = 0x7fa900055e82, total write size = 4158)")
+    assert hdf5_write_failed(RuntimeError(text))
+    assert not hdf5_write_failed(RuntimeError("Unable to open object"))
+    assert write_failure(tmp_path / "run-a.h5", OSError(text)) == (
+        f"cannot write {tmp_path / 'run-a.h5'}: File too large")

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nondet import analysis, clock, pyhooks, seed_diff, seeding
+from nondet import analysis, clock, frameworks, pyhooks, seed_diff, seeding
 from nondet import session as session_module
 from nondet.records import Flag
 from nondet.session import SourceLocator
@@ -61,6 +61,11 @@ def session(monkeypatch: pytest.MonkeyPatch) -> FakeSession:
                         (np.random, "RandomState"), (random, "seed")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
     monkeypatch.setattr(random.Random, "__init__", random.Random.__init__)
+    monkeypatch.setattr(frameworks, "_watchers", {})  # pyhooks waits for keras there
+    for name in ("keras.utils", "keras._tf_keras.keras.utils"):
+        if name in sys.modules:  # imported by an earlier test: wrapped at once, undone after
+            monkeypatch.setattr(sys.modules[name], "set_random_seed",
+                                sys.modules[name].set_random_seed)
     fake = FakeSession(Path(__file__))  # the user's "script" lives in tests/
     monkeypatch.setattr(session_module, "_CURRENT", fake)
     monkeypatch.setattr(seeding, "_LOG", None)
@@ -396,6 +401,8 @@ def test_tensorflow_and_keras_seeding_calls_are_recorded(session: FakeSession,
             monkeypatch.setattr(sys.modules[name], "set_random_seed",
                                 sys.modules[name].set_random_seed)
     tf_seeding.install(session)  # type: ignore[arg-type]
+    for callback in frameworks._watchers.pop("keras", []):
+        callback()  # what the import hook does once keras is imported (pyhooks' wrapper)
     tf.random.set_seed(31)  # tf-seed-here
     g = tf.random.Generator.from_seed(32)  # tf-generator-here
     keras.utils.set_random_seed(33)  # keras-seed-here: seeds 4 RNGs, recorded once

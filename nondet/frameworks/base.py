@@ -22,7 +22,7 @@ not as copies that drift.
 from __future__ import annotations
 
 import math
-import random
+import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,8 +32,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from nondet import channel
-from nondet.fingerprint import bytes_fp, combine
-from nondet.frameworks.fp import Fp
+from nondet.fingerprint import combine
+from nondet.frameworks.fp import Fp, group_fp, host_rng_fps
+from nondet.frameworks.step_thread import STEP_THREAD
 from nondet.records import TENSOR_DTYPE, Group, Phase
 
 
@@ -163,28 +164,6 @@ class DataEntry:
     numel: int  # -1 when unknown
 
 
-def group_fp(values: list[int]) -> int:
-    """One fingerprint for a group of fingerprints (0 when the group is empty)."""
-    return combine(values) if values else 0
-
-
-#: Host generators in the step rows' ``rng_fp``. A child process the script started turns
-#: off what its start reseeded from entropy (``random`` at every fork, NumPy's too in a
-#: spawned interpreter): as in plain runs, and a state nobody may draw from is no lead.
-HOST_RNGS = {"numpy": True, "python": True}
-
-
-def host_rng_fps() -> list[int]:
-    """NumPy's legacy global RNG and Python's ``random``: seeded by nondet in every run."""
-    fps = []
-    if HOST_RNGS["numpy"]:
-        fps.append(bytes_fp(np.random.get_state()[1].tobytes()))  # type: ignore[index]
-    if HOST_RNGS["python"]:
-        python_state = np.asarray(random.getstate()[1], dtype=np.uint64)
-        fps.append(bytes_fp(python_state.tobytes()))
-    return fps
-
-
 class StepLifecycle:
     """Step numbering, boundaries, the step row, probes and hook-error containment.
 
@@ -256,6 +235,10 @@ class StepLifecycle:
         """Close the init phase: send the init row (the state when training starts)."""
         if self.started:
             return
+        if threading.current_thread() is not threading.main_thread():
+            # a worker thread that makes its optimizer trains there: it owns the steps from
+            # now on (the main thread, which often only sets up, does not)
+            self._refuse_if_clash()
         self.started = True
         self._end_step()
         self._announce()
@@ -270,7 +253,12 @@ class StepLifecycle:
         """End the current training step and start the next one."""
         if not self.started:
             self.start_training()
+        self._refuse_if_clash()
         self._end_step()
+
+    def _refuse_if_clash(self) -> None:
+        if STEP_THREAD.clashed(self.session.send_meta):  # two threads train at once
+            raise StopRun()
 
     def explicit_step(self) -> None:
         if self.disabled:

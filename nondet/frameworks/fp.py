@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from nondet.fingerprint import MASK64, combine, host_words, word_size
+from nondet.fingerprint import MASK64, bytes_fp, combine, host_words, word_size
 
 _NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
 
@@ -74,3 +75,25 @@ def combined(fps: list[Fp]) -> int:
     if len(fps) == 1:
         return fps[0].value or 1
     return combine(fp.value or 0 for fp in fps)
+
+
+def group_fp(values: list[int]) -> int:
+    """One fingerprint for a group of fingerprints (0 when the group is empty)."""
+    return combine(values) if values else 0
+
+
+#: Host generators in the step rows' ``rng_fp``. A child process the script started turns
+#: off what its start reseeded from entropy (``random`` at every fork, NumPy's too in a
+#: spawned interpreter): as in plain runs, and a state nobody may draw from is no lead.
+HOST_RNGS = {"numpy": True, "python": True}
+
+
+def host_rng_fps() -> list[int]:
+    """NumPy's legacy global RNG and Python's ``random``: seeded by nondet in every run."""
+    fps = []
+    if HOST_RNGS["numpy"]:
+        fps.append(bytes_fp(np.random.get_state()[1].tobytes()))  # type: ignore[index]
+    if HOST_RNGS["python"]:
+        python_state = np.asarray(random.getstate()[1], dtype=np.uint64)
+        fps.append(bytes_fp(python_state.tobytes()))
+    return fps

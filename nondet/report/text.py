@@ -89,7 +89,9 @@ def _verdict(report: Report) -> str:
                          if div.collective and div.collective.get("summary") else ""),
         "desync": "a replica's parameters drift from rank 0's",
     }.get(div.kind, "the runs differ")
-    if not div.localized:
+    if div.kind == "structure" and div.op_index is None:
+        what = "one run ended, the other went on"  # a different number of steps
+    elif not div.localized:
         what = f"runs diverge ({escape(div.phase)})"
     rank = f", rank {div.rank}" if div.world_size > 1 else ""
     return f"[bold red]nondet: nondeterministic[/] — {where}, {escape(div.phase)}{rank}: {what}"
@@ -140,6 +142,8 @@ def _finding(div: Divergence) -> list[str]:
     elif div.kind == "desync":
         out += [_row("finding", f"{step}: rank {div.rank}'s parameters differ from rank 0's "
                                 "(replica desync within one run)")]
+    elif div.kind == "structure" and div.op_index is None:
+        out += [_row("finding", f"{step}: only one run got here (the note says which)")]
     elif div.kind == "structure":
         out += [_row("finding", f"{step}, record #{div.op_index}: run a executed "
                                 f"{escape(str(div.op))}, run b {escape(str(div.op_b))}")]

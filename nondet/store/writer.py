@@ -50,6 +50,9 @@ class CaptureWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         # The 1.10 object format: checksummed metadata (Note [Damage detection]).
         self._file = h5py.File(path, "w", libver=("v110", "v110"))
+        # Set before the first close attempt: a close that failed half-way (a write refused:
+        # RLIMIT_FSIZE) leaves the id "valid", and touching that file again crashes HDF5.
+        self._closing = False
         f = self._file
         self._strings_crc = self._stored_crc = 0
         self._entry_hashes: dict[tuple[str, str], int] = {}  # (group, key) -> entry_hash
@@ -150,8 +153,9 @@ class CaptureWriter:
 
     def close(self, status: str, exit_code: int | None) -> None:
         with _H5_LOCK:
-            if not self._file.id.valid:
+            if self._closing or not self._file.id.valid:
                 return
+            self._closing = True
             self._set("", {"status": status, "exit_code": -1 if exit_code is None else exit_code,
                            STRINGS_CRC_ATTR: self._strings_crc})
             self._file.close()

@@ -222,6 +222,27 @@ model.fit(x, x[:, :1], batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert {"hidden", "out"} <= {r["module"] for r in records(c, 0)}
 
 
+def test_keras_on_torch_is_stepped_by_torch_alone(tmp_path: Path) -> None:
+    # Keras 3 on torch imports TensorFlow mid-fit (its array adapter builds a tf.data
+    # pipeline): the TensorFlow backend must not count Keras' updates as steps too (each
+    # step was ended twice, 2N+1 rows) nor reseed; the user's set_random_seed is recorded.
+    pytest.importorskip("torch")
+    from nondet.seed_diff import seed_calls
+
+    header = ('import os\nos.environ["KERAS_BACKEND"] = "torch"\nimport keras\n'
+              "keras.utils.set_random_seed(7)  # user seed\n")
+    c = capture(tmp_path, FIT + """
+model.fit(x, x[:, :1], batch_size=8, epochs=1, shuffle=False, verbose=0)
+""", header=header)
+    assert c.env["tensorflow_version"]  # TensorFlow was imported (by Keras) and hooked
+    assert c.n_steps == 5
+    trained = c.steps[c.steps["step"] >= 0]
+    assert all(float(loss) == float(loss) for loss in trained["loss"])  # every row a step
+    calls = {(api, site.rpartition(":")[2]): [v for *_, v in rows]
+             for (api, site, _), rows in seed_calls(c).items()}
+    assert calls[("keras.utils.set_random_seed", line_of(tmp_path, "user seed"))] == ["7"]
+
+
 def test_validation_in_fit_is_not_counted_into_training(tmp_path: Path) -> None:
     fit = "model.fit(x, x[:, :1], batch_size=8, epochs=2, shuffle=False, verbose=0{})\n"
     header = HEADER + "keras = tf.keras\n"

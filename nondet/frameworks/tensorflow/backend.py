@@ -6,7 +6,8 @@ then hooks (tensorflow/hooks.py, unless said otherwise):
 - the op callbacks (tensorflow/ops.py): eager ops as they run, graph ops when traced;
 - variable creation (a variable creator): every ``tf.Variable`` with the line that made it,
   fingerprinted when training starts and after each step (random generator states too);
-- Keras: layer calls (module paths), optimizer creation (training starts) and updates
+- Keras on TensorFlow (not Keras on torch or JAX: that framework's backend owns the
+  steps): layer calls (module paths), optimizer creation (training starts) and updates
   (the step boundary: directly in eager code, counted in-graph for ``tf.function``/``fit``);
 - ``GradientTape.gradient`` (backward phase, and the loss: hashed in eager code, carried
   out of traced steps by ``TFOpRecorder.carry_loss``);
@@ -26,8 +27,8 @@ import numpy as np
 import tensorflow as tf
 
 from nondet import channel, frameworks
-from nondet.frameworks.base import Session, StepLifecycle, StepState, group_fp
-from nondet.frameworks.fp import Fp
+from nondet.frameworks.base import Session, StepLifecycle, StepState
+from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.tensorflow import data, hooks
 from nondet.frameworks.tensorflow import seeding as tf_seeding
 from nondet.frameworks.tensorflow.hashing import hashable

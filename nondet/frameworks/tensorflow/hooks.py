@@ -119,12 +119,28 @@ def install(backend: HookHost) -> Any:
     return creator_scope
 
 
+def keras_backend_name() -> str:
+    """The framework Keras runs its layers on: ``KERAS_BACKEND`` as Keras read it."""
+    import keras
+
+    try:
+        return str(keras.backend.backend())
+    except Exception:  # an older or unusual Keras: it ran on TensorFlow
+        return "tensorflow"
+
+
 def install_keras(backend: HookHost) -> None:
     """Seed Keras and hook layer calls, optimizer creation and updates, evaluation."""
     import keras
     from keras.src.layers.layer import Layer
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+    if keras_backend_name() != "tensorflow":
+        # Keras 3 on torch (or JAX) imports TensorFlow only as a utility (its array
+        # adapter builds a tf.data pipeline, often mid-fit). Its layers and optimizer run
+        # on that other framework, whose backend owns the steps: hooking them here too
+        # would end every step twice, and reseeding now would change the running program.
+        return
     keras.utils.set_random_seed(backend.session.config.seed)
 
     original_call = Layer.__call__

@@ -1,8 +1,7 @@
 """TensorFlow's and Keras' seeding calls, recorded with their values (``nondet.seeding``).
 
-``tf.random.set_seed`` (and its ``tf.compat.v1`` names), ``tf.random.Generator.from_seed``
-and, once Keras is imported, ``keras.utils.set_random_seed`` (which seeds Python, NumPy,
-TensorFlow and torch itself: those inner calls are not recorded again).
+``tf.random.set_seed`` (and its ``tf.compat.v1`` names) and ``tf.random.Generator.from_seed``.
+``keras.utils.set_random_seed`` is recorded by ``nondet.pyhooks`` (Keras may run on torch).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from nondet import frameworks, seeding
+from nondet import seeding
 from nondet.frameworks.base import Session
 
 
@@ -38,13 +37,3 @@ def install(session: Session) -> None:
         return original_from_seed(cls, seed, alg)
 
     generator.from_seed = classmethod(from_seed)
-    frameworks.after_import("keras", lambda: _install_keras(log))
-
-
-def _install_keras(log: seeding.SeedLog) -> None:
-    for name in ("keras.utils", "keras._tf_keras.keras.utils"):
-        module = sys.modules.get(name)
-        original = getattr(module, "set_random_seed", None)
-        if module is not None and original is not None:
-            module.set_random_seed = log.wrap(  # type: ignore[attr-defined]
-                "keras.utils.set_random_seed", original, seeding.first_arg)

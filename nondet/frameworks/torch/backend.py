@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from nondet.frameworks.base import Session, StepLifecycle, StepState, group_fp
-from nondet.frameworks.fp import Fp
+from nondet.frameworks.base import Session, StepLifecycle, StepState
+from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.torch import children, comm, compiled, cuda
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries

@@ -36,7 +36,8 @@ import torch
 
 from nondet import frameworks
 from nondet.channel import CHILD_PARAMS_FACT
-from nondet.frameworks.base import Session, StopRun, group_fp
+from nondet.frameworks.base import Session, StopRun
+from nondet.frameworks.fp import group_fp
 from nondet.frameworks.torch.cache import FingerprintCache
 from nondet.records import INIT_STEP
 
@@ -216,14 +217,14 @@ def _open_session(config: dict[str, Any]) -> Any:
                                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         session = session_module.Session(child)
         session_module._CURRENT = session
-        from nondet.frameworks import base
+        from nondet.frameworks import fp as host_fp
         from nondet.frameworks.torch.backend import TorchBackend
 
         # The backend seeds torch for the run; a child keeps the generator state it was
         # started with (inherited by a fork, torch's default in a spawned interpreter).
         rng = torch.random.get_rng_state()
-        base.HOST_RNGS["python"] = False  # reseeded from entropy at every fork and spawn
-        base.HOST_RNGS["numpy"] = forked  # a spawned interpreter seeds it from entropy too
+        host_fp.HOST_RNGS["python"] = False  # reseeded from entropy at every fork and spawn
+        host_fp.HOST_RNGS["numpy"] = forked  # a spawned interpreter seeds it from entropy too
         backend = TorchBackend(session)
         torch.random.set_rng_state(rng)
         backend.recorder.shared_is_volatile = True  # other workers write shared weights

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from nondet.fingerprint import scalar_value
-from nondet.frameworks.base import StepState, TensorRow, group_fp
-from nondet.frameworks.fp import Fp
+from nondet.frameworks.base import StepState, TensorRow
+from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.torch.cache import FingerprintCache
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.hostwords import StateViews

@@ -237,6 +237,9 @@ def check_result(result: RunResult) -> RunResult:
         raise NondetError(result.write_error + "; the runs were stopped")
     if result.hook_error:
         raise InternalChildError(result.hook_error)
+    if result.unsupported:
+        raise NondetError(f"run {result.label}: {result.unsupported}; its output is in "
+                          f"{result.log_path}")
     if result.status == channel.INTERRUPTED:
         raise KeyboardInterrupt
     if result.status in (channel.FAILED, channel.CRASHED):

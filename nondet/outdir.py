@@ -57,7 +57,8 @@ def check_root(root: Path) -> None:
     while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
-        raise NondetError(f"--out {display(root)}: {display(existing)} is a file, not a directory")
+        raise NondetError(f"--out {display(root)}: {display(existing)} is a file, not a "
+                          "directory; give --out a directory to write the captures into")
     if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
         raise NondetError(f"--out {display(root)}: {display(existing)} is not writable")
 

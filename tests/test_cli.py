@@ -261,6 +261,16 @@ def test_out_under_a_file_is_a_usage_error(tmp_path: Path) -> None:
     assert "file is a file, not a directory" in _one_error_line(result.stderr)
 
 
+def test_a_file_named_like_the_default_out_is_one_line_naming_the_option(
+        tmp_path: Path) -> None:
+    (tmp_path / ".nondet").write_text("the user's own file\n")
+    result = run_cli("run", "-q", STEPS, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    line = _one_error_line(result.stderr)
+    assert ".nondet is a file, not a directory" in line and "give --out a directory" in line
+    assert (tmp_path / ".nondet").read_text() == "the user's own file\n"
+
+
 def test_json_under_a_file_is_refused_before_running(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     result = run_cli("run", "-q", "--json", "file/missing/r.json", STEPS, cwd=tmp_path)

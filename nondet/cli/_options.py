@@ -58,7 +58,9 @@ def target_options(command: F) -> F:
                      help="Seed for random, NumPy, the framework and PYTHONHASHSEED in every "
                           "run."),
         click.option("--out", "out_dir", default=".nondet", show_default=True,
-                     type=click.Path(file_okay=False, path_type=Path),
+                     # checked by outdir.check_root, whose line names what to do (the
+                     # default too: a file named .nondet in the working directory)
+                     type=click.Path(path_type=Path),
                      help="Where the capture files (.h5) and the runs' output logs go."),
         click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
                      help="Also write the report as JSON to this file."),

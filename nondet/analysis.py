@@ -137,10 +137,11 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         div = localize(a, b, window) if window else None
         if div is None or (div.step if div.step is not None else INIT_STEP) > step_div.step:
             div = from_step_rows(a, b, step_div, common_op_steps)
-    if not div.explained and (kids.divergence or end_state.children_differ(a, b)):
-        # A tensor changed outside every op this process ran, and a child process differs
-        # (its recorded steps, or the tensors it was handed): the child is the better
-        # explanation.
+    if (not div.explained or end_state.child_entry(a, div)) \
+            and (kids.divergence or end_state.children_differ(a, b)):
+        # A tensor changed outside every op this process ran (or one a joined child was
+        # handed), and a child process differs (its recorded steps, or the tensors it was
+        # handed): the child is the better explanation.
         div = kids.divergence or end_state.divergence(a, b)
     main_differs = final_differs or _training_state_differs(a, b, both_ended)
     if kids.divergence is not None and not main_differs:

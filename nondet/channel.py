@@ -60,6 +60,8 @@ FINAL_PREFIX = "final_"  # final_params_fp, ...: digests of the end state
 #: digest of the tensors handed to the K-th child process (creation order), read when the
 #: parent joined it: training in children shows up here (frameworks/torch/children.py)
 CHILD_PARAMS_FACT = "child#{}.params_fp"
+#: Prefix of an entry's name in the parent: a tensor handed to child K, read after its join.
+CHILD_ENTRY_PREFIX = "child:"
 CHILD_PARAMS_PREFIX = "child#"
 
 

@@ -8,6 +8,7 @@ the last step) shows up only here; a difference here is never "deterministic".
 from __future__ import annotations
 
 from nondet import channel
+from nondet.records import INIT_STEP
 from nondet.report import Divergence
 from nondet.store import Capture
 
@@ -34,6 +35,16 @@ def differences(a: Capture, b: Capture) -> list[str]:
     keys = [*children, *(["final_params_fp"] if "final_params_fp" in a.facts else [])]
     return [k for k in keys
             if b.facts.get(k) is not None and a.facts[k] is not None and a.facts[k] != b.facts[k]]
+
+
+def child_entry(a: Capture, div: Divergence) -> bool:
+    """``div`` is an entry of a tensor a joined child process was handed (its name is
+    ``child:<K>``): what the child left, not something this process did."""
+    if div.kind != "entry" or div.op_index is None:
+        return False
+    step = INIT_STEP if div.step is None else div.step
+    names = [a.string(int(r["name"])) for r in a.ops(step) if int(r["index"]) == div.op_index]
+    return bool(names) and names[0].startswith(channel.CHILD_ENTRY_PREFIX)
 
 
 def children_differ(a: Capture, b: Capture) -> bool:

@@ -115,8 +115,9 @@ class FingerprintCache(StepRecords):
         self.infos: dict[Any, OpInfo] = {}
         self.stamp: tuple[list[torch.Tensor], int, int] | None = None
         self.creating: tuple[str, str] | None = None  # entry label while a wrapper runs
-        # tensors a collective wrote, read afresh by their first reader: its entry is named
-        # after the collective ("comm:<op>", frameworks/torch/comm.py)
+        # tensors written where this process records no op (a collective, "comm:<op>",
+        # frameworks/torch/comm.py; a joined child process, "child:<K>", children.py), read
+        # afresh by their first reader: its entry is named after the writer
         self.comm_outputs: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
         self.unnamed_entries: dict[tuple[Any, tuple[int, ...] | None], int] = {}
@@ -260,6 +261,12 @@ class FingerprintCache(StepRecords):
         """Drop cache entries of tensors that no longer exist."""
         self.cache = {k: e for k, e in self.cache.items() if e[0]() is not None}
         self.comm_outputs = {k: e for k, e in self.comm_outputs.items() if e[0]() is not None}
+
+    def written_elsewhere(self, t: torch.Tensor, writer: str) -> None:
+        """``t`` may have been written where no op was recorded: its next read is an entry
+        named ``writer``, hashed afresh."""
+        self.forget(t)
+        self.comm_outputs[id(t)] = (weakref.ref(t), writer)
 
     def forget(self, t: torch.Tensor) -> None:
         """Treat ``t`` as never seen: its next use is an entry point with a fresh fingerprint.

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from nondet import frameworks
-from nondet.channel import CHILD_PARAMS_FACT
+from nondet.channel import CHILD_ENTRY_PREFIX, CHILD_PARAMS_FACT
 from nondet.frameworks.base import Session, StopRun
 from nondet.frameworks.fp import group_fp
 from nondet.frameworks.torch.cache import FingerprintCache
@@ -83,6 +83,18 @@ CHILD_OP_STEPS = 32
 _DATA_WORKERS = ("torch.utils.data", "multiprocessing")
 
 
+#: Name of the entry a joined child's tensors make at their next read in the parent
+#: (``end_state.child_entry`` reads it back).
+CHILD_ENTRY = CHILD_ENTRY_PREFIX + "{}"
+
+
+def _in_shared_memory(t: torch.Tensor) -> bool:
+    try:
+        return bool(t.is_shared())  # type: ignore[no-untyped-call]
+    except Exception:  # a tensor subclass or a device without the notion
+        return False
+
+
 def _child_config(backend: ChildrenHost, index: int) -> dict[str, Any] | None:
     """The ChildConfig (as a dict: it is pickled into a spawned child) of the run's child
     ``index``, or None when this run has nowhere to put a child's frames."""
@@ -125,6 +137,10 @@ def install(backend: ChildrenHost) -> None:
                 tensors = _tensors_in([*args, *kwargs.values()])
                 if tensors:
                     marks[proc] = (index, [weakref.ref(t) for t in tensors])
+                if any(_in_shared_memory(t) for t in tensors):
+                    # While the child runs it may write them unseen by this process's
+                    # version counters: every read here is an entry, hashed afresh.
+                    backend.recorder.shared_is_volatile = True
                 config = _child_config(backend, index)
                 if config is not None:
                     method = getattr(proc, "_start_method", None) \
@@ -154,6 +170,8 @@ def install(backend: ChildrenHost) -> None:
                 # memory without bumping the version counters this process sees.
                 fps = [backend.recorder.fingerprint(t) for t in tensors]
                 backend.recorder.resolve()
+            for t in tensors:  # the next read here is an entry, named after the child
+                backend.recorder.written_elsewhere(t, CHILD_ENTRY.format(index))
             digest = group_fp([f.value or 0 for f in fps])
             backend.session.send_facts({CHILD_PARAMS_FACT.format(index): f"{digest:016x}"})
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from nondet.channel import CHILD_ENTRY_PREFIX
 from nondet.fingerprint import MASK64, scalar_value
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import cuda
@@ -339,15 +340,18 @@ class FingerprintCache(StepRecords):
         return self.session.intern("external:tensor from a storage (aten.set_)")
 
     def entry_name(self, t: torch.Tensor) -> int:
-        comm = self.comm_outputs.pop(id(t), None)
-        if comm is not None and comm[0]() is t:
-            return self.session.intern(comm[1])
+        writer = self.comm_outputs.pop(id(t), None)
+        written_by = writer[1] if writer is not None and writer[0]() is t else None
+        if written_by is not None and not written_by.startswith(CHILD_ENTRY_PREFIX):
+            return self.session.intern(written_by)  # a collective's output (collective.py)
         if self.creating is not None:
             kind, what = self.creating
             return self.session.intern(f"{kind}:{what}")
         name = self.backend.tensor_name(t) or self._view_name(t)
-        if name:
+        if name:  # a parameter keeps its name, whoever wrote it
             return self.session.intern(f"external:{name}")
+        if written_by is not None:  # an unnamed tensor a joined child left: "child:<K>"
+            return self.session.intern(written_by)
         sizes = safe.shape(t)
         key = (t.dtype, sizes)
         sid = self.unnamed_entries.get(key)

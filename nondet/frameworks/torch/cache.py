@@ -298,7 +298,7 @@ class FingerprintCache(StepRecords):
         """Fingerprint of an op input; records an entry point for a tensor never seen."""
         if self.settling:
             self.settle()
-        if self.shared_is_volatile and _shared(t):
+        if self.shared_is_volatile and in_shared_memory(t):
             self.forget(t)
         entry = self.entry(t)
         if entry is not None:
@@ -386,7 +386,7 @@ class FingerprintCache(StepRecords):
         return values
 
 
-def _shared(t: torch.Tensor) -> bool:
+def in_shared_memory(t: torch.Tensor) -> bool:
     """``t`` lives in memory shared with other processes (never raises)."""
     try:
         return bool(t.is_shared())  # type: ignore[no-untyped-call]

@@ -38,7 +38,7 @@ from nondet import frameworks
 from nondet.channel import CHILD_ENTRY_PREFIX, CHILD_PARAMS_FACT
 from nondet.frameworks.base import Session, StopRun
 from nondet.frameworks.fp import group_fp
-from nondet.frameworks.torch.cache import FingerprintCache
+from nondet.frameworks.torch.cache import FingerprintCache, in_shared_memory
 from nondet.records import INIT_STEP
 
 
@@ -88,13 +88,6 @@ _DATA_WORKERS = ("torch.utils.data", "multiprocessing")
 CHILD_ENTRY = CHILD_ENTRY_PREFIX + "{}"
 
 
-def _in_shared_memory(t: torch.Tensor) -> bool:
-    try:
-        return bool(t.is_shared())  # type: ignore[no-untyped-call]
-    except Exception:  # a tensor subclass or a device without the notion
-        return False
-
-
 def _child_config(backend: ChildrenHost, index: int) -> dict[str, Any] | None:
     """The ChildConfig (as a dict: it is pickled into a spawned child) of the run's child
     ``index``, or None when this run has nowhere to put a child's frames."""
@@ -137,7 +130,7 @@ def install(backend: ChildrenHost) -> None:
                 tensors = _tensors_in([*args, *kwargs.values()])
                 if tensors:
                     marks[proc] = (index, [weakref.ref(t) for t in tensors])
-                if any(_in_shared_memory(t) for t in tensors):
+                if any(in_shared_memory(t) for t in tensors):
                     # While the child runs it may write them unseen by this process's
                     # version counters: every read here is an entry, hashed afresh.
                     backend.recorder.shared_is_volatile = True

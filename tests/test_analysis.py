@@ -12,7 +12,7 @@ import pytest
 from nondet import analysis
 from nondet.errors import NondetError
 from nondet.records import Kind, Phase
-from nondet.report import text
+from nondet.report import Report, text
 from nondet.store import open_capture
 from tests.conftest import OpStream, run_cli, step_rows, write_capture
 
@@ -39,21 +39,22 @@ def test_a_difference_that_never_reaches_training_is_a_note(tmp_path: Path) -> N
     assert any("never reached training" in n for n in report.notes)
 
 
-def test_only_the_rng_state_differing_is_a_note(tmp_path: Path) -> None:
+def _with_one_field_changed_in_b(tmp_path: Path, field: str, value: int) -> Report:
+    """The report for two captures of STEPS that differ only in b's ``field`` at row 2."""
     b_steps = step_rows(*STEPS)
-    b_steps[2]["rng_fp"] = 12
+    b_steps[2][field] = value
     a = write_capture(tmp_path / "a.h5", step_rows(*STEPS))
     b = write_capture(tmp_path / "b.h5", b_steps)
-    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    return analysis.compare_captures(open_capture(a), open_capture(b))
+
+
+def test_only_the_rng_state_differing_is_a_note(tmp_path: Path) -> None:
+    report = _with_one_field_changed_in_b(tmp_path, "rng_fp", 12)
     assert report.verdict == "deterministic" and report.contained
 
 
 def test_training_state_that_differs_stays_a_finding(tmp_path: Path) -> None:
-    b_steps = step_rows(*STEPS)
-    b_steps[2]["params_fp"] = 6
-    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS))
-    b = write_capture(tmp_path / "b.h5", b_steps)
-    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    report = _with_one_field_changed_in_b(tmp_path, "params_fp", 6)
     assert report.verdict == "nondeterministic" and report.first_divergence is not None
     assert report.first_divergence.step == 1
 

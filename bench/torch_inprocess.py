@@ -83,7 +83,7 @@ def main() -> None:
     records: dict[str, int] = {}
     state = StateFingerprints(recorder, recorder.hasher)
     names = {id(x): n for n, x in [*model.named_parameters(), *model.named_buffers()]}
-    optimizers = [weakref.ref(optimizer)]
+    optimizers: list[weakref.ref[torch.optim.Optimizer]] = [weakref.ref(optimizer)]
 
     state_cpu: list[float] = []  # thread CPU time of the step-level work alone
 

@@ -130,6 +130,31 @@ def test_grouped_content_is_the_content_of_the_concatenation() -> None:
     assert len(results) == 1
 
 
+
+def test_runs_of_small_parts_and_long_parts_sum_as_their_concatenation() -> None:
+    """The host kernel concatenates consecutive small parts (1- and 4-byte words widened
+    to int64: zero- and sign-extended) and sums long int64 parts with einsum: the number
+    is the definition's, also when the group crosses a chunk boundary."""
+    gen = torch.Generator().manual_seed(5)
+
+    def ints(low: int, high: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randint(low, high, (n,), dtype=dtype, generator=gen)
+
+    high_bytes = ints(128, 256, 3, torch.uint8)  # zero-extended: would differ if signed
+    negative = ints(-2**31, -1, 5, torch.int32)  # sign-extended 4-byte words
+    parts = [high_bytes, negative, torch.randn(7, generator=gen),  # 28 bytes: 4-byte words
+             ints(-2**62, 2**62, 9000, torch.int64),  # long: einsum
+             torch.randn(3, generator=gen).to(torch.bfloat16), negative,  # 6 bytes: bytes
+             ints(-2**62, 2**62, 10, torch.int64)]
+    whole = torch.cat([TorchHasher.words(p) for p in parts])  # type: ignore[misc]
+    (host,) = HASHER.content_of_many(parts).values()
+    assert isinstance(host, int)
+    assert host & MASK64 == content_of_words(whole)
+    straddling = [*parts[:3], ints(-2**62, 2**62, CHUNK_WORDS - 2, torch.int64), *parts]
+    (host,) = HASHER.content_of_many(straddling).values()
+    (device,) = HASHER.content_of_many(straddling, on_device=True).values()
+    assert host & MASK64 == int(device) & MASK64  # type: ignore[operator]
+
 def content_of_words(words: torch.Tensor) -> int:
     """The definition, written out: sum of words times keys, chunked, mod 2**64."""
     keys = [int(k) for k in position_keys(min(words.numel(), CHUNK_WORDS))]

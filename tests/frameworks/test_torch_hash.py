@@ -9,8 +9,10 @@ torch = pytest.importorskip("torch")
 from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys  # noqa: E402
 from nondet.frameworks.torch.hashing import HOST_LIMIT, TorchHasher  # noqa: E402
 from nondet.frameworks.torch.hostwords import StateViews  # noqa: E402
+from nondet.frameworks.torch.testing import recorder  # noqa: E402
 
 HASHER = TorchHasher()
+REC = recorder()  # the op recorder's fingerprint cache, on a stand-in backend
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -298,6 +300,11 @@ def test_state_views_are_reused_only_while_they_are_the_tensors_bytes() -> None:
         assert kept == fresh
         assert [int(v) & MASK64 for v in kept.values()] == [
             int(v) & MASK64 for v in device.values()]
+        # the whole fingerprint too: with views, the tensors' descriptions are kept too
+        (kept_fp,), (fresh_fp,) = (REC.fingerprint_many(group, views),
+                                   REC.fingerprint_many(group))
+        REC.resolve()
+        assert kept_fp.value == fresh_fp.value
         return int(next(iter(kept.values())))
 
     first = check()
@@ -311,8 +318,12 @@ def test_state_views_are_reused_only_while_they_are_the_tensors_bytes() -> None:
     assert check() != changed
     p.data = torch.randn(7, 300)  # new shape
     check()
+    p.data = p.data.view(300, 7)  # the same memory and bytes, another shape
+    check()
     b.resize_(6)  # may move the memory
     b.fill_(2.0)
+    check()
+    b.data = torch.randn(3, 2, dtype=torch.float64)  # another dtype and shape
     check()
     step.set_(torch.tensor([4.0, 5.0]).untyped_storage(), 1, ())  # another storage
     assert float(step) == 5.0

@@ -1,6 +1,6 @@
 """Op-level capture's cost inside one process, where a shared machine's load cancels out.
 
-    python bench/torch_inprocess.py [--narrow] [--rounds N] [--threads N]
+    python bench/torch_inprocess.py [--narrow] [--rounds N] [--threads N] [--step-level]
 
 Runs the benchmark model's training step (bench/model_torch.py's model, optimizer and
 data) in one process, round-robin: plainly; under a dispatch mode that only passes ops
@@ -13,6 +13,12 @@ main thread is what the recorder adds (it is single-threaded Python); with ``--t
 other processes' load. Step boundaries (step-level state) are not included: the recorder
 is driven directly through the stand-in backend the tests use
 (nondet/frameworks/torch/testing.py).
+
+``--step-level`` measures step-level capture instead: the plain step, and the plain step
+followed by what the backend does at each step end of a step-level capture (named state,
+the gradients' group fingerprint at the optimizer step, then ``StateFingerprints.step_state``:
+the state groups' fingerprints, RNG state, the float64 parameter sum and the loss read back;
+not the step row's transport to the parent process, which is session.py's).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nondet.frameworks.torch.state import named_state
+from nondet.frameworks.torch.stepstate import StateFingerprints
 from nondet.frameworks.torch.testing import RecordMode
 from nondet.frameworks.torch.testing import recorder as fake_recorder
 
@@ -44,6 +53,8 @@ def main() -> None:
     parser.add_argument("--narrow", action="store_true")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--step-level", action="store_true",
+                        help="measure step-level capture (state fingerprints at step ends)")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
@@ -60,19 +71,41 @@ def main() -> None:
     images = torch.randn(8, 32, 3, 32, 32, generator=g)
     labels = torch.randint(0, 10, (8, 32), generator=g)
 
-    def step(i: int) -> None:
+    def step(i: int) -> torch.Tensor:
         loss = nn.functional.cross_entropy(model(images[i % 8]), labels[i % 8])
         optimizer.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
+        return loss
 
     recorder = fake_recorder()
     content = recorder.hasher.content
     records: dict[str, int] = {}
+    state = StateFingerprints(recorder, recorder.hasher)
+    names = {id(x): n for n, x in [*model.named_parameters(), *model.named_buffers()]}
+    optimizers: list[weakref.ref[torch.optim.Optimizer]] = [weakref.ref(optimizer)]
+
+    state_cpu: list[float] = []  # thread CPU time of the step-level work alone
+
+    def step_level(i: int) -> None:
+        loss = step(i)
+        # as TorchBackend does: gradients at the optimizer step, the rest at the step end
+        c0 = time.thread_time()
+        with torch.no_grad():
+            params, _, _ = named_state([model], optimizers, names)
+            grads = state.named([(n, p.grad) for n, p in params if p.grad is not None],
+                                detailed=False)
+            params, buffers, optim = named_state([model], optimizers, names)
+            scalar = loss.detach().real.reshape(()).to(torch.float64)
+            state.step_state(params, buffers, optim, grads, scalar, detailed=False)
+        state_cpu.append(time.thread_time() - c0)
 
     def run(kind: str, i: int) -> None:
         if kind == "plain":
             step(i)
+            return
+        if kind == "step-level capture":
+            step_level(i)
             return
         if kind == "pass-through mode":
             with _Pass():  # type: ignore[no-untyped-call]
@@ -87,7 +120,8 @@ def main() -> None:
         records[kind] = len(recorder.take_rows(0))
         recorder.prune()
 
-    kinds = ["plain", "pass-through mode", "recorder, no hashing", "recorder"]
+    kinds = (["plain", "step-level capture"] if opts.step_level else
+             ["plain", "pass-through mode", "recorder, no hashing", "recorder"])
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(opts.rounds + 2):
@@ -104,6 +138,11 @@ def main() -> None:
         c, w = statistics.median(cpu[kind]), statistics.median(wall[kind])
         print(f"  {kind:22s} cpu {1000 * c:7.2f} ms ({c / base_cpu:.2f}x)  "
               f"wall {1000 * w:7.2f} ms ({w / base_wall:.2f}x)")
+    if opts.step_level:
+        extra = statistics.median(state_cpu[2:])
+        print(f"  step-level work alone per step (cpu): {1e6 * extra:.0f} us "
+              f"({1 + extra / base_cpu:.3f}x of the plain step's cpu)")
+        return
     per_op = (statistics.median(cpu["recorder"]) - base_cpu) / max(1, records["recorder"])
     print(f"  recorder cost per op record (cpu): {1e6 * per_op:.1f} us")
 

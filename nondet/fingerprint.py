@@ -142,13 +142,52 @@ def host_words(values: np.ndarray) -> np.ndarray:
     return words if word == 8 else words.astype(np.int64)
 
 
+#: Word counts from which ``np.einsum`` computes the dot product instead of ``np.dot``:
+#: on int64 its contiguous loop is vectorized (about 0.38 ns per word here against
+#: 0.59 for ``np.dot``), below this its set-up costs more than it saves (~2 us).
+_EINSUM_FROM = 8192
+#: Consecutive parts shorter than this many words are concatenated (widened to int64,
+#: sign- or zero-extended as in the Note) and summed in one product: state groups hold
+#: many small tensors (biases, Adam's step counters), each costing more in call overhead
+#: than in arithmetic.
+_SMALL_PART = 2048
+
+
+def _dot(words: np.ndarray, keys: np.ndarray) -> int:
+    """sum(words * keys) modulo 2**64 (as a Python int, not yet masked). Integer products
+    and sums wrap modulo 2**64 in both NumPy kernels, in any order: the same number."""
+    if words.size >= _EINSUM_FROM and words.dtype == np.int64:
+        return int(np.einsum("i,i->", words, keys))
+    return int(np.dot(words, keys))
+
+
+def _batched(parts: list[np.ndarray]) -> list[np.ndarray]:
+    """``parts`` with each run of consecutive small parts concatenated into one array: the
+    same words in the same order."""
+    out: list[np.ndarray] = []
+    run: list[np.ndarray] = []
+    for words in parts:
+        if words.size < _SMALL_PART:
+            run.append(words)
+            continue
+        if run:
+            out.append(run[0] if len(run) == 1 else np.concatenate(run, dtype=np.int64))
+            run = []
+        out.append(words)
+    if run:
+        out.append(run[0] if len(run) == 1 else np.concatenate(run, dtype=np.int64))
+    return out
+
+
 def host_content(parts: list[np.ndarray]) -> int:
     """Content sum of the concatenated word arrays, chunked as in the Note (unsigned)."""
     global _HOST_KEYS
     if len(parts) == 1 and parts[0].size <= _HOST_KEYS.size:
         # One chunk with keys ready (most tensors): the loop below would do just this.
         words = parts[0]
-        return int(np.dot(words, _HOST_KEYS[: words.size])) & MASK64
+        return _dot(words, _HOST_KEYS[: words.size]) & MASK64
+    if len(parts) > 1:
+        parts = _batched(parts)
     total = sum(p.size for p in parts)
     if _HOST_KEYS.size < min(total, CHUNK_WORDS):
         size = min(CHUNK_WORDS, max(total, 4096, 2 * _HOST_KEYS.size))
@@ -161,7 +200,7 @@ def host_content(parts: list[np.ndarray]) -> int:
         while start < n:
             take = min(n - start, CHUNK_WORDS - pos)
             # Integer dot products wrap modulo 2**64, like the device implementations.
-            acc += int(np.dot(words[start : start + take], keys[pos : pos + take]))
+            acc += _dot(words[start : start + take], keys[pos : pos + take])
             pos, start = pos + take, start + take
             if pos == CHUNK_WORDS:
                 partial.append(acc & MASK64)

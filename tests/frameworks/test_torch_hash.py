@@ -9,8 +9,10 @@ torch = pytest.importorskip("torch")
 from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys  # noqa: E402
 from nondet.frameworks.torch.hashing import HOST_LIMIT, TorchHasher  # noqa: E402
 from nondet.frameworks.torch.hostwords import StateViews  # noqa: E402
+from nondet.frameworks.torch.testing import recorder  # noqa: E402
 
 HASHER = TorchHasher()
+REC = recorder()  # the op recorder's fingerprint cache, on a stand-in backend
 
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -129,6 +131,31 @@ def test_grouped_content_is_the_content_of_the_concatenation() -> None:
                for d in (False, True)}
     assert len(results) == 1
 
+
+
+def test_runs_of_small_parts_and_long_parts_sum_as_their_concatenation() -> None:
+    """The host kernel concatenates consecutive small parts (1- and 4-byte words widened
+    to int64: zero- and sign-extended) and sums long int64 parts with einsum: the number
+    is the definition's, also when the group crosses a chunk boundary."""
+    gen = torch.Generator().manual_seed(5)
+
+    def ints(low: int, high: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randint(low, high, (n,), dtype=dtype, generator=gen)
+
+    high_bytes = ints(128, 256, 3, torch.uint8)  # zero-extended: would differ if signed
+    negative = ints(-2**31, -1, 5, torch.int32)  # sign-extended 4-byte words
+    parts = [high_bytes, negative, torch.randn(7, generator=gen),  # 28 bytes: 4-byte words
+             ints(-2**62, 2**62, 9000, torch.int64),  # long: einsum
+             torch.randn(3, generator=gen).to(torch.bfloat16), negative,  # 6 bytes: bytes
+             ints(-2**62, 2**62, 10, torch.int64)]
+    whole = torch.cat([TorchHasher.words(p) for p in parts])  # type: ignore[misc]
+    (host,) = HASHER.content_of_many(parts).values()
+    assert isinstance(host, int)
+    assert host & MASK64 == content_of_words(whole)
+    straddling = [*parts[:3], ints(-2**62, 2**62, CHUNK_WORDS - 2, torch.int64), *parts]
+    (host,) = HASHER.content_of_many(straddling).values()
+    (device,) = HASHER.content_of_many(straddling, on_device=True).values()
+    assert host & MASK64 == int(device) & MASK64  # type: ignore[operator]
 
 def content_of_words(words: torch.Tensor) -> int:
     """The definition, written out: sum of words times keys, chunked, mod 2**64."""
@@ -273,6 +300,11 @@ def test_state_views_are_reused_only_while_they_are_the_tensors_bytes() -> None:
         assert kept == fresh
         assert [int(v) & MASK64 for v in kept.values()] == [
             int(v) & MASK64 for v in device.values()]
+        # the whole fingerprint too: with views, the tensors' descriptions are kept too
+        (kept_fp,), (fresh_fp,) = (REC.fingerprint_many(group, views),
+                                   REC.fingerprint_many(group))
+        REC.resolve()
+        assert kept_fp.value == fresh_fp.value
         return int(next(iter(kept.values())))
 
     first = check()
@@ -286,8 +318,12 @@ def test_state_views_are_reused_only_while_they_are_the_tensors_bytes() -> None:
     assert check() != changed
     p.data = torch.randn(7, 300)  # new shape
     check()
+    p.data = p.data.view(300, 7)  # the same memory and bytes, another shape
+    check()
     b.resize_(6)  # may move the memory
     b.fill_(2.0)
+    check()
+    b.data = torch.randn(3, 2, dtype=torch.float64)  # another dtype and shape
     check()
     step.set_(torch.tensor([4.0, 5.0]).untyped_storage(), 1, ())  # another storage
     assert float(step) == 5.0

@@ -151,9 +151,12 @@ class FingerprintCache(StepRecords):
         """One fingerprint for a group of tensors (per device): their words concatenated.
         ``views``: the group's word views kept across steps (parameters, buffers, optimizer
         state; hostwords.StateViews)."""
-        meta = tuple(x for t in tensors for x in _describe(t))
+        contents = self.hasher.content_of_many(tensors, views=views).values()
+        meta = views.meta(len(tensors)) if views is not None else None  # kept descriptions
+        if meta is None:
+            meta = tuple(x for t in tensors for x in _describe(t))
         fps = []
-        for content in self.hasher.content_of_many(tensors, views=views).values():
+        for content in contents:
             fp = Fp()
             fp.content, fp.meta = content, meta
             self.pending.append(fp)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from nondet.fingerprint import host_content, word_size
+from nondet.frameworks.torch.tensors import describe
 
 NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
 
@@ -125,13 +126,18 @@ class StateViews:
     """
 
     def __init__(self) -> None:
+        # id -> (tensor, address, dtype, shape, words, describe() of the tensor)
         self._views: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any,
-                                     np.ndarray]] = {}
+                                     np.ndarray, tuple[int, ...]]] = {}
+        self._metas: list[tuple[int, ...]] | None = None
 
     def words(self, tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
         """The words of each tensor (None: not a plain dense contiguous CPU tensor)."""
         old, new = self._views, {}
         out: list[np.ndarray | None] = []
+        # describe() of each tensor, for ``meta``: kept with its view (the same plain CPU
+        # tensor with the same dtype and shape has the same description)
+        metas: list[tuple[int, ...]] | None = []
         for t in tensors:
             key = id(t)
             entry = old.get(key)
@@ -141,17 +147,32 @@ class StateViews:
                     and not (t.is_complex() and (t.is_conj() or t.is_neg()))):
                 new[key] = entry
                 out.append(entry[4])
+                if metas is not None:
+                    metas.append(entry[5])
                 continue
             words = dense_cpu_words(t)
             out.append(words)
-            if words is not None:
-                try:
-                    ref = weakref.ref(t)
-                except TypeError:  # not weakly referenceable: not kept
-                    continue
-                new[key] = (ref, t.data_ptr(), t.dtype, t.shape, words)
-        self._views = new
+            if words is None:
+                metas = None  # described by the general path
+                continue
+            meta = describe(t)
+            if metas is not None:
+                metas.append(meta)
+            try:
+                ref = weakref.ref(t)
+            except TypeError:  # not weakly referenceable: not kept
+                continue
+            new[key] = (ref, t.data_ptr(), t.dtype, t.shape, words, meta)
+        self._views, self._metas = new, metas
         return out
 
+    def meta(self, count: int) -> tuple[int, ...] | None:
+        """``describe()`` of each tensor of the last ``words`` call (of ``count`` tensors),
+        concatenated, or None where one of them is not a plain dense CPU tensor."""
+        metas = self._metas
+        if metas is None or len(metas) != count:
+            return None
+        return tuple(x for m in metas for x in m)
+
     def clear(self) -> None:
-        self._views = {}
+        self._views, self._metas = {}, None

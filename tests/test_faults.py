@@ -340,3 +340,38 @@ def test_the_file_size_limit_exits_2_with_one_line(tmp_path: Path, limit_kib: in
     line = _one_error_line(stderr)
     assert "cannot write " in line and "File too large" in line, line
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+
+
+_EXITS_IN_SECOND = """
+import os, sys, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+def stop_if_second(how):
+    try:
+        os.close(os.open("done-early", os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        if how == "os":
+            os._exit(0)  # line 12
+        sys.exit(0)  # line 13
+
+for step in range(5):
+    if step == 2:
+        stop_if_second(sys.argv[1])
+    loss = model(torch.ones(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("how", "line"), [("sys", 13), ("os", 12)])
+def test_a_run_that_exits_early_names_the_exit_line(tmp_path: Path, how: str, line: int) -> None:
+    """sys.exit / os._exit in the run that comes second: the finding names that line (it
+    named none before)."""
+    script = _script(tmp_path, _EXITS_IN_SECOND)
+    result = run_cli("run", "-q", "--json", "r.json", script, how, cwd=tmp_path, timeout=BOUND)
+    assert result.returncode == 1, result.stderr
+    div = json.loads((tmp_path / "r.json").read_text())["first_divergence"]
+    assert div["kind"] == "structure" and div["source"] == f"train.py:{line}", div
+    assert f"ended after 2 steps at {how}" in result.stdout, result.stdout

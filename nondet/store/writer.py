@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -73,7 +74,7 @@ class CaptureWriter:
             try:
                 yield
             except (OSError, RuntimeError) as exc:
-                if isinstance(exc, OSError) or hdf5_write_failed(exc):
+                if hdf5_write_failed(exc):
                     self._discard_writes()
                 raise
 
@@ -192,7 +193,7 @@ class CaptureWriter:
                                STRINGS_CRC_ATTR: self._strings_crc})
                 self._file.flush()  # a refused write shows here, before the close
             except (OSError, RuntimeError) as exc:
-                if isinstance(exc, OSError) or hdf5_write_failed(exc):
+                if hdf5_write_failed(exc):
                     self._discard_writes()
                 raise
             self._file.close()
@@ -220,11 +221,16 @@ class CaptureWriter:
 
 
 def hdf5_write_failed(exc: BaseException) -> bool:
-    """h5py reports a failed write at flush or close as a RuntimeError, not an OSError, in
-    several wordings ("file write failed: ...", "unable to extend file properly, errno =
-    27", "Can't decrement id ref count (...)"): HDF5 names the system error's errno."""
+    """The system refused a write (file too large, disk full, I/O error). h5py reports one
+    at flush or close as a RuntimeError (or an OSError) in several wordings ("file write
+    failed: ...", "unable to extend file properly, errno = 27"): HDF5 names the errno."""
+    if isinstance(exc, OSError) and exc.errno in _REFUSED:
+        return True
     text = str(exc)
     return "write failed" in text or re.search(r"\berrno = \d+", text) is not None
+
+
+_REFUSED = {errno.EFBIG, errno.ENOSPC, errno.EIO, errno.EDQUOT}
 
 
 def _append(ds: Any, rows: np.ndarray) -> None:

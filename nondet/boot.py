@@ -15,7 +15,7 @@ import sys
 import threading
 import traceback
 
-from nondet import channel, clock, environment, frameworks, interventions, pyhooks
+from nondet import channel, clock, environment, exit_place, frameworks, interventions, pyhooks
 from nondet import session as session_module
 from nondet.frameworks.base import StopRun
 from nondet.session import ChildConfig, Session
@@ -54,6 +54,7 @@ def main() -> int:
     clock.shift(offset)  # run b's wall clock runs ahead: a seed read from it differs
     session.send_facts({clock.CLOCK_FACT: offset})
     pyhooks.install(session)
+    exit_place.install(session)
     frameworks.install_import_hooks(session)
     _quiet_stop_in_threads()
     interventions.apply_requested(config.seed)  # --apply / verification: before the script
@@ -73,6 +74,7 @@ def main() -> int:
     except StopRun:
         status = "stopped"
     except SystemExit as exc:
+        exit_place.note_system_exit(session, exc)
         code = _exit_code(exc)
         status = "complete" if code == 0 else "failed"
     except KeyboardInterrupt:

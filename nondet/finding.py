@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import compare
+from nondet import compare, exit_place
 from nondet.records import (
     ENTRY_KINDS,
     INIT_STEP,
@@ -128,8 +128,12 @@ def _step_level_divergence(step_div: compare.StepDivergence, a: Capture,
         shorter, longer = (a, b) if a.n_steps < b.n_steps else (b, a)
         went_on = (f"after {longer.n_steps}" if longer.status == "complete" else
                    f"went on to {longer.n_steps} (then nondet stopped it)")
+        ended = exit_place.ended_at(shorter)
+        at = f" at {ended[1]}() in {ended[0]}" if ended else ""
         return Divergence(kind="structure", step=step_div.step, phase="other", localized=False,
-                          notes=[f"run {shorter.label} ended after {shorter.n_steps} steps, "
+                          source=ended[0] if ended else None,
+                          source_text=source_text(shorter, ended[0] if ended else None),
+                          notes=[f"run {shorter.label} ended after {shorter.n_steps} steps{at}, "
                                  f"run {longer.label} {went_on}: the number of "
                                  "steps depends on a value that differs between the runs"])
     kind = "init" if step_div.step == INIT_STEP else "op"

@@ -23,6 +23,7 @@ import numpy as np
 from nondet import channel
 from nondet.records import COMM_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 from nondet.store import CaptureWriter
+from nondet.store.writer import hdf5_write_failed
 
 
 class RunStream:
@@ -207,12 +208,6 @@ def ensure_space(path: Path, nbytes: int) -> None:
         return  # cannot tell: let the write itself say
     if st.f_bavail * st.f_frsize < RESERVE_BYTES + 2 * nbytes:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
-
-
-def hdf5_write_failed(exc: RuntimeError) -> bool:
-    """h5py reports a failed write at flush or close as a RuntimeError, not an OSError
-    (seen with RLIMIT_FSIZE: "Unable to synchronously flush file (file write failed: ...")."""
-    return "write failed" in str(exc)
 
 
 def write_failure(path: Path, exc: OSError) -> str:

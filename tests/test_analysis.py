@@ -184,6 +184,23 @@ def test_a_run_that_ends_early_while_the_other_went_on_differs(tmp_path: Path) -
     assert "None" not in shown  # was "record #None: run a executed None, run b None"
 
 
+def test_a_run_that_ended_early_names_the_line_that_ended_it(tmp_path: Path) -> None:
+    # the child records the user's line of a sys.exit / os._exit (nondet.exit_place); the
+    # finding named no source line before
+    from nondet.exit_place import EXIT_FACT
+
+    a = write_capture(tmp_path / "a.h5", step_rows(*STEPS), status="stopped")
+    b = write_capture(tmp_path / "b.h5", step_rows(*STEPS[:2]),
+                      facts={EXIT_FACT: {"source": "train.py:12", "how": "sys.exit"}})
+    div = analysis.compare_captures(open_capture(a), open_capture(b)).first_divergence
+    assert div is not None and div.kind == "structure" and div.source == "train.py:12"
+    assert "run b ended after 1 steps at sys.exit() in train.py:12" in div.notes[0]
+    crafted = write_capture(tmp_path / "c.h5", step_rows(*STEPS[:2]),
+                            facts={EXIT_FACT: ["not", "a", "place"]})
+    div = analysis.compare_captures(open_capture(a), open_capture(crafted)).first_divergence
+    assert div is not None and div.kind == "structure" and div.source is None
+
+
 def _ops_two_steps(weight_at_step_1: int) -> OpStream:
     s = OpStream()
     s.add(0, "external:parameter w", out=1, kind=Kind.ENTRY, source="train.py:5")

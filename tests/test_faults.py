@@ -276,3 +276,102 @@ def test_an_hdf5_write_failure_is_named_by_its_cause(tmp_path: Path) -> None:
     assert not hdf5_write_failed(RuntimeError("Unable to open object"))
     assert write_failure(tmp_path / "run-a.h5", OSError(text)) == (
         f"cannot write {tmp_path / 'run-a.h5'}: File too large")
+
+
+_FILL_UNDER_FSIZE = """
+import resource, sys
+import numpy as np
+from nondet.records import STEP_DTYPE
+from nondet.store import CaptureWriter
+resource.setrlimit(resource.RLIMIT_FSIZE, (48 * 1024, 48 * 1024))
+writer = CaptureWriter(__import__("pathlib").Path(sys.argv[1]), {"command": "x"})
+row = np.zeros(1, dtype=STEP_DTYPE)
+try:
+    for step in range(100000):
+        row["step"] = step
+        writer.add_step(row)
+        writer.add_ops(np.zeros(64, dtype=__import__("nondet.records").records.OP_DTYPE))
+except (OSError, RuntimeError) as exc:
+    print("refused", type(exc).__name__, flush=True)
+try:
+    writer.close("write_failed", None)
+except (OSError, RuntimeError):
+    pass
+print("closed", flush=True)
+"""
+
+
+def test_a_capture_refused_by_the_file_size_limit_closes_without_crashing(
+        tmp_path: Path) -> None:
+    # RLIMIT_FSIZE (`ulimit -f`): HDF5 retried the refused writes at close and at interpreter
+    # exit, where the process segfaulted (exit 139) after nondet had said "cannot write"
+    script = tmp_path / "fill.py"
+    script.write_text(_FILL_UNDER_FSIZE)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "run-a.h5")],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert "refused" in result.stdout and "closed" in result.stdout
+    assert "Exception ignored" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("limit_kib", [8, 64])
+def test_the_file_size_limit_exits_2_with_one_line(tmp_path: Path, limit_kib: int) -> None:
+    """`ulimit -f` below a capture's size: refused at the first flush (8 KiB: was "internal
+    error", exit 3) or mid-run (64 KiB: was a segfault, exit 139)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_kib * 1024, limit_kib * 1024))
+
+    command = [sys.executable, "-m", "nondet", "run", "-q", "--ops", "all", STEPS,
+               "--steps", "3000"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "NO_COLOR": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=limit)
+    try:
+        _, stderr = proc.communicate(timeout=BOUND)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"still running after {BOUND} s")
+    assert proc.returncode == 2, (proc.returncode, stderr[-3000:])
+    line = _one_error_line(stderr)
+    assert "cannot write " in line and "File too large" in line, line
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+
+
+_EXITS_IN_SECOND = """
+import os, sys, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+def stop_if_second(how):
+    try:
+        os.close(os.open("done-early", os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        if how == "os":
+            os._exit(0)  # line 12
+        sys.exit(0)  # line 13
+
+for step in range(5):
+    if step == 2:
+        stop_if_second(sys.argv[1])
+    loss = model(torch.ones(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("how", "line"), [("sys", 13), ("os", 12)])
+def test_a_run_that_exits_early_names_the_exit_line(tmp_path: Path, how: str, line: int) -> None:
+    """sys.exit / os._exit in the run that comes second: the finding names that line (it
+    named none before)."""
+    script = _script(tmp_path, _EXITS_IN_SECOND)
+    result = run_cli("run", "-q", "--json", "r.json", script, how, cwd=tmp_path, timeout=BOUND)
+    assert result.returncode == 1, result.stderr
+    div = json.loads((tmp_path / "r.json").read_text())["first_divergence"]
+    assert div["kind"] == "structure" and div["source"] == f"train.py:{line}", div
+    assert f"ended after 2 steps at {how}" in result.stdout, result.stdout

@@ -80,6 +80,16 @@ def test_cpu_advanced_indexing_backward() -> None:
     assert first.fix == "torch.use_deterministic_algorithms(True)" and first.applies_here
 
 
+def test_a_loaded_tensor_that_differs_points_at_what_wrote_the_file() -> None:
+    # a checkpoint written by an unseeded subprocess stage, read with torch.load: the first
+    # fix was "[PY-THIRDPARTY-RNG] cv2.setRNGSeed(...) in the DataLoader worker_init_fn"
+    ids = _ids(kind="entry", entry_kind="external", phase="init",
+               op="tensor from a storage (aten.set_)")
+    assert ids[0] == "PT-LOADED-FILE", ids
+    other = _ids(kind="entry", entry_kind="external", phase="forward", op="parameter w")
+    assert "PT-LOADED-FILE" not in other
+
+
 def test_dataloader_out_of_order() -> None:
     ids = _ids(kind="entry", entry_kind="dataloader", phase="data", op="batch",
                **{"loader.in_order": False, "loader.num_workers": 2})

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import re
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +57,44 @@ class CaptureWriter:
         # Set before the first close attempt: a close that failed half-way (a write refused:
         # RLIMIT_FSIZE) leaves the id "valid", and touching that file again crashes HDF5.
         self._closing = False
+        self._fd = self._file.id.get_vfd_handle()  # read while the file is sound
+        try:
+            with self._writing():
+                self._create(attrs)
+        except RuntimeError as exc:  # h5py's words for a refused write (EFBIG at the flush)
+            if not hdf5_write_failed(exc):
+                raise
+            raise OSError(str(exc)) from None
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One update of the file; a write HDF5 reports refused gives the file up at once
+        (see ``_discard_writes``), before anything else touches it."""
+        with _H5_LOCK:
+            try:
+                yield
+            except (OSError, RuntimeError) as exc:
+                if hdf5_write_failed(exc):
+                    self._discard_writes()
+                raise
+
+    def _create(self, attrs: dict[str, Any]) -> None:
+        h5py = _h5py()
         f = self._file
         self._strings_crc = self._stored_crc = 0
         self._entry_hashes: dict[tuple[str, str], int] = {}  # (group, key) -> entry_hash
         f.create_group("env")
         f.create_group("facts")
         f.create_group("dumps")
-        f.create_dataset(
+        # The tables stay open until the file closes: a dataset's close writes its cached
+        # chunks, and a close that fails there (a dataset object freed while the disk
+        # refuses writes) happens where no exception reaches nondet, and crashes HDF5 later.
+        self._tables: dict[str, Any] = {"strings": f.create_dataset(
             "strings", shape=(0,), maxshape=(None,), dtype=h5py.string_dtype(), chunks=(1024,)
-        )
+        )}
         for name, chunk in (("steps", 256), ("tensors", 1024), ("ops", 8192),
                             ("op_index", 256), ("comm", 256)):
-            f.create_dataset(
+            self._tables[name] = f.create_dataset(
                 name, shape=(0,), maxshape=(None,), dtype=TABLES[name], chunks=(chunk,),
                 compression="gzip", compression_opts=1, shuffle=True, fletcher32=True,
             )
@@ -95,27 +125,27 @@ class CaptureWriter:
         return sum(self._entry_hashes.values()) % _DIGEST_MOD
 
     def add_env(self, env: dict[str, Any]) -> None:
-        with _H5_LOCK:
+        with self._writing():
             self._set("env", env)
 
     def set_op_steps(self, steps: list[int]) -> None:
         """The steps the run records ops at, when it says they differ from its plan."""
-        with _H5_LOCK:
+        with self._writing():
             self._set("", {"op_steps": [int(s) for s in steps]})
 
     def add_facts(self, facts: dict[str, Any]) -> None:
-        with _H5_LOCK:
+        with self._writing():
             self._set("facts", {key: json.dumps(value) for key, value in facts.items()})
 
     def add_strings(self, strings: list[str]) -> None:
-        with _H5_LOCK:
-            _append(self._file["strings"], np.array(strings, dtype=object))
+        with self._writing():
+            _append(self._tables["strings"], np.array(strings, dtype=object))
             # Stored with the next step or at close (where the file is flushed).
             self._strings_crc = strings_crc(strings, self._strings_crc)
 
     def add_step(self, row: np.ndarray) -> None:
-        with _H5_LOCK:
-            _append(self._file["steps"], row)
+        with self._writing():
+            _append(self._tables["steps"], row)
             self.n_steps += int((row["step"] >= 0).sum())
             changed = {STRINGS_CRC_ATTR: self._strings_crc} \
                 if self._strings_crc != self._stored_crc else {}
@@ -124,42 +154,83 @@ class CaptureWriter:
             self._file.flush()
 
     def add_tensors(self, rows: np.ndarray) -> None:
-        with _H5_LOCK:
-            _append(self._file["tensors"], rows)
+        with self._writing():
+            _append(self._tables["tensors"], rows)
 
     def add_ops(self, rows: np.ndarray) -> None:
         if len(rows) == 0:
             return
-        with _H5_LOCK:
-            ops = self._file["ops"]
+        with self._writing():
+            ops = self._tables["ops"]
             start = ops.shape[0]
             _append(ops, rows)
             index = np.zeros(1, dtype=INDEX_DTYPE)
             index["step"], index["start"], index["count"] = rows["step"][0], start, len(rows)
-            _append(self._file["op_index"], index)
+            _append(self._tables["op_index"], index)
 
     def add_comm(self, rows: np.ndarray) -> None:
         if len(rows):
-            with _H5_LOCK:
-                _append(self._file["comm"], rows)
+            with self._writing():
+                _append(self._tables["comm"], rows)
 
     def add_dump(self, name: str, array: np.ndarray, attrs: dict[str, Any]) -> None:
-        with _H5_LOCK:
+        with self._writing():
             # HDF5 filters need a chunked layout, which a 0-d array cannot have.
             checked = {"fletcher32": True} if array.ndim else {}
             ds = self._file["dumps"].create_dataset(name, data=array, **checked)
             for key, value in attrs.items():
                 ds.attrs[key] = _attr(value)
+            self._file.flush()  # written while ``ds`` is open (see ``_tables``)
 
     def close(self, status: str, exit_code: int | None) -> None:
         with _H5_LOCK:
             if self._closing or not self._file.id.valid:
                 return
             self._closing = True
-            self._set("", {"status": status, "exit_code": -1 if exit_code is None else exit_code,
-                           STRINGS_CRC_ATTR: self._strings_crc})
+            try:
+                self._set("", {"status": status,
+                               "exit_code": -1 if exit_code is None else exit_code,
+                               STRINGS_CRC_ATTR: self._strings_crc})
+                self._file.flush()  # a refused write shows here, before the close
+            except (OSError, RuntimeError) as exc:
+                if hdf5_write_failed(exc):
+                    self._discard_writes()
+                raise
             self._file.close()
             probe.remember_written(self.path)  # trusted by this process's reader
+
+    def _discard_writes(self) -> None:
+        # Once a write was refused (RLIMIT_FSIZE: EFBIG, an I/O error) HDF5 keeps the dirty
+        # metadata and retries it at every later flush and close, and at interpreter exit,
+        # where a retry after a failed close crashes the process (exit 139 instead of
+        # nondet's exit 2). The file is lost past its last good flush anyway: HDF5's
+        # descriptor now points at /dev/null, so the retries succeed into nothing and the
+        # close completes. Never a second close after a failed one (that crashes too).
+        self._closing = True
+        if not self._file.id.valid:
+            return
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, self._fd)
+        finally:
+            os.close(null)
+        try:
+            self._file.close()
+        except (OSError, RuntimeError):
+            pass  # nothing left to save; the descriptor no longer reaches the file
+
+
+def hdf5_write_failed(exc: BaseException) -> bool:
+    """The system refused a write (file too large, disk full, I/O error). h5py reports one
+    at flush or close as a RuntimeError (or an OSError) in several wordings ("file write
+    failed: ...", "unable to extend file properly, errno = 27"): HDF5 names the errno."""
+    if isinstance(exc, OSError) and exc.errno in _REFUSED:
+        return True
+    text = str(exc)
+    return "write failed" in text or re.search(r"\berrno = \d+", text) is not None
+
+
+_REFUSED = {errno.EFBIG, errno.ENOSPC, errno.EIO, errno.EDQUOT}
 
 
 def _append(ds: Any, rows: np.ndarray) -> None:

@@ -7,7 +7,8 @@ word of the group is multiplied by the product of its position key, its chunk's 
 its member's key, and everything is summed, modulo 2**64. Folding those products into one
 key per word in advance (on the host, once per variable set) turns the group into one dot
 product over its members' words: each variable is read and reshaped, same-type members are
-concatenated, and one dot product per piece gives the same number as hashing each
+concatenated (large variables are not copied: a dot product each), and one dot product
+per piece gives the same number as hashing each
 variable on its own. Hashing variable by variable made about 20 graph nodes per variable
 (slicing the shared keys, sizes, casts), ~1,100 nodes on the narrow benchmark model, and
 their dispatch, not the arithmetic, was most of the state hash's time.
@@ -32,6 +33,10 @@ from nondet.frameworks.tensorflow.hashing import _as_words, _flat, _widen
 
 #: Most words hashed through folded keys (their keys take 8 bytes a word).
 FOLDED_WORDS = 1 << 22
+#: Variables of at least this many words get a dot product of their own: concatenating
+#: them copied the reference model's 15 MB of state each step and cost what the fewer
+#: nodes saved; smaller ones are concatenated (their node count is what costs).
+_OWN_PIECE = 1 << 14
 
 
 def words_of(v: Any) -> int | None:
@@ -88,7 +93,10 @@ class FoldedGroup:
         by_kind: dict[str, list[int]] = {}
         for k, v in enumerate(members):
             if ready[k] and v.shape.num_elements():  # not initialized: zeros, content 0
-                by_kind.setdefault(_piece_kind(v), []).append(k)
+                kind = _piece_kind(v)
+                if kind != "other" and (words_of(v) or 0) >= _OWN_PIECE:
+                    kind = f"{kind}:{k}"  # large: a dot product of its own, not copied
+                by_kind.setdefault(kind, []).append(k)
         self.pieces = sorted(by_kind.items())
         # word size of each member (the general path needs it; its shape is static)
         self.words = [word_size(v.shape.num_elements() * v.dtype.size) for v in members]

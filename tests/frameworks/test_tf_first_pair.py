@@ -126,19 +126,3 @@ def test_eager_and_traced_state_fingerprints_are_equal(detailed: bool) -> None:
     tracked[0][1].assign_add(tf.ones([7, 5]))  # a change shows in the traced path too
     assert hasher.state(tracked, detailed).params != traced.params
 
-
-def test_a_run_capturing_every_step_records_the_same_ops_without_guards(
-    tmp_path: Path,
-) -> None:
-    """``--ops all`` never closes its window, so its writes need no ``If`` (each costs ~20 us
-    per hashed output even when open): the step is traced with none, and records the same
-    ops, in the same order, as a run whose window lists every step."""
-    every, guards = _run(tmp_path / "all", Plan("a", None))
-    listed, listed_guards = _run(tmp_path / "listed", Plan("a", [INIT_STEP, 0, 1, 2]))
-    assert guards == 0 and listed_guards > 0
-    for step in (0, 1, 2):
-        ops, expected = every.ops(step), listed.ops(step)
-        assert len(ops) > 20
-        assert [every.string(int(i)) for i in ops["name"]] == \
-            [listed.string(int(i)) for i in expected["name"]]
-        assert all(ops["out_fp"])  # every record has its output fingerprint

@@ -27,14 +27,6 @@ differed within six steps; with ``If`` ops, they match (as plain runs do). The i
 that consumers see depends on the guard, so the guard has let go of the tensor before any
 consumer runs. Data ops, hashed every step, are not guarded.
 
-Unguarded writes: a run that captures every step (``--ops all``, op_steps None) writes
-without the ``If``: its window is open at every step by plan (closed only when nondet has
-disabled itself after a hook error, when the hashes go on costing but are not recorded),
-and each ``If`` costs about 20 us of CPU per hashed output even when open, most of an
-op-level step on a small model (measured 2026-11-24, docs/benchmarks.md). The data ops'
-writes have always been unguarded this way; the hashed tensor's consumers see an identity
-that waits for the write, so no dead branch holds its buffer.
-
 Outputs that are pure functions of their inputs (``DERIVED_OPS``) are not hashed: their
 fingerprints are derived from their inputs' (Note [Derived fingerprints] in
 torch/cache.py), on the host. The inputs of a graph op are known from the graph, so an
@@ -252,10 +244,11 @@ class GraphRecorder:
     def _write(self, t: Any, slot: int, always: bool) -> Any:
         """The in-graph write of ``t``'s fingerprint into ``slot``: an ``If`` op on the
         window flag over the shared guard functions (module Note); ``always``: unguarded.
-        A run that captures every step (``--ops all``) writes unguarded too: its window
-        never closes on plan, and an ``If`` costs ~20 us per output whether it opens or not
-        (module Note, "Unguarded writes")."""
-        if always or self.session.config.op_steps is None:
+        Even a run whose window never closes (``--ops all``) keeps the ``If``: written
+        inline, the hashes made TensorFlow's trace and first call of the step ~3 ms dearer
+        per output, which ~16 us saved per output and step repays only after about 200
+        steps (docs/benchmarks.md, TensorFlow)."""
+        if always:
             plan = static_plan(t)
             hasher = self.vars.hasher
             value = (hasher.content(tf.stop_gradient(t)) if plan is None

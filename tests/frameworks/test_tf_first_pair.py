@@ -125,3 +125,4 @@ def test_eager_and_traced_state_fingerprints_are_equal(detailed: bool) -> None:
     assert len(eager.tensors) == (4 if detailed else 0)
     tracked[0][1].assign_add(tf.ones([7, 5]))  # a change shows in the traced path too
     assert hasher.state(tracked, detailed).params != traced.params
+

@@ -69,3 +69,16 @@ def test_same_bytes_same_fingerprint_as_torch(dtype: str) -> None:
     tf_value = int(HASHER.content(tf.constant(array)).numpy()) & MASK64
     torch_value = TorchHasher().content(torch.from_numpy(np.ascontiguousarray(array)))
     assert tf_value == int(torch_value) & MASK64
+
+
+def test_the_guard_branch_is_a_few_graph_nodes() -> None:
+    """The op-level guard's branch runs for every hashed output of a captured step: the
+    words of a one-chunk tensor are one reshape and bitcast, its slot a scalar update
+    (30 graph nodes before, 20 now; the same number: test_planned_path_agrees)."""
+    from nondet.frameworks.tensorflow.graph import RecorderVariables
+
+    variables = RecorderVariables(True)
+    for dtype, plan in ((tf.float32, (8, False)), (tf.float32, (4, False)),
+                        (tf.int64, (8, False))):
+        then, _ = variables.guard(dtype, plan)
+        assert len(then.graph.as_graph_def().node) <= 22, (dtype, plan)

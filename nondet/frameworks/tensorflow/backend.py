@@ -237,7 +237,8 @@ class TFBackend(StepLifecycle):
         recorder.resolve()  # this step's eager fingerprints: data, losses, gradients, probes
         if self._state_hasher is None:
             self._state_hasher = StateHasher(recorder.vars.hasher)
-        with self._paused(), recorder.quiet():
+        # own_variables: the state hash keeps its folded keys in a variable (statefold.py)
+        with self._paused(), recorder.quiet(), self.own_variables():
             state = self._state_hasher.state(self._live_variables(), detailed)
         state.grads = group_fp([fp.value or 0 for fp in self.grads])
         return state

@@ -137,7 +137,9 @@ class RecorderVariables:
             def write(t: tf.Tensor, slot: tf.Tensor) -> tf.Tensor:
                 content = hasher.content(t) if plan is None \
                     else hasher.content_planned(t, plan)
-                buffer.scatter_nd_update([[slot]], [content + 1])
+                # a scalar update at a scalar index: no index or update packing in the graph
+                tf.raw_ops.ResourceScatterUpdate(resource=buffer.handle, indices=slot,
+                                                 updates=content + 1)
                 return tf.constant(True)
 
             def skip(t: tf.Tensor, slot: tf.Tensor, *captured: tf.Tensor) -> tf.Tensor:

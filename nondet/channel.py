@@ -86,7 +86,7 @@ KEPT_PREFIX = "kept-"
 
 # Parent -> child on the control pipe (one word per line):
 STOP = b"stop\n"  # stop at the next step boundary
-GO = b"go\n"  # lockstep: run one more step, then wait again
+GO = b"go\n"  # lockstep: run one more step, then wait again ("go N\n": N more steps, ``go``)
 FREE = b"free\n"  # lockstep: stop waiting at step boundaries (the other run has ended)
 DUMP_REQUEST = b"dump"  # lockstep: "dump STEP INDEX\n": send that record's kept outputs
 
@@ -166,6 +166,11 @@ def stop_requested(fd: int) -> bool:
         return False
 
 
+def go(steps: int) -> bytes:
+    """The GO word granting ``steps`` steps before the next wait (plain GO for one)."""
+    return GO if steps <= 1 else f"go {steps}\n".encode()
+
+
 def wait_for_turn(fd: int, on_dump: Callable[[int, int], None],
                   timeout: float | None = None) -> bytes:
     """Child side, lockstep: block until the parent says GO, FREE or STOP (STOP wins);
@@ -174,6 +179,12 @@ def wait_for_turn(fd: int, on_dump: Callable[[int, int], None],
     A closed pipe (the parent is gone) counts as FREE: the run finishes on its own; so
     does ``timeout`` seconds without a word (for waits the parent may not end).
     """
+    return wait_for_grant(fd, on_dump, timeout)[0]
+
+
+def wait_for_grant(fd: int, on_dump: Callable[[int, int], None],
+                   timeout: float | None = None) -> tuple[bytes, int]:
+    """``wait_for_turn``, and how many steps a GO grants (1 unless "go N"; 0 otherwise)."""
     pending = b""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -181,12 +192,12 @@ def wait_for_turn(fd: int, on_dump: Callable[[int, int], None],
             if deadline is not None:
                 ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
                 if not ready:
-                    return FREE
+                    return FREE, 0
             data = os.read(fd, 256)
         except (OSError, ValueError):
-            return FREE
+            return FREE, 0
         if not data:
-            return FREE
+            return FREE, 0
         pending += data
         *lines, pending = pending.split(b"\n")
         words = [line.split() for line in lines if line.strip()]
@@ -194,9 +205,19 @@ def wait_for_turn(fd: int, on_dump: Callable[[int, int], None],
             if word[0] == DUMP_REQUEST and len(word) == 3:
                 on_dump(int(word[1]), int(word[2]))
         kinds = {w[0] + b"\n" for w in words}
-        for answer in (STOP, FREE, GO):
+        for answer in (STOP, FREE):
             if answer in kinds:
-                return answer
+                return answer, 0
+        grants = [_granted(w) for w in words if w[0] + b"\n" == GO]
+        if grants:
+            return GO, max(grants)
+
+
+def _granted(word: list[bytes]) -> int:
+    """Steps a GO word grants: "go" one, "go N" N (a garbled count: one, as plain GO)."""
+    if len(word) == 2 and word[1].isdigit():
+        return max(1, int(word[1]))
+    return 1
 
 
 def dump_request(step: int, index: int) -> bytes:

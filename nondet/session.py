@@ -31,6 +31,10 @@ CONFIG_ENV = "NONDET_CHILD_CONFIG"
 #: Longest a finished lockstep run waits for the parent's word before exiting anyway.
 FINISH_WAIT_SECONDS = 600.0
 
+#: Lockstep, inside a grant of several steps: step frames are held back at most this long
+#: (a run killed by a signal there loses at most these last rows; any other end flushes).
+GRANT_FLUSH_SECONDS = 0.05
+
 _CURRENT: Session | None = None
 
 
@@ -99,6 +103,10 @@ class Session:
         # not both wait on the control pipe: one could take the other's STOP and leave it
         # waiting for good.
         self._turn_lock = threading.Lock()
+        # lockstep: steps left of the last GO's grant, run without waiting (turns.Turns grants
+        # several steps per turn when steps are short)
+        self._granted = 0
+        self._flushed_at = 0.0  # when the step frames were last flushed to the parent
         # seconds spent held at step boundaries by the parent (lockstep): left out of the
         # step rows' ``wall`` so that step times (a fix's cost) measure the script, not how
         # long the parent took to compare the step or fetch kept outputs
@@ -172,7 +180,13 @@ class Session:
         self.writer.send(channel.STEP, row.tobytes())
         for listener in self.step_listeners:
             listener(self.step)
-        self.writer.flush()
+        now = time.perf_counter()
+        if not (self._granted > 0 and self.config.lockstep and not self._free
+                and now - self._flushed_at < GRANT_FLUSH_SECONDS):
+            # Inside a grant the rows go out together at its end (the other run waits for
+            # all of them anyway): one write per turn, and the parent stores them at once.
+            self.writer.flush()
+            self._flushed_at = now
         finished = self.step
         self.step += 1
         if finished >= 0 and self.config.stop_after is not None \
@@ -184,9 +198,15 @@ class Session:
             with self._turn_lock:  # one reader of the control pipe at a time
                 if self._told_to_stop:
                     raise StopRun()
+                if self._granted > 0:
+                    # a step of the last turn's grant ("go N"): no word to wait for yet, and
+                    # the pipe is not read (a STOP or a dump request waits for the grant's end)
+                    self._granted -= 1
+                    return
                 held_from = time.perf_counter()
-                answer = channel.wait_for_turn(self.config.control_fd, self._send_kept)
+                answer, steps = channel.wait_for_grant(self.config.control_fd, self._send_kept)
                 self.held += time.perf_counter() - held_from
+                self._granted = max(0, steps - 1)
             if answer == channel.FREE:
                 self._free = True
             elif answer == channel.STOP:

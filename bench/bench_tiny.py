@@ -40,8 +40,9 @@ def tree_cost(command: list[str], tree: Path) -> tuple[float, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600,
-                          check=False)
+    # run from the tree: ``python -m`` puts the working directory first on sys.path
+    proc = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True,
+                          timeout=3600, check=False)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:

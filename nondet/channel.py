@@ -17,7 +17,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -94,23 +94,54 @@ _HEADER = struct.Struct("<cI")
 
 
 class FrameWriter:
-    """Child side. Buffered; ``flush`` at step ends and before exiting."""
+    """Child side. Buffered; ``flush`` at step ends (once per grant in lockstep) and before
+    exiting. The buffer is nondet's own, not a file object's: a process forked while frames
+    wait in it (a DataLoader worker, ``os.fork``) never writes them, not even when its
+    interpreter finalizes, since only the process that made the writer flushes it (a copy
+    of a step row in the stream would be stored twice)."""
+
+    #: buffered bytes written out without waiting for a flush
+    LIMIT = 1 << 16
 
     def __init__(self, fd: int) -> None:
-        self._file: BinaryIO = os.fdopen(fd, "wb", buffering=1 << 16)
+        self._fd = fd
+        self._pid = os.getpid()
+        self._buffer = bytearray()
+        self._broken = False  # the reader is gone (or the descriptor closed)
 
     def send(self, kind: bytes, payload: bytes) -> None:
-        self._file.write(_HEADER.pack(kind, len(payload)))
-        self._file.write(payload)
+        self._buffer += _HEADER.pack(kind, len(payload))
+        self._buffer += payload
+        if len(self._buffer) >= self.LIMIT:
+            self.flush()
 
     def send_json(self, kind: bytes, obj: Any) -> None:
         self.send(kind, json.dumps(obj, default=str).encode())
 
     def flush(self) -> None:
+        if os.getpid() != self._pid or self._broken:
+            self._buffer.clear()  # a forked copy, or nobody left to tell
+            return
+        view = memoryview(self._buffer)
         try:
-            self._file.flush()
-        except (BrokenPipeError, OSError):
-            pass  # the parent is gone; nothing left to tell it
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:  # BrokenPipeError: the parent is gone; nothing left to tell it
+            self._broken = True
+        finally:
+            view.release()
+            self._buffer.clear()
+
+    def close(self) -> None:
+        """Flush and close the descriptor (a run that ends; tests that play one)."""
+        self.flush()
+        if os.getpid() == self._pid and self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+            self._broken = True
 
 
 class FrameParser:

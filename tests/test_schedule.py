@@ -127,7 +127,7 @@ class FakeRun(CapturedRun):
                     raise KeyboardInterrupt
                 if step == script.killed_at:
                     self.code = -9
-                    session.writer._file.close()  # dies without a word
+                    session.writer.close()  # dies without a word
                     os.close(config.control_fd)
                     return
                 self.computing[0] += 1
@@ -157,7 +157,7 @@ class FakeRun(CapturedRun):
         self.code = code
         if script.linger:
             self._interrupt_flag.wait()
-        session.writer._file.close()
+        session.writer.close()
         os.close(config.control_fd)
 
 

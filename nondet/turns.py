@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import channel
+from nondet import channel, compare
 from nondet.records import INIT_STEP
 
 #: A turn lasts at least this long when steps are short: a run is granted that many steps.
@@ -59,9 +59,11 @@ class Grants:
     """How many steps a run may go at once: enough that a turn lasts ``turn_seconds``, by
     the median of the latest ``MEASURED_STEPS`` steps of the slower run (their rows'
     ``wall``, which leaves out the time a run was held), at most ``max_grant``. One step
-    until both runs have measured steps, when steps are long, and in and right before the
-    steps a run records op by op (a plan's ``op_steps``; None: every step): there a run
-    waits after each step as before, so holds and dump requests find it where they did."""
+    until both runs have measured steps, when steps are long, and once two rows have
+    differed. A grant ends at the next step a run records op by op (a plan's
+    ``op_steps``; None: every step, so one step a turn), and the op window's steps go one a
+    turn: there a run waits after each step as before, where holds and dump requests
+    expect it."""
 
     def __init__(self, runs: tuple[Player, Player], turn_seconds: float = TURN_SECONDS,
                  max_grant: int = MAX_GRANT) -> None:
@@ -70,6 +72,9 @@ class Grants:
         self._last: dict[Player, tuple[int, float]] = {}
         self._times: dict[Player, deque[float]] = {
             run: deque(maxlen=MEASURED_STEPS) for run in runs}
+        # once two rows differ the judge stops soon (a few growth steps): one step a turn
+        # from then on, so that the runs overshoot its stop by no more than already granted
+        self.differed = False
         self._op_steps: list[int] | None = []
         for run in runs:
             plan = getattr(run, "plan", None)
@@ -89,7 +94,7 @@ class Grants:
 
     def steps(self, after: int) -> int:
         """Steps to grant a run that has finished step ``after``."""
-        if self.max_grant <= 1 or self._op_steps is None:
+        if self.max_grant <= 1 or self._op_steps is None or self.differed:
             return 1
         if any(len(times) < 2 for times in self._times.values()):
             return 1  # not measured yet (step 0 includes the script's warm-up)
@@ -257,6 +262,8 @@ class Turns:
                 continue
             self._unjudged.discard(step)
             self._judged.add(step)
+            if have_both and compare.rows_differ(rows_a[step], rows_b[step]):
+                self.grants.differed = True
             if self._stopping or self.judge(step, rows_a.get(step), rows_b.get(step)):
                 continue
             if self.hold and not self._ended and not self._free:

@@ -272,3 +272,12 @@ def test_a_run_killed_inside_a_grant_ends_both_and_nothing_waits(tmp_path: Path)
     assert time.monotonic() - start < 10
     assert pair.grants() > 0  # the kill came during a grant of several steps
     assert [w for w in pair.words["b"] if w.startswith(b"go ")]
+
+
+def test_after_a_differing_step_turns_are_one_step_again() -> None:
+    """The judge stops a few growth steps after the first difference: no new grant may
+    carry the runs further past that stop than what was granted before it."""
+    turns, a, b = _start(1 * MS)
+    _feed(turns, a, range(2, 2 + MAX_GRANT), 1 * MS, differ_at=20)
+    _feed(turns, b, range(2, 2 + MAX_GRANT), 1 * MS)
+    assert a.words[-1] == channel.GO  # never_stop goes on, one step a turn

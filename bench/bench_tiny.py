@@ -68,6 +68,18 @@ def one_round(steps: int, out: Path, baseline: Path | None) -> dict[str, float]:
     return r
 
 
+def summary(med: dict[str, float], baseline: Path | None) -> str:
+    """The figures as one paragraph (docs/benchmarks.md embeds it in a list item)."""
+    names = {"lockstep": "`nondet run --no-verify` in lockstep",
+             "sequential": "with `--schedule sequential`",
+             "baseline": f"lockstep with the nondet in `{baseline}`"}
+    parts = [f"{label} {med[f'{key}_wall']:.1f} s ({med[f'{key}_wall_x']:.2f}x) wall, "
+             f"{med[f'{key}_cpu']:.1f} s ({med[f'{key}_cpu_x']:.2f}x) CPU"
+             for key, label in names.items() if f"{key}_wall" in med]
+    return (f"Plain run {med['plain_wall']:.1f} s wall, {med['plain_cpu']:.1f} s CPU; "
+            + "; ".join(parts) + " (CPU: the whole process tree, nondet and both runs).")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2000)
@@ -84,19 +96,9 @@ def main() -> None:
             rounds.append(one_round(opts.steps, Path(tmp) / str(i), opts.baseline_tree))
             print(rounds[-1], file=sys.stderr)
     med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
-    lines = ["| configuration | wall | wall / plain | CPU (tree) | CPU / plain |",
-             "| --- | --- | --- | --- | --- |",
-             f"| plain run | {med['plain_wall']:.1f} s | 1 | {med['plain_cpu']:.1f} s | 1 |"]
-    names = {"lockstep": "`nondet run --no-verify` (lockstep)",
-             "sequential": "`nondet run --no-verify --schedule sequential`",
-             "baseline": f"lockstep, nondet from `{opts.baseline_tree}`"}
-    for key, label in names.items():
-        if f"{key}_wall" in med:
-            lines.append(f"| {label} | {med[f'{key}_wall']:.1f} s | {med[f'{key}_wall_x']:.2f}x"
-                         f" | {med[f'{key}_cpu']:.1f} s | {med[f'{key}_cpu_x']:.2f}x |")
-    setup = f"bench/model_tiny.py, {opts.steps} steps, OMP_NUM_THREADS=1"
-    text = "\n".join(lines) + "\n\n" + measured_line("torch", setup, opts.repeat, "plain run",
-                                                      load_before)
+    text = summary(med, opts.baseline_tree) + " " + measured_line(
+        "torch", f"bench/model_tiny.py, {opts.steps} steps, OMP_NUM_THREADS=1", opts.repeat,
+        "plain run", load_before)
     print(text)
     if opts.write:
         from measure import replace_section

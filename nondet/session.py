@@ -33,7 +33,7 @@ FINISH_WAIT_SECONDS = 600.0
 
 #: Lockstep, inside a grant of several steps: step frames are held back at most this long
 #: (a run killed by a signal there loses at most these last rows; any other end flushes).
-GRANT_FLUSH_SECONDS = 0.05
+GRANT_FLUSH_SECONDS = 0.2
 
 _CURRENT: Session | None = None
 

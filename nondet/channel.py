@@ -14,6 +14,7 @@ import json
 import os
 import select
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,11 +95,12 @@ _HEADER = struct.Struct("<cI")
 
 
 class FrameWriter:
-    """Child side. Buffered; ``flush`` at step ends (once per grant in lockstep) and before
-    exiting. The buffer is nondet's own, not a file object's: a process forked while frames
-    wait in it (a DataLoader worker, ``os.fork``) never writes them, not even when its
-    interpreter finalizes, since only the process that made the writer flushes it (a copy
-    of a step row in the stream would be stored twice)."""
+    """Child side. Buffered; ``flush`` at step ends and before exiting, or ``flush_later``
+    inside a lockstep grant (the frames of several steps in one write). The buffer is
+    nondet's own, not a file object's: a process forked while frames wait in it (a
+    DataLoader worker, ``os.fork``) never writes them, not even when its interpreter
+    finalizes, since only the process that made the writer flushes it (a copy of a step row
+    in the stream would be stored twice)."""
 
     #: buffered bytes written out without waiting for a flush
     LIMIT = 1 << 16
@@ -108,19 +110,63 @@ class FrameWriter:
         self._pid = os.getpid()
         self._buffer = bytearray()
         self._broken = False  # the reader is gone (or the descriptor closed)
+        self._lock = threading.Lock()  # the flusher thread (flush_later) writes too
+        self._deadline: float | None = None
+        self._wake = threading.Event()
+        self._flusher: threading.Thread | None = None
 
     def send(self, kind: bytes, payload: bytes) -> None:
-        self._buffer += _HEADER.pack(kind, len(payload))
-        self._buffer += payload
-        if len(self._buffer) >= self.LIMIT:
-            self.flush()
+        if os.getpid() != self._pid:
+            return  # a forked copy (checked before the lock, which a fork may copy held)
+        with self._lock:
+            self._buffer += _HEADER.pack(kind, len(payload))
+            self._buffer += payload
+            if len(self._buffer) >= self.LIMIT:
+                self._write()
 
     def send_json(self, kind: bytes, obj: Any) -> None:
         self.send(kind, json.dumps(obj, default=str).encode())
 
     def flush(self) -> None:
-        if os.getpid() != self._pid or self._broken:
-            self._buffer.clear()  # a forked copy, or nobody left to tell
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            self._deadline = None
+            self._write()
+
+    def flush_later(self, seconds: float) -> None:
+        """Leave the buffer for a later ``flush``, but have it written within ``seconds``
+        whatever the script does meanwhile (it may sleep or evaluate for minutes after its
+        last step: the parent must see that step)."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + seconds
+                if self._flusher is None:
+                    self._flusher = threading.Thread(target=self._flush_when_due,
+                                                     name="nondet-flush", daemon=True)
+                    self._flusher.start()
+                self._wake.set()
+
+    def _flush_when_due(self) -> None:
+        while not self._broken:
+            self._wake.wait()
+            with self._lock:
+                deadline = self._deadline
+                if deadline is None:
+                    self._wake.clear()  # nothing pending: sleep until flush_later
+                    continue
+                if time.monotonic() >= deadline:
+                    self._deadline = None
+                    self._write()
+                    continue
+            time.sleep(max(0.0, deadline - time.monotonic()))
+
+    def _write(self) -> None:
+        """Write the buffer out (the lock is held)."""
+        if self._broken:
+            self._buffer.clear()  # nobody left to tell
             return
         view = memoryview(self._buffer)
         try:
@@ -134,14 +180,19 @@ class FrameWriter:
 
     def close(self) -> None:
         """Flush and close the descriptor (a run that ends; tests that play one)."""
-        self.flush()
-        if os.getpid() == self._pid and self._fd >= 0:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = -1
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            self._deadline = None
+            self._write()
+            if self._fd >= 0:
+                try:
+                    os.close(self._fd)
+                except OSError:
+                    pass
+                self._fd = -1
             self._broken = True
+            self._wake.set()  # the flusher thread ends
 
 
 class FrameParser:

@@ -32,7 +32,8 @@ CONFIG_ENV = "NONDET_CHILD_CONFIG"
 FINISH_WAIT_SECONDS = 600.0
 
 #: Lockstep, inside a grant of several steps: step frames are held back at most this long
-#: (a run killed by a signal there loses at most these last rows; any other end flushes).
+#: (``FrameWriter.flush_later``: written then even if the script sleeps after its last
+#: step; a run killed by a signal loses at most these last rows).
 GRANT_FLUSH_SECONDS = 0.2
 
 _CURRENT: Session | None = None
@@ -106,7 +107,6 @@ class Session:
         # lockstep: steps left of the last GO's grant, run without waiting (turns.Turns grants
         # several steps per turn when steps are short)
         self._granted = 0
-        self._flushed_at = 0.0  # when the step frames were last flushed to the parent
         # seconds spent held at step boundaries by the parent (lockstep): left out of the
         # step rows' ``wall`` so that step times (a fix's cost) measure the script, not how
         # long the parent took to compare the step or fetch kept outputs
@@ -180,13 +180,12 @@ class Session:
         self.writer.send(channel.STEP, row.tobytes())
         for listener in self.step_listeners:
             listener(self.step)
-        now = time.perf_counter()
-        if not (self._granted > 0 and self.config.lockstep and not self._free
-                and now - self._flushed_at < GRANT_FLUSH_SECONDS):
+        if self._granted > 0 and self.config.lockstep and not self._free:
             # Inside a grant the rows go out together at its end (the other run waits for
             # all of them anyway): one write per turn, and the parent stores them at once.
+            self.writer.flush_later(GRANT_FLUSH_SECONDS)
+        else:
             self.writer.flush()
-            self._flushed_at = now
         finished = self.step
         self.step += 1
         if finished >= 0 and self.config.stop_after is not None \

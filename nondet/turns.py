@@ -197,7 +197,10 @@ class Turns:
     def makes_wait(self, run: Player) -> bool:
         """Is ``run`` waiting for nondet's word (its turn, a hold)? Then it is not idle."""
         with self._lock:
-            return self.holding or (self._waiting[run] is not None and not self._free)
+            # Once the runs are told to stop (not held), nothing keeps one waiting: a run
+            # that then sleeps or serves forever is idle, not waiting for nondet's word.
+            return self.holding or (self._waiting[run] is not None and not self._free
+                                    and not self._stopping)
 
     def free_all(self) -> None:
         """Give up turn-taking: every run goes on on its own, nothing is held."""

@@ -281,3 +281,37 @@ def test_after_a_differing_step_turns_are_one_step_again() -> None:
     _feed(turns, a, range(2, 2 + MAX_GRANT), 1 * MS, differ_at=20)
     _feed(turns, b, range(2, 2 + MAX_GRANT), 1 * MS)
     assert a.words[-1] == channel.GO  # never_stop goes on, one step a turn
+
+
+def test_rows_held_back_in_a_grant_are_written_when_the_script_goes_quiet() -> None:
+    """A script that sleeps or serves after its last step inside a grant: the parent must
+    still get that step (tests/test_idle.py ends such a run as idle and compares it)."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    writer = channel.FrameWriter(w)
+    writer.send(channel.STEP, b"row of step 3")
+    writer.flush_later(0.1)
+    with pytest.raises(BlockingIOError):
+        os.read(r, 100)  # held back for now
+    deadline = time.monotonic() + 5
+    data = b""
+    while not data and time.monotonic() < deadline:
+        time.sleep(0.02)
+        try:
+            data = os.read(r, 100)
+        except BlockingIOError:
+            pass
+    assert channel.FrameParser().feed(data) == [(channel.STEP, b"row of step 3")]
+    writer.close()
+
+
+def test_after_a_stop_a_run_that_sends_a_row_is_not_kept_waiting() -> None:
+    """Runs told to stop wait for nothing more: a run that sends a row after the judge
+    stopped (and then sleeps forever) must be left to the idle check, not held as waiting
+    (it hung tests/test_idle.py when a run ended inside its grant)."""
+    turns, a, b = _start(1 * MS, _Judge())
+    _feed(turns, a, range(2, 4), 1 * MS)
+    turns.on_end(a)  # ended inside its grant after step 3
+    _feed(turns, b, range(2, 5), 1 * MS)  # step 4: a row only b has: the judge stops
+    assert channel.STOP in b.words
+    assert not turns.makes_wait(b)

@@ -14,10 +14,11 @@ import json
 import os
 import select
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -86,7 +87,7 @@ KEPT_PREFIX = "kept-"
 
 # Parent -> child on the control pipe (one word per line):
 STOP = b"stop\n"  # stop at the next step boundary
-GO = b"go\n"  # lockstep: run one more step, then wait again
+GO = b"go\n"  # lockstep: run one more step, then wait again ("go N\n": N more steps, ``go``)
 FREE = b"free\n"  # lockstep: stop waiting at step boundaries (the other run has ended)
 DUMP_REQUEST = b"dump"  # lockstep: "dump STEP INDEX\n": send that record's kept outputs
 
@@ -94,23 +95,104 @@ _HEADER = struct.Struct("<cI")
 
 
 class FrameWriter:
-    """Child side. Buffered; ``flush`` at step ends and before exiting."""
+    """Child side. Buffered; ``flush`` at step ends and before exiting, or ``flush_later``
+    inside a lockstep grant (the frames of several steps in one write). The buffer is
+    nondet's own, not a file object's: a process forked while frames wait in it (a
+    DataLoader worker, ``os.fork``) never writes them, not even when its interpreter
+    finalizes, since only the process that made the writer flushes it (a copy of a step row
+    in the stream would be stored twice)."""
+
+    #: buffered bytes written out without waiting for a flush
+    LIMIT = 1 << 16
 
     def __init__(self, fd: int) -> None:
-        self._file: BinaryIO = os.fdopen(fd, "wb", buffering=1 << 16)
+        self._fd = fd
+        self._pid = os.getpid()
+        self._buffer = bytearray()
+        self._broken = False  # the reader is gone (or the descriptor closed)
+        self._lock = threading.Lock()  # the flusher thread (flush_later) writes too
+        self._deadline: float | None = None
+        self._wake = threading.Event()
+        self._flusher: threading.Thread | None = None
 
     def send(self, kind: bytes, payload: bytes) -> None:
-        self._file.write(_HEADER.pack(kind, len(payload)))
-        self._file.write(payload)
+        if os.getpid() != self._pid:
+            return  # a forked copy (checked before the lock, which a fork may copy held)
+        with self._lock:
+            self._buffer += _HEADER.pack(kind, len(payload))
+            self._buffer += payload
+            if len(self._buffer) >= self.LIMIT:
+                self._write()
 
     def send_json(self, kind: bytes, obj: Any) -> None:
         self.send(kind, json.dumps(obj, default=str).encode())
 
     def flush(self) -> None:
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            self._deadline = None
+            self._write()
+
+    def flush_later(self, seconds: float) -> None:
+        """Leave the buffer for a later ``flush``, but have it written within ``seconds``
+        whatever the script does meanwhile (it may sleep or evaluate for minutes after its
+        last step: the parent must see that step)."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + seconds
+                if self._flusher is None:
+                    self._flusher = threading.Thread(target=self._flush_when_due,
+                                                     name="nondet-flush", daemon=True)
+                    self._flusher.start()
+                self._wake.set()
+
+    def _flush_when_due(self) -> None:
+        while not self._broken:
+            self._wake.wait()
+            with self._lock:
+                deadline = self._deadline
+                if deadline is None:
+                    self._wake.clear()  # nothing pending: sleep until flush_later
+                    continue
+                if time.monotonic() >= deadline:
+                    self._deadline = None
+                    self._write()
+                    continue
+            time.sleep(max(0.0, deadline - time.monotonic()))
+
+    def _write(self) -> None:
+        """Write the buffer out (the lock is held)."""
+        if self._broken:
+            self._buffer.clear()  # nobody left to tell
+            return
+        view = memoryview(self._buffer)
         try:
-            self._file.flush()
-        except (BrokenPipeError, OSError):
-            pass  # the parent is gone; nothing left to tell it
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:  # BrokenPipeError: the parent is gone; nothing left to tell it
+            self._broken = True
+        finally:
+            view.release()
+            self._buffer.clear()
+
+    def close(self) -> None:
+        """Flush and close the descriptor (a run that ends; tests that play one)."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            self._deadline = None
+            self._write()
+            if self._fd >= 0:
+                try:
+                    os.close(self._fd)
+                except OSError:
+                    pass
+                self._fd = -1
+            self._broken = True
+            self._wake.set()  # the flusher thread ends
 
 
 class FrameParser:
@@ -166,6 +248,11 @@ def stop_requested(fd: int) -> bool:
         return False
 
 
+def go(steps: int) -> bytes:
+    """The GO word granting ``steps`` steps before the next wait (plain GO for one)."""
+    return GO if steps <= 1 else f"go {steps}\n".encode()
+
+
 def wait_for_turn(fd: int, on_dump: Callable[[int, int], None],
                   timeout: float | None = None) -> bytes:
     """Child side, lockstep: block until the parent says GO, FREE or STOP (STOP wins);
@@ -174,6 +261,12 @@ def wait_for_turn(fd: int, on_dump: Callable[[int, int], None],
     A closed pipe (the parent is gone) counts as FREE: the run finishes on its own; so
     does ``timeout`` seconds without a word (for waits the parent may not end).
     """
+    return wait_for_grant(fd, on_dump, timeout)[0]
+
+
+def wait_for_grant(fd: int, on_dump: Callable[[int, int], None],
+                   timeout: float | None = None) -> tuple[bytes, int]:
+    """``wait_for_turn``, and how many steps a GO grants (1 unless "go N"; 0 otherwise)."""
     pending = b""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -181,12 +274,12 @@ def wait_for_turn(fd: int, on_dump: Callable[[int, int], None],
             if deadline is not None:
                 ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
                 if not ready:
-                    return FREE
+                    return FREE, 0
             data = os.read(fd, 256)
         except (OSError, ValueError):
-            return FREE
+            return FREE, 0
         if not data:
-            return FREE
+            return FREE, 0
         pending += data
         *lines, pending = pending.split(b"\n")
         words = [line.split() for line in lines if line.strip()]
@@ -194,9 +287,19 @@ def wait_for_turn(fd: int, on_dump: Callable[[int, int], None],
             if word[0] == DUMP_REQUEST and len(word) == 3:
                 on_dump(int(word[1]), int(word[2]))
         kinds = {w[0] + b"\n" for w in words}
-        for answer in (STOP, FREE, GO):
+        for answer in (STOP, FREE):
             if answer in kinds:
-                return answer
+                return answer, 0
+        grants = [_granted(w) for w in words if w[0] + b"\n" == GO]
+        if grants:
+            return GO, max(grants)
+
+
+def _granted(word: list[bytes]) -> int:
+    """Steps a GO word grants: "go" one, "go N" N (a garbled count: one, as plain GO)."""
+    if len(word) == 2 and word[1].isdigit():
+        return max(1, int(word[1]))
+    return 1
 
 
 def dump_request(step: int, index: int) -> bytes:

@@ -284,8 +284,7 @@ class CapturedRun(RunStream):
                 idle_since = None
                 if self._idle is not None:
                     self._idle.activity()
-                for kind, payload in parser.feed(data):
-                    self._handle(kind, payload)
+                self._handle_frames(parser.feed(data))
                 continue
             # The child may have exited while a forked grandchild (a DataLoader worker)
             # still holds the pipe open: stop once it ended and the pipe is quiet.

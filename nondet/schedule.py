@@ -28,8 +28,8 @@ import numpy as np
 from nondet import channel
 from nondet.errors import NondetError, ScriptFailed, Terminated
 from nondet.runspec import Plan, RunResult
+from nondet.turns import MAX_GRANT, TURN_SECONDS, Turns
 from nondet.turns import Judge as Judge  # re-exported: the judge of every schedule
-from nondet.turns import Turns
 
 #: Lockstep runs keep host copies of op outputs up to this size, to measure a difference.
 KEEP_BYTES = 256 << 20
@@ -148,6 +148,8 @@ class Lockstep:
 
     Only one run computes at a time, so neither slows the other down, yet they start
     together (imports and set-up overlap) and both stop as soon as the answer is known.
+    Short steps are granted several to a turn (``turns.Grants``: a turn of at least
+    ``turn_seconds``, at most ``max_grant`` steps; ``max_grant=1``: one step a turn).
     Runs that both ask for it compute their first step at once (``Turns._advance``).
     With ``on_hold``, runs the judge stops are held alive at that step until ``on_hold``
     has returned (it may ask them for the outputs they kept), then stopped.
@@ -158,7 +160,8 @@ class Lockstep:
     def __init__(self, make_run: RunFactory, status: StatusSink | None = None, *,
                  keep_bytes: int = KEEP_BYTES, stall_after: float = 60.0,
                  stall_factor: float = 5.0, exit_grace: float = 120.0,
-                 poll: float = 0.2) -> None:
+                 poll: float = 0.2, turn_seconds: float = TURN_SECONDS,
+                 max_grant: int = MAX_GRANT) -> None:
         self.make_run = make_run
         self.status = status
         self.keep_bytes = keep_bytes
@@ -168,6 +171,8 @@ class Lockstep:
         self.stall_factor = stall_factor
         self.exit_grace = exit_grace  # for a run to exit once ended or told to stop
         self.poll = poll
+        self.turn_seconds = turn_seconds
+        self.max_grant = max_grant
 
     def run_single(self, plan: Plan) -> RunResult:
         return check_result(_run_alone(self.make_run(plan), self.status))
@@ -178,7 +183,8 @@ class Lockstep:
         a, b = (self.make_run(replace(plan, lockstep=True,
                                       keep_bytes=0 if plan.dump else keep))
                 for plan in plans)
-        turns = Turns(a, b, judge, hold=on_hold is not None)
+        turns = Turns(a, b, judge, hold=on_hold is not None, turn_seconds=self.turn_seconds,
+                      max_grant=self.max_grant)
         started: list[Run] = []
         try:
             for run in (a, b):

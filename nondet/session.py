@@ -31,6 +31,11 @@ CONFIG_ENV = "NONDET_CHILD_CONFIG"
 #: Longest a finished lockstep run waits for the parent's word before exiting anyway.
 FINISH_WAIT_SECONDS = 600.0
 
+#: Lockstep, inside a grant of several steps: step frames are held back at most this long
+#: (``FrameWriter.flush_later``: written then even if the script sleeps after its last
+#: step; a run killed by a signal loses at most these last rows).
+GRANT_FLUSH_SECONDS = 0.2
+
 _CURRENT: Session | None = None
 
 
@@ -99,6 +104,9 @@ class Session:
         # not both wait on the control pipe: one could take the other's STOP and leave it
         # waiting for good.
         self._turn_lock = threading.Lock()
+        # lockstep: steps left of the last GO's grant, run without waiting (turns.Turns grants
+        # several steps per turn when steps are short)
+        self._granted = 0
         # seconds spent held at step boundaries by the parent (lockstep): left out of the
         # step rows' ``wall`` so that step times (a fix's cost) measure the script, not how
         # long the parent took to compare the step or fetch kept outputs
@@ -172,7 +180,12 @@ class Session:
         self.writer.send(channel.STEP, row.tobytes())
         for listener in self.step_listeners:
             listener(self.step)
-        self.writer.flush()
+        if self._granted > 0 and self.config.lockstep and not self._free:
+            # Inside a grant the rows go out together at its end (the other run waits for
+            # all of them anyway): one write per turn, and the parent stores them at once.
+            self.writer.flush_later(GRANT_FLUSH_SECONDS)
+        else:
+            self.writer.flush()
         finished = self.step
         self.step += 1
         if finished >= 0 and self.config.stop_after is not None \
@@ -184,9 +197,15 @@ class Session:
             with self._turn_lock:  # one reader of the control pipe at a time
                 if self._told_to_stop:
                     raise StopRun()
+                if self._granted > 0:
+                    # a step of the last turn's grant ("go N"): no word to wait for yet, and
+                    # the pipe is not read (a STOP or a dump request waits for the grant's end)
+                    self._granted -= 1
+                    return
                 held_from = time.perf_counter()
-                answer = channel.wait_for_turn(self.config.control_fd, self._send_kept)
+                answer, steps = channel.wait_for_grant(self.config.control_fd, self._send_kept)
                 self.held += time.perf_counter() - held_from
+                self._granted = max(0, steps - 1)
             if answer == channel.FREE:
                 self._free = True
             elif answer == channel.STOP:

@@ -25,6 +25,8 @@ from nondet.records import COMM_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 from nondet.store import CaptureWriter
 from nondet.store.writer import hdf5_write_failed
 
+_ROW_BYTES = {channel.TENSORS: TENSOR_DTYPE.itemsize, channel.STEP: STEP_DTYPE.itemsize}
+
 
 class RunStream:
     """One run's stream as the parent stores and mirrors it (see module docstring)."""
@@ -91,6 +93,27 @@ class RunStream:
             self.on_end(self)
 
     # -- frames ------------------------------------------------------------------------------------
+    def _handle_frames(self, frames: list[tuple[bytes, bytes]]) -> None:
+        """Store the frames of one read, in order, except that consecutive step and tensor
+        rows are stored together (one HDF5 append and flush costs about 1 ms, whatever
+        the rows: a run granted several short steps per turn sends them in one write).
+        Any other frame (an end, a dump, metadata) first stores the rows before it."""
+        rows: dict[bytes, list[bytes]] = {channel.TENSORS: [], channel.STEP: []}
+        for kind, payload in frames:
+            if kind in rows and len(payload) % _ROW_BYTES[kind] == 0:
+                rows[kind].append(payload)  # (a torn row is stored alone: _handle says so)
+                continue
+            if kind not in (channel.OPS, channel.STRINGS):
+                self._handle_rows(rows)
+            self._handle(kind, payload)
+        self._handle_rows(rows)
+
+    def _handle_rows(self, rows: dict[bytes, list[bytes]]) -> None:
+        for kind, payloads in rows.items():  # tensors first: a step row comes after its own
+            if payloads:
+                self._handle(kind, b"".join(payloads))
+                payloads.clear()
+
     def _handle(self, kind: bytes, payload: bytes) -> None:
         """Store one frame. After a write failure the stream is only drained (so the child
         never blocks on a full pipe) until it ends."""
@@ -131,11 +154,12 @@ class RunStream:
 
     def _on_step_frame(self, payload: bytes) -> None:
         assert self.writer is not None
-        row = np.frombuffer(payload, dtype=STEP_DTYPE)
-        self.writer.add_step(row)
-        self.steps.append(row[0])
-        if self.on_step is not None:
-            self.on_step(self, row[0])
+        rows = np.frombuffer(payload, dtype=STEP_DTYPE)  # one or more (_handle_frames)
+        self.writer.add_step(rows)
+        for row in rows:
+            self.steps.append(row)
+            if self.on_step is not None:
+                self.on_step(self, row)
 
     def _on_ops_frame(self, payload: bytes) -> None:
         assert self.writer is not None

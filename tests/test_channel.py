@@ -20,7 +20,7 @@ def _pipe_frames(send: list[tuple[bytes, bytes]], chunk: int) -> list[tuple[byte
     for kind, payload in send:
         writer.send(kind, payload)
     writer.flush()
-    writer._file.close()
+    writer.close()
     parser = channel.FrameParser()
     got = []
     with os.fdopen(r, "rb") as f:
@@ -133,3 +133,24 @@ def test_stop_requested_never_blocks() -> None:
     assert channel.stop_requested(r) is True
     os.close(r)
     os.close(w)
+
+
+def test_a_forked_process_never_writes_the_frames_it_inherited() -> None:
+    """A run that forks (a DataLoader worker, os.fork) while frames wait in its buffer (a
+    lockstep grant holds step rows back): the copy must not send them a second time, even
+    when it flushes or its interpreter finalizes."""
+    r, w = os.pipe()
+    writer = channel.FrameWriter(w)
+    writer.send(channel.STEP, b"row of step 7")
+    pid = os.fork()
+    if pid == 0:  # the forked copy: flushes, and exits the way a finalizing one would
+        writer.flush()
+        writer.close()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    writer.flush()
+    writer.close()
+    parser = channel.FrameParser()
+    with os.fdopen(r, "rb") as f:
+        frames = parser.feed(f.read())
+    assert frames == [(channel.STEP, b"row of step 7")]

@@ -154,7 +154,7 @@ def test_disk_full_keeps_draining_so_the_child_never_blocks(
             writer.send(kind, payload)
         writer.send_json(channel.END, channel.End(channel.STOPPED, 0).encode())
         writer.flush()
-        writer._file.close()
+        writer.close()
 
     sender = threading.Thread(target=child, daemon=True)
     sender.start()

@@ -127,7 +127,7 @@ class FakeRun(CapturedRun):
                     raise KeyboardInterrupt
                 if step == script.killed_at:
                     self.code = -9
-                    session.writer._file.close()  # dies without a word
+                    session.writer.close()  # dies without a word
                     os.close(config.control_fd)
                     return
                 self.computing[0] += 1
@@ -157,7 +157,7 @@ class FakeRun(CapturedRun):
         self.code = code
         if script.linger:
             self._interrupt_flag.wait()
-        session.writer._file.close()
+        session.writer.close()
         os.close(config.control_fd)
 
 
@@ -213,7 +213,8 @@ PLANS = (Plan("a", []), Plan("b", []))
 
 
 def test_lockstep_takes_turns_one_step_each(tmp_path: Path) -> None:
-    pair = Pair(tmp_path, Script(steps=5), Script(steps=5))
+    # steps longer than a turn (turns.TURN_SECONDS): one step per turn
+    pair = Pair(tmp_path, Script(steps=5, step_time=0.06), Script(steps=5, step_time=0.06))
     ra, rb = _bounded(lambda: pair.lockstep().run_pair(PLANS))
     assert (ra.status, ra.steps, rb.status, rb.steps) == ("complete", 5, "complete", 5)
     steps = [(label, step) for event, label, step in FakeRun.log if event == "step"]
@@ -280,7 +281,10 @@ def test_a_run_that_stalls_while_the_other_waits_frees_both(tmp_path: Path) -> N
 
 
 def test_hold_keeps_both_runs_alive_until_released(tmp_path: Path) -> None:
-    pair = Pair(tmp_path, Script(steps=8, differ_at=2), Script(steps=8))
+    # steps longer than a turn: one step per turn, so both are held at step 2 exactly
+    # (short steps: tests/test_turns_grants.py)
+    pair = Pair(tmp_path, Script(steps=8, differ_at=2, step_time=0.06),
+                Script(steps=8, step_time=0.06))
     seen: dict[str, Any] = {}
 
     def judge(step: int, a: np.void | None, b: np.void | None) -> bool:

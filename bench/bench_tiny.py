@@ -1,0 +1,110 @@
+"""Many tiny steps: what ``nondet run`` costs on a script of thousands of sub-millisecond
+steps (bench/model_tiny.py), as ratios against a plain run in the same invocation.
+
+    python bench/bench_tiny.py [--steps N] [--repeat K] [--baseline-tree DIR]
+                               [--write docs/benchmarks.md]
+
+Each round runs, one after the other: a plain run, ``nondet run --no-verify`` in lockstep,
+the same with ``--schedule sequential``, and (``--baseline-tree``) lockstep with the nondet
+package found in DIR (another checkout: before/after in the same invocation). Each is
+measured by its wall time and the CPU time of its whole process tree (nondet and both
+runs); the result is the median over the rounds of each ratio to the round's plain run.
+Runs use ``OMP_NUM_THREADS=1``: with torch's thread pool such tiny ops spend most of their
+time waking it, and a plain run then moves with the machine's load alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from measure import measured_line, uptime  # noqa: E402
+
+MODEL = REPO / "bench" / "model_tiny.py"
+BEGIN, END = "<!-- bench-tiny:begin -->", "<!-- bench-tiny:end -->"
+
+
+def tree_cost(command: list[str], tree: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process and every descendant it waited for)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    # run from the tree: ``python -m`` puts the working directory first on sys.path
+    proc = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True,
+                          timeout=3600, check=False)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+def one_round(steps: int, out: Path, baseline: Path | None) -> dict[str, float]:
+    args = [str(MODEL), "--steps", str(steps)]
+    nondet = [sys.executable, "-m", "nondet", "run", "-q", "--no-verify"]
+    r: dict[str, float] = {}
+    r["plain_wall"], r["plain_cpu"] = tree_cost([sys.executable, *args], REPO)
+    configs = {"lockstep": (REPO, []), "sequential": (REPO, ["--schedule", "sequential"])}
+    if baseline is not None:
+        configs["baseline"] = (baseline, [])
+    for name, (tree, flags) in configs.items():
+        wall, cpu = tree_cost([*nondet, "--out", str(out / name), *flags, *args], tree)
+        r[f"{name}_wall"], r[f"{name}_cpu"] = wall, cpu
+        r[f"{name}_wall_x"] = wall / r["plain_wall"]
+        r[f"{name}_cpu_x"] = cpu / r["plain_cpu"]
+    return r
+
+
+def summary(med: dict[str, float], baseline: Path | None) -> str:
+    """The figures as one paragraph (docs/benchmarks.md embeds it in a list item)."""
+    names = {"lockstep": "`nondet run --no-verify` in lockstep",
+             "sequential": "with `--schedule sequential`",
+             "baseline": f"lockstep with the nondet in `{baseline}`"}
+    parts = [f"{label} {med[f'{key}_wall']:.1f} s ({med[f'{key}_wall_x']:.2f}x) wall, "
+             f"{med[f'{key}_cpu']:.1f} s ({med[f'{key}_cpu_x']:.2f}x) CPU"
+             for key, label in names.items() if f"{key}_wall" in med]
+    return (f"Plain run {med['plain_wall']:.1f} s wall, {med['plain_cpu']:.1f} s CPU; "
+            + "; ".join(parts) + " (CPU: the whole process tree, nondet and both runs).")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="a directory holding another nondet package, measured alongside")
+    parser.add_argument("--write", type=Path, help="update this Markdown file's tiny section")
+    opts = parser.parse_args()
+    load_before = uptime()
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(opts.repeat):
+            print(f"tiny steps: round {i + 1}/{opts.repeat}", file=sys.stderr)
+            rounds.append(one_round(opts.steps, Path(tmp) / str(i), opts.baseline_tree))
+            print(rounds[-1], file=sys.stderr)
+    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    text = summary(med, opts.baseline_tree) + " " + measured_line(
+        "torch", f"bench/model_tiny.py, {opts.steps} steps, OMP_NUM_THREADS=1", opts.repeat,
+        "plain run", load_before)
+    print(text)
+    if opts.write:
+        from measure import replace_section
+
+        replace_section(opts.write, text, BEGIN, END)
+
+
+if __name__ == "__main__":
+    main()

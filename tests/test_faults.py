@@ -180,10 +180,13 @@ if os.environ.get("NONDET_TEST_ENOSPC_AT") and "NONDET_CHILD_CONFIG" not in os.e
     _add_step = store.CaptureWriter.add_step
     _at = int(os.environ["NONDET_TEST_ENOSPC_AT"])
 
-    def add_step(self, row):
-        if int(row["step"][0]) >= _at:
+    def add_step(self, rows):
+        # rows come in batches (one HDF5 append per read): those before the limit fit
+        fits = rows[rows["step"] < _at]
+        if len(fits):
+            _add_step(self, fits)
+        if len(fits) < len(rows):
             raise OSError(errno.ENOSPC, "No space left on device")
-        _add_step(self, row)
 
     store.CaptureWriter.add_step = add_step
 """

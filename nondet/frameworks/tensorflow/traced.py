@@ -254,10 +254,17 @@ class GraphRecorder:
         return gen_functional_ops._if(self.vars.window_flag, inputs, [tf.bool],
                                       then_branch=then, else_branch=otherwise)[0]
 
-    def count_update(self) -> None:
-        """In a graph being traced: count an optimizer update when the graph runs."""
+    def count_update(self, grads: Any = ()) -> None:
+        """In a graph being traced: count an optimizer update when the graph runs.
+
+        Counted after ``grads`` are computed: the count touches only nondet's variable, so
+        unordered it may run in a call that fails before the update (fit's extra call at
+        the end of a dataset of unknown length), and the next call would count two steps."""
         with self.quiet():
-            self.vars.updates.assign_add(1)
+            after = [g for g in tf.nest.flatten(grads, expand_composites=True)
+                     if tf.is_tensor(g)]
+            with tf.control_dependencies(after):
+                self.vars.updates.assign_add(1)
 
     def carry_loss(self, target: Any) -> None:
         """In a graph being traced: the loss ``tape.gradient`` differentiates is symbolic, so

@@ -63,6 +63,7 @@ from nondet.frameworks.tensorflow.graph import (
     LATE_OPS,
     SKIPPED_OPS,
     SLOT_MARGIN,
+    XLA_NOTE,
     GraphOp,
     RecorderVariables,
     backward_graph,
@@ -70,6 +71,7 @@ from nondet.frameworks.tensorflow.graph import (
     entry_label,
     numel,
     under_strategy,
+    xla_compiled,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, static_plan
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
@@ -138,6 +140,9 @@ class GraphRecorder:
             return None
         if op_type not in DATA_OPS and (not self._window_ahead() or under_strategy()):
             return None  # traced after the last op-captured step: a guard would never open
+        if op_type not in DATA_OPS and xla_compiled(graph):
+            self.backend.note_once("xla", XLA_NOTE)
+            return None
         if self.next_slot + len(outputs) + SLOT_MARGIN > CAPACITY:
             self._stop_instrumenting()
             return None

@@ -37,7 +37,9 @@ Limitations
   control-flow op that runs them is (``If``, ``While``), so a difference made inside is
   attributed to it. Running the functions eagerly (``tf.config.run_functions_eagerly(True)``)
   shows every op. Nested ``tf.function`` graphs are recorded like top-level ones.
-- Graphs compiled with XLA (``jit_compile=True``) are instrumented like others, untested.
+- Ops of graphs compiled with XLA (``jit_compile=True``) are not recorded one by one: tf2xla
+  refuses the guards (``graph.xla_compiled``); a capture note says so. Batches read outside
+  the XLA function and the step-level state are recorded as usual.
 - Ops in graphs traced before nondet's hooks were installed are not seen.
 """
 

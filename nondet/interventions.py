@@ -70,6 +70,9 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
     Intervention("seeding.pin_seeds", "patch",
                  "every seeding call (torch.manual_seed, np.random.seed, random.seed, "
                  "tf.random.set_seed, ...) given a fixed seed instead of its value"),
+    Intervention("tf.generator_from_seed", "patch",
+                 "tf.random.Generator.from_non_deterministic_state() (and so the global "
+                 "generator) made from_seed (the run's seed + its call number)"),
     Intervention("numpy.seed_unseeded_generators", "patch",
                  "np.random.default_rng() without a seed gets one (the run's seed + its "
                  "call number)"),
@@ -202,6 +205,19 @@ def _numpy_seed_unseeded_generators(seed: int) -> None:
     setattr(np.random, "default_rng", default_rng)  # noqa: B010 - typed stubs refuse it
 
 
+def _tf_generator_from_seed(seed: int) -> None:
+    import tensorflow as tf
+
+    calls = [0]
+
+    def from_non_deterministic_state(cls: Any, alg: Any = None) -> Any:
+        calls[0] += 1  # a seed per call: two generators must not draw the same stream
+        return cls.from_seed(seed * 1_000_003 + calls[0], alg=alg)
+
+    # get_global_generator() makes the global generator through this classmethod too
+    tf.random.Generator.from_non_deterministic_state = classmethod(from_non_deterministic_state)
+
+
 def _keras_pydataset_one_worker(_seed: int) -> None:
     import keras
 
@@ -237,4 +253,5 @@ _CHILD: dict[str, Callable[[int], None]] = {
     "torch.dataloader_in_order": _torch_dataloader_in_order,
     "tf.data_deterministic": _tf_data_deterministic,
     "numpy.seed_unseeded_generators": _numpy_seed_unseeded_generators,
+    "tf.generator_from_seed": _tf_generator_from_seed,
 }

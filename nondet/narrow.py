@@ -72,8 +72,10 @@ def narrow(run_pair: RunPair, stage: Stage, step: int, lockstep: bool,
         # In lockstep the judge stops both runs (held, so they can be asked for the outputs
         # they kept); one after the other, the first attempt's runs stop themselves.
         stop_after = max(step, 0) if not lockstep and window is not None else None
-        ra, rb = run_pair((Plan("a-ops", window, stop_after=stop_after),
-                           Plan("b-ops", window, stop_after=stop_after)), judge)
+        # labels name the files: the first try's captures are still open (run-a-ops.h5)
+        suffix = "" if number == 1 else str(number)
+        ra, rb = run_pair((Plan(f"a-ops{suffix}", window, stop_after=stop_after),
+                           Plan(f"b-ops{suffix}", window, stop_after=stop_after)), judge)
         oa, ob = open_capture(ra.path), open_capture(rb.path)
         written += [str(oa.path), str(ob.path)]
         parted = compare.first_step_divergence(oa.steps, ob.steps)

@@ -28,6 +28,9 @@ from nondet.session import Session
 
 #: Fact listing unseeded generators made inside libraries ("lib frame, from user frame").
 LIBRARY_UNSEEDED = "library.unseeded_generator"
+#: Fact: Keras 3 drew a default seed from Python's ``random`` (a layer, initializer or random
+#: op made without ``seed=``), which only ``random.seed`` / ``keras.utils.set_random_seed`` fix.
+KERAS_DEFAULT_SEED = "keras.default_seed_from_python"
 #: Libraries whose standard-library or framework generators are not the user's concern:
 #: ``tempfile`` names files with a ``random.Random()``, frameworks seed from their own RNGs.
 _IGNORED_PACKAGES = seeding.FRAMEWORK_PACKAGES | {
@@ -116,6 +119,7 @@ def install(session: Session) -> None:
 
     random.seed = log.wrap("random.seed", seed, lambda a=None, *_, **__: a)
     frameworks.after_import("keras", lambda: _wrap_keras_seed(log))
+    frameworks.after_import("keras", lambda: _note_keras_default_seeds(session, log))
 
 
 def _wrap_keras_seed(log: seeding.SeedLog) -> None:
@@ -128,6 +132,32 @@ def _wrap_keras_seed(log: seeding.SeedLog) -> None:
         if module is not None and original is not None:
             module.set_random_seed = log.wrap(  # type: ignore[attr-defined]
                 "keras.utils.set_random_seed", original, seeding.first_arg)
+
+
+def _note_keras_default_seeds(session: Session, log: seeding.SeedLog) -> None:
+    """Keras 3 seeds every layer, initializer and random op made without ``seed=`` from
+    Python's ``random`` (``make_default_seed``): the first such draw is a fact, so a script
+    that seeds only TensorFlow is told it still varies on its own (``seed_diff``)."""
+    original = getattr(sys.modules.get("keras.src.random.seed_generator"),
+                       "make_default_seed", None)
+    if original is None:
+        return
+    sent = [False]
+
+    def make_default_seed() -> Any:
+        if not sent[0] and session_module.current() is session:
+            sent[0] = True
+            try:
+                session.send_facts({KERAS_DEFAULT_SEED: True})
+            except Exception:
+                log.failed()
+        return original()
+
+    # imported by name into each backend's random module too: replace every reference
+    for name, module in list(sys.modules.items()):
+        if name.startswith("keras.src") and getattr(module, "make_default_seed", None) \
+                is original:
+            setattr(module, "make_default_seed", make_default_seed)  # noqa: B010
 
 
 def _made_for_someone_else(log: seeding.SeedLog, frame: FrameType) -> bool:

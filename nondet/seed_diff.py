@@ -18,7 +18,7 @@ from typing import Any
 
 from nondet.clock import CLOCK_FACT
 from nondet.generator_use import USE_FACT
-from nondet.pyhooks import LIBRARY_UNSEEDED
+from nondet.pyhooks import KERAS_DEFAULT_SEED, LIBRARY_UNSEEDED
 from nondet.records import INIT_STEP
 from nondet.report import Divergence
 from nondet.seeding import SEED_FACT_PREFIX
@@ -184,11 +184,27 @@ UNSEEDED_TF_NOTE = (
     "keras.utils.set_random_seed(0) at its start")
 
 
+#: The calls that seed Python's ``random``, where Keras 3 draws its default seeds from.
+PYTHON_SEEDS = frozenset({"random.seed", "keras.utils.set_random_seed"})
+
+KERAS_PYTHON_SEED_NOTE = (
+    "the script seeds TensorFlow (tf.random.set_seed) but not Python's random, from which "
+    "Keras 3 draws the seed of every layer, initializer and random op made without seed=: "
+    "nondet seeded Python in both runs (--seed), so these two runs share initial weights "
+    "and dropout masks, but the script run on its own draws new ones each time: call "
+    "keras.utils.set_random_seed(0) (Python, NumPy and TensorFlow at once) in place of "
+    "tf.random.set_seed")
+
+
 def unseeded_script_notes(capture: Capture) -> list[str]:
     """A TensorFlow script that never seeds the global random state repeats under nondet
-    (which seeds it) and not on its own: the verdict alone would hide that."""
+    (which seeds it) and not on its own: the verdict alone would hide that. So does one
+    that seeds TensorFlow alone while Keras 3 draws its default seeds from Python."""
     if capture.facts.get("framework") != "tensorflow":
         return []
-    if any(api in TF_GLOBAL_SEEDS for api, _, _ in seed_calls(capture)):
-        return []
-    return [UNSEEDED_TF_NOTE]
+    apis = {api for api, _, _ in seed_calls(capture)}
+    if not apis & TF_GLOBAL_SEEDS:
+        return [UNSEEDED_TF_NOTE]
+    if capture.facts.get(KERAS_DEFAULT_SEED) is True and not apis & PYTHON_SEEDS:
+        return [KERAS_PYTHON_SEED_NOTE]
+    return []

@@ -89,6 +89,34 @@ def test_child_applies_switches_and_patches() -> None:
     assert plain[0] == "[]" and plain[1:3] == ["False", "False"]
 
 
+_TF_PROBE = """
+from nondet import interventions
+print(interventions.apply_requested(7))
+import tensorflow as tf
+print(tf.random.Generator.from_non_deterministic_state().normal([2]).numpy().tolist())
+print(tf.random.Generator.from_non_deterministic_state().normal([2]).numpy().tolist())
+print(tf.random.get_global_generator().normal([2]).numpy().tolist())
+"""
+
+
+def test_tf_generators_from_the_os_are_seeded_by_their_patch() -> None:
+    pytest.importorskip("tensorflow")
+
+    def child(apply: str) -> list[str]:
+        env = {**os.environ, "PYTHONPATH": str(REPO), interventions.APPLY_ENV: apply,
+               "TF_CPP_MIN_LOG_LEVEL": "3"}
+        out = subprocess.run([sys.executable, "-c", _TF_PROBE], env=env, capture_output=True,
+                             text=True, timeout=300, check=True)
+        return out.stdout.splitlines()[-4:]
+
+    first, second = child("tf.generator_from_seed"), child("tf.generator_from_seed")
+    assert first[0] == "['tf.generator_from_seed']"
+    assert first[1:] == second[1:]  # the same streams in two processes
+    assert len(set(first[1:])) == 3  # each generator its own stream
+    plain = child("")
+    assert plain[0] == "[]" and plain[1] != first[1] and plain[1:] != child("")[1:]
+
+
 def test_a_failing_intervention_is_one_line_and_the_script_runs_on(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     def broken(_seed: int) -> None:

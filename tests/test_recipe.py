@@ -110,6 +110,19 @@ def test_custom_op_and_uninitialized_reads_and_rng() -> None:
     assert _ids(op="aten.uniform_.default", device="cpu", rng_op=True)[0] == "PT-RNG"
 
 
+def test_a_generator_seeded_from_the_os_gets_from_seed_verified_by_a_patch() -> None:
+    # h-realtf2: `tf.random.Generator.from_non_deterministic_state()` was answered with
+    # set_global_generator (which leaves that generator unseeded) and no way to verify it
+    facts = {"framework": "tensorflow", "tensorflow_version": "2.21.0", "kind": "op",
+             "op": "NonDeterministicInts", "device": "cpu", "phase": "forward",
+             "tf.intra_op_threads": 0}
+    first = recipe.suggest(facts)[0]
+    assert first.recipe.id == "TF-GENERATOR-NONDET"
+    assert "from_seed" in first.fix and first.recipe.apply == ("tf.generator_from_seed",)
+    state = _ids(kind="entry", entry_kind="rng_state", framework="tensorflow", op="v")
+    assert state[0] == "TF-GENERATOR-STATE"  # a differing state variable keeps its entry
+
+
 def test_tensorflow_fix_follows_the_installed_version() -> None:
     def fix_for(version: str) -> str:
         facts = {"framework": "tensorflow", "tensorflow_version": version, "kind": "op",

@@ -243,6 +243,54 @@ model.fit(x, x[:, :1], batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert calls[("keras.utils.set_random_seed", line_of(tmp_path, "user seed"))] == ["7"]
 
 
+def test_fit_over_a_dataset_of_unknown_length_counts_no_step_for_its_end(
+        tmp_path: Path) -> None:
+    # h-realtf2: Dataset.from_generator has no known length, so fit's first epoch calls the
+    # train function once more and the iterator ends inside it; the in-graph update count
+    # could run anyway (nothing ordered it after the gradients): an empty step and a false
+    # "steps_per_execution > 1" note at the next call
+    c = capture(tmp_path, """
+        import numpy as np
+        x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+        def rows():
+            yield from zip(x, x[:, :1])
+        spec = (tf.TensorSpec((16,), tf.float32), tf.TensorSpec((1,), tf.float32))
+        ds = tf.data.Dataset.from_generator(rows, output_signature=spec).shuffle(64).batch(32)
+        model = tf.keras.Sequential([tf.keras.Input((16,)), tf.keras.layers.Dense(32),
+                                     tf.keras.layers.Dropout(0.2), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse")
+        model.fit(ds, epochs=3, verbose=0)
+        """, op_steps=[-1])
+    rows = c.steps[c.steps["step"] >= 0]
+    assert c.n_steps == len(rows) == 24
+    assert all(int(fp) for fp in rows["data_fp"]), "every step read a batch"
+    assert "capture_note.steps_per_execution" not in c.facts
+
+
+@pytest.mark.parametrize("jit", [
+    "model.compile(optimizer='adam', loss='mse', jit_compile=True)",
+    "model.compile(optimizer='adam', loss='mse', steps_per_execution=2, jit_compile=True)",
+])
+def test_an_xla_compiled_step_recorded_op_by_op_still_runs(tmp_path: Path, jit: str) -> None:
+    # h-realtf2: with the op window open when an XLA function was traced (narrowing,
+    # --ops all), the guards (If over nondet's variables) were placed inside it and tf2xla
+    # refused them: "the script failed in run a-ops" for nondet's own graph
+    c = capture(tmp_path, f"""
+        import numpy as np
+        x = np.random.default_rng(0).normal(size=(40, 3)).astype("float32")
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+        {jit}
+        ds = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8)  # batch size unknown
+        model.fit(ds, epochs=1, verbose=0)
+        """, op_steps=[-1, 0, 1])
+    assert c.n_steps == 5
+    rows = c.steps[c.steps["step"] >= 0]
+    assert all(int(fp) for fp in rows["params_fp"])
+    if "steps_per_execution" not in jit:  # else in a loop body: neither batch nor ops
+        assert all(int(fp) for fp in rows["data_fp"])
+        assert "capture_note.xla" in c.facts  # the report says why no op inside is recorded
+
+
 def test_validation_in_fit_is_not_counted_into_training(tmp_path: Path) -> None:
     fit = "model.fit(x, x[:, :1], batch_size=8, epochs=2, shuffle=False, verbose=0{})\n"
     header = HEADER + "keras = tf.keras\n"

@@ -191,6 +191,26 @@ def under_strategy() -> bool:
     return bool(tf.distribute.has_strategy())
 
 
+XLA_NOTE = (
+    "ops inside XLA-compiled functions (jit_compile=True) are not recorded one by one "
+    "(XLA cannot compile nondet's hashing): a difference made inside one is reported at the "
+    "step level (batch, loss, state); for an op-level finding, compile with "
+    "jit_compile=False")
+
+
+def xla_compiled(graph: Any) -> bool:
+    """Traced for XLA (``tf.function(jit_compile=True)``, Keras ``compile(jit_compile=True)``):
+    op-level guards are not placed there, tf2xla refuses their hashing (a loop over a
+    dynamic size in int64, reads of nondet's host variable); the batches and the
+    step-level state are still recorded outside it."""
+    from tensorflow.python.ops import control_flow_util
+
+    try:
+        return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
+    except Exception:  # an internal API: if it moves, guard as before
+        return False
+
+
 def first_replica() -> bool:
     """Not inside a replica other than the first: each replica of a strategy calls the
     optimizer's ``apply`` once for one update of the shared (mirrored) variables."""

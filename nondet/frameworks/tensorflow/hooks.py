@@ -194,7 +194,8 @@ def install_keras(backend: HookHost) -> None:
                 if under_strategy():
                     backend.note_once("tf_distribute", DISTRIBUTE_NOTE)
                 if first_replica():  # one update, whatever the replicas (tf.distribute)
-                    backend.recorder.count_update()  # in a graph: counted when it runs
+                    # in a graph: counted when it runs, once the gradients are
+                    backend.recorder.count_update(args[0] if args else kwargs.get("grads", ()))
         return result
 
     BaseOptimizer.apply = apply

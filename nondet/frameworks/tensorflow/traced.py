@@ -37,7 +37,9 @@ Limitations
   control-flow op that runs them is (``If``, ``While``), so a difference made inside is
   attributed to it. Running the functions eagerly (``tf.config.run_functions_eagerly(True)``)
   shows every op. Nested ``tf.function`` graphs are recorded like top-level ones.
-- Graphs compiled with XLA (``jit_compile=True``) are instrumented like others, untested.
+- Ops of graphs compiled with XLA (``jit_compile=True``) are not recorded one by one: tf2xla
+  refuses the guards (``graph.xla_compiled``); a capture note says so. Batches read outside
+  the XLA function and the step-level state are recorded as usual.
 - Ops in graphs traced before nondet's hooks were installed are not seen.
 """
 
@@ -63,6 +65,7 @@ from nondet.frameworks.tensorflow.graph import (
     LATE_OPS,
     SKIPPED_OPS,
     SLOT_MARGIN,
+    XLA_NOTE,
     GraphOp,
     RecorderVariables,
     backward_graph,
@@ -70,6 +73,7 @@ from nondet.frameworks.tensorflow.graph import (
     entry_label,
     numel,
     under_strategy,
+    xla_compiled,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, static_plan
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
@@ -138,6 +142,9 @@ class GraphRecorder:
             return None
         if op_type not in DATA_OPS and (not self._window_ahead() or under_strategy()):
             return None  # traced after the last op-captured step: a guard would never open
+        if op_type not in DATA_OPS and xla_compiled(graph):
+            self.backend.note_once("xla", XLA_NOTE)
+            return None
         if self.next_slot + len(outputs) + SLOT_MARGIN > CAPACITY:
             self._stop_instrumenting()
             return None
@@ -263,10 +270,17 @@ class GraphRecorder:
         return gen_functional_ops._if(self.vars.window_flag, inputs, [tf.bool],
                                       then_branch=then, else_branch=otherwise)[0]
 
-    def count_update(self) -> None:
-        """In a graph being traced: count an optimizer update when the graph runs."""
+    def count_update(self, grads: Any = ()) -> None:
+        """In a graph being traced: count an optimizer update when the graph runs.
+
+        Counted after ``grads`` are computed: the count touches only nondet's variable, so
+        unordered it may run in a call that fails before the update (fit's extra call at
+        the end of a dataset of unknown length), and the next call would count two steps."""
         with self.quiet():
-            self.vars.updates.assign_add(1)
+            after = [g for g in tf.nest.flatten(grads, expand_composites=True)
+                     if tf.is_tensor(g)]
+            with tf.control_dependencies(after):
+                self.vars.updates.assign_add(1)
 
     def carry_loss(self, target: Any) -> None:
         """In a graph being traced: the loss ``tape.gradient`` differentiates is symbolic, so

@@ -119,7 +119,7 @@ class FingerprintCache(StepRecords):
         # tensors written where this process records no op (a collective, "comm:<op>",
         # frameworks/torch/comm.py; a joined child process, "child:<K>", children.py), read
         # afresh by their first reader: its entry is named after the writer
-        self.comm_outputs: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        self.outside_writers: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
         self.unnamed_entries: dict[tuple[Any, tuple[int, ...] | None], int] = {}
         #: A child process the script started (children.py): memory it shares with other
@@ -264,13 +264,13 @@ class FingerprintCache(StepRecords):
     def prune(self) -> None:
         """Drop cache entries of tensors that no longer exist."""
         self.cache = {k: e for k, e in self.cache.items() if e[0]() is not None}
-        self.comm_outputs = {k: e for k, e in self.comm_outputs.items() if e[0]() is not None}
+        self.outside_writers = {k: e for k, e in self.outside_writers.items() if e[0]() is not None}
 
     def written_elsewhere(self, t: torch.Tensor, writer: str) -> None:
         """``t`` may have been written where no op was recorded: its next read is an entry
         named ``writer``, hashed afresh."""
         self.forget(t)
-        self.comm_outputs[id(t)] = (weakref.ref(t), writer)
+        self.outside_writers[id(t)] = (weakref.ref(t), writer)
 
     def forget(self, t: torch.Tensor) -> None:
         """Treat ``t`` as never seen: its next use is an entry point with a fresh fingerprint.
@@ -343,7 +343,7 @@ class FingerprintCache(StepRecords):
         return self.session.intern("external:tensor from a storage (aten.set_)")
 
     def entry_name(self, t: torch.Tensor) -> int:
-        writer = self.comm_outputs.pop(id(t), None)
+        writer = self.outside_writers.pop(id(t), None)
         written_by = writer[1] if writer is not None and writer[0]() is t else None
         if written_by is not None and not written_by.startswith(CHILD_ENTRY_PREFIX):
             return self.session.intern(written_by)  # a collective's output (collective.py)

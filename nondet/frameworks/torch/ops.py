@@ -45,7 +45,6 @@ The fingerprint cache and the derived fingerprints are described in ``cache.py``
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -190,8 +189,7 @@ class OpRecorder(FingerprintCache):
                 if (hit := self.entry(t)) is not None and hit[4].uninit}
             for t in comm.tensors_deep((args, tuple(kwargs.values()), out)):
                 self.note_write(t)
-                self.forget(t)
-                self.comm_outputs[id(t)] = (weakref.ref(t), written_by)
+                self.written_elsewhere(t, written_by)
             outputs = []
             # out_fps is the record's own list: filled in when the script waits (comm.py)
             self.collectives.launch(str(func), args, kwargs, out, out_fps, bucket, unset)

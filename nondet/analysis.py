@@ -62,11 +62,14 @@ class Comparison:
                notes: Sequence[str] = (), suggestions: Sequence[Suggestion] = (),
                repeatability: Sequence[RepeatRow] = (), baseline: str | None = None,
                environment_drift: Sequence[dict[str, str]] = ()) -> Report:
-        """The one Report of this comparison, with what the caller adds."""
+        """The one Report of this comparison, with what the caller adds (a note the finding
+        already carries is said there only)."""
+        said = self.first_divergence.notes if self.first_divergence is not None else []
         return Report(verdict=self.verdict, exit_code=self.exit_code, runs=runs,
                       first_divergence=self.first_divergence, suggestions=list(suggestions),
                       environment_differences=self.environment_differences,
-                      growth=self.growth, notes=[*self.notes, *notes], command=command,
+                      growth=self.growth,
+                      notes=[n for n in [*self.notes, *notes] if n not in said], command=command,
                       op_records=self.op_records, captures=captures,
                       repeatability=list(repeatability), baseline=baseline,
                       environment_drift=list(environment_drift), contained=self.contained,

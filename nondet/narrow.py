@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from nondet import compare
-from nondet.analysis import finding_facts
+from nondet.analysis import capture_notes, finding_facts
 from nondet.errors import ScriptFailed
 from nondet.finding import localize, measure_from_dumps, with_notes
 from nondet.live import narrowing_window
@@ -84,9 +84,12 @@ def narrow(run_pair: RunPair, stage: Stage, step: int, lockstep: bool,
             continue  # these runs did not part inside the window
         found = localize(oa, ob, [s for s in steps if s <= parted.step])
         if found is not None:
+            # what the backends noted about recording ops (e.g. XLA functions recorded as a
+            # whole) is said only by these runs: the first pair's captures lack it
+            backend_notes = [n for n in capture_notes(oa, ob) if n not in found.notes]
             return (with_notes(found, f"the first difference was at step {step} in the first "
-                               "two runs; op-level recording was re-run to find the op"),
-                    oa, ob), written
+                               "two runs; op-level recording was re-run to find the op",
+                               *backend_notes), oa, ob), written
     return None, written
 
 

@@ -53,6 +53,8 @@ class Script:
     differs_in: str = "b"  # the runs whose label starts with this differ
     quiet_in: tuple[str, ...] = ()  # ... except these (a race that did not strike there)
     env: dict[str, str] = field(default_factory=dict)  # their environment differs so
+    ops_note: str | None = None  # the op-recording runs' backend notes this on its capture
+    ops_note_all: bool = False  # ... and so does every other run's
 
 
 @dataclass
@@ -108,6 +110,8 @@ class FakeSchedule:
                         **(self.script.env if plan.label.startswith(self.script.differs_in)
                            else {})})
         writer.add_facts({"framework": "torch"})
+        if self.script.ops_note and (plan.label.endswith("-ops") or self.script.ops_note_all):
+            writer.add_facts({"capture_note.fake": self.script.ops_note})
         writer.add_strings(ops.strings + source_texts(ops.strings, self.root))
         for s in sorted({r[0] for r in ops.rows}):
             writer.add_ops(ops.array(s))
@@ -209,6 +213,20 @@ def test_a_second_narrowing_try_writes_captures_of_its_own(
     div = report.first_divergence
     assert report.verdict == "nondeterministic" and div is not None
     assert (div.step, div.op) == (3, "aten.index_put.default")
+
+
+@pytest.mark.parametrize("in_every_run", [False, True])
+def test_what_the_narrowing_runs_note_on_their_capture_reaches_the_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_every_run: bool) -> None:
+    # h-realtf2: the XLA note (ops in jit_compile functions not recorded one by one) is
+    # written only by runs with op-level recording, and no report showed it; a note every
+    # run wrote is said once, with the finding
+    note = "ops inside XLA-compiled functions are not recorded one by one"
+    report, _ = _diagnose(tmp_path, monkeypatch,
+                          Script(differ_at=3, ops_note=note, ops_note_all=in_every_run))
+    div = report.first_divergence
+    assert report.verdict == "nondeterministic" and div is not None
+    assert div.notes.count(note) == 1 and note not in report.notes
 
 
 def test_a_difference_at_step_0_needs_no_narrowing(

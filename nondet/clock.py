@@ -67,7 +67,7 @@ def shift(offset: float) -> None:
 
     strftime.__doc__ = real_strftime.__doc__
     time.strftime = strftime
-    datetime.datetime = _shifted_datetime()  # type: ignore[misc,assignment]
+    standin.install(datetime, "datetime", _shifted_datetime())
 
 
 def _default_now(function: Any) -> Any:
@@ -86,6 +86,8 @@ def _shifted_datetime() -> type:
     meta = standin.metaclass_for(base)
 
     class ShiftedDatetime(base, metaclass=meta):  # type: ignore[misc,valid-type,metaclass]
+        __slots__ = ()  # the C layout of datetime.datetime (standin module docstring)
+
         # now() and utcnow() read the C clock directly; fromtimestamp(time.time()) is the
         # same value through the (shifted) Python clock.
         @classmethod

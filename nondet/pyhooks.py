@@ -91,8 +91,7 @@ def install(session: Session) -> None:
 
     np.random.default_rng = log.wrap("np.random.default_rng", default_rng, seeding.first_arg)
     np.random.seed = log.wrap("np.random.seed", np.random.seed, seeding.first_arg)
-    np.random.RandomState = _recording_random_state(  # type: ignore[misc,assignment]
-        log, note, use)
+    standin.install(np.random, "RandomState", _recording_random_state(log, note, use))
 
     original_random_init = random.Random.__init__
 
@@ -190,6 +189,8 @@ def _recording_random_state(log: seeding.SeedLog, note: Any, use: GeneratorUse) 
     meta = standin.metaclass_for(base)
 
     class RandomState(base, metaclass=meta):  # type: ignore[misc,valid-type,metaclass]
+        __slots__ = ()  # the C layout of RandomState (standin module docstring)
+
         def __init__(self, seed: Any = None) -> None:
             text = None
             if not log.nested():

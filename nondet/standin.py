@@ -5,10 +5,19 @@ methods replaced, so nondet installs a subclass under the original name. The sub
 look like the original to the user's code: ``isinstance(x, Original)`` stays true for every
 instance of the original, however made (sklearn's ``check_random_state`` relies on it), and
 repr and pickling name the original's module.
+
+A stand-in declares ``__slots__ = ()``, so its instances have the original's C layout. Even so,
+a C extension must never meet it while it initializes: Cython modules read such types from
+their module when imported, check their size and subclass them as C types (pandas' Timestamp
+derives from ``datetime.datetime``: built on a stand-in, ``import pandas`` crashed the run with
+SIGSEGV). ``install`` therefore puts the original back for the length of every extension
+module's initialization (``ExtensionFileLoader``) and the stand-in again after it; Python
+code always sees the stand-in.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 _MARK = "_stands_in"
@@ -41,3 +50,73 @@ def finish(stand_in: type, base: type) -> type:
     stand_in.__qualname__ = base.__qualname__
     stand_in.__name__ = base.__name__
     return stand_in
+
+
+#: (owner, attribute, original, stand-in) of every ``install``
+_INSTALLED: list[tuple[Any, str, type, type]] = []
+_lock = threading.Lock()
+_depth = 0  # extension initializations under way (nested, or in several threads)
+
+
+def install(owner: Any, name: str, stand_in: type) -> None:
+    """Put ``stand_in`` at ``owner.name`` for Python code; extension modules imported later
+    see the original while they initialize (module docstring)."""
+    _INSTALLED.append((owner, name, getattr(owner, name), stand_in))
+    setattr(owner, name, stand_in)
+    _guard_extension_imports()
+
+
+_swapped: list[tuple[Any, str, type, type]] = []  # put back by the outermost _enter
+
+
+def _enter() -> None:
+    global _depth
+    with _lock:
+        if _depth == 0:
+            for owner, name, original, stand_in in _INSTALLED:
+                if getattr(owner, name, None) is stand_in:
+                    setattr(owner, name, original)
+                    _swapped.append((owner, name, original, stand_in))
+        _depth += 1
+
+
+def _leave() -> None:
+    global _depth
+    with _lock:
+        _depth -= 1
+        if _depth == 0:
+            for owner, name, original, stand_in in _swapped:
+                if getattr(owner, name, None) is original:  # unless the module set another
+                    setattr(owner, name, stand_in)
+            _swapped.clear()
+
+
+def _guard_extension_imports() -> None:
+    """Wrap ``ExtensionFileLoader``'s two steps (single-phase modules initialize in
+    ``create_module``, multi-phase ones in ``exec_module``), once per process."""
+    from importlib.machinery import ExtensionFileLoader
+
+    if getattr(ExtensionFileLoader.create_module, _MARK, False):
+        return
+    real_create, real_exec = ExtensionFileLoader.create_module, ExtensionFileLoader.exec_module
+
+    def create_module(self: Any, spec: Any) -> Any:
+        _enter()
+        try:
+            return real_create(self, spec)
+        finally:
+            _leave()
+
+    def exec_module(self: Any, module: Any) -> None:
+        _enter()
+        try:
+            real_exec(self, module)
+        finally:
+            _leave()
+
+    for wrapper, real in ((create_module, real_create), (exec_module, real_exec)):
+        wrapper.__doc__ = real.__doc__
+        setattr(wrapper, "__wrapped__", real)  # noqa: B010 (a function has no such field)
+        setattr(wrapper, _MARK, True)
+    ExtensionFileLoader.create_module = create_module  # type: ignore[method-assign]
+    ExtensionFileLoader.exec_module = exec_module  # type: ignore[method-assign]

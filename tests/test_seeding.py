@@ -429,3 +429,52 @@ def test_a_class_derived_from_a_stand_in_keeps_its_own_isinstance() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == ["True", "False", "True", "False"]
+
+
+def test_stand_ins_keep_the_c_layout_of_the_class_they_replace(session: FakeSession) -> None:
+    # Cython modules check the size of datetime.datetime & co. when imported ("size changed,
+    # may indicate binary incompatibility"): a stand-in with a __dict__ was 8 bytes larger
+    import datetime
+
+    import torch
+
+    from nondet.frameworks.torch import seeding as torch_seeding
+
+    stand_ins = [(datetime.datetime, clock._shifted_datetime()),
+                 (np.random.RandomState, pyhooks._recording_random_state(
+                     seeding.SeedLog(session), lambda *_: None, None)),  # type: ignore[arg-type]
+                 (torch.Generator, torch_seeding._recording_generator(
+                     seeding.SeedLog(session)))]  # type: ignore[arg-type]
+    for original, stand_in in stand_ins:
+        assert stand_in.__basicsize__ == original.__basicsize__, original
+        assert "__dict__" not in dir(stand_in), original
+
+
+def test_extension_modules_initialize_with_the_original_classes() -> None:
+    # pandas' Timestamp (Cython) subclasses the datetime.datetime it finds when imported: on
+    # the stand-in, `import pandas` killed every run with SIGSEGV. The loader is faked (no
+    # such extension is installed for the tests); what matters is what it sees.
+    code = textwrap.dedent("""
+        import datetime
+        import importlib.machinery as machinery
+        seen = []
+
+        def fake_create(self, spec):
+            seen.append(datetime.datetime)
+            self.exec_module(None)  # an extension importing another while it initializes
+            seen.append(datetime.datetime)
+
+        machinery.ExtensionFileLoader.create_module = fake_create
+        machinery.ExtensionFileLoader.exec_module = lambda self, m: seen.append(
+            datetime.datetime)
+        real = datetime.datetime
+        from nondet import clock
+        clock.shift(5.5)
+        seen.clear()  # (extensions imported with nondet above went through the fakes too)
+        machinery.ExtensionFileLoader("fake", "/nowhere/fake.so").create_module(None)
+        print(seen == [real, real, real], datetime.datetime is not real,
+              issubclass(datetime.datetime, real))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["True", "True", "True"]

@@ -27,7 +27,7 @@ def install(session: Session) -> None:
         original = getattr(owner, name, None)
         if original is not None:
             setattr(owner, name, log.wrap(api, original, seeding.first_arg))
-    torch.Generator = _recording_generator(log)  # type: ignore[misc,assignment]
+    standin.install(torch, "Generator", _recording_generator(log))
 
 
 def _recording_generator(log: seeding.SeedLog) -> type:
@@ -36,6 +36,8 @@ def _recording_generator(log: seeding.SeedLog) -> type:
     meta = standin.metaclass_for(base)
 
     class Generator(base, metaclass=meta):  # type: ignore[misc,valid-type,metaclass]
+        __slots__ = ()  # the C layout of torch.Generator (standin module docstring)
+
         def manual_seed(self, seed: Any) -> Any:
             if not log.nested():
                 log.record("torch.Generator.manual_seed", seed, sys._getframe(1))

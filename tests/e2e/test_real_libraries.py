@@ -42,6 +42,7 @@ NEEDS = {
     "albumentations_loader.py": ("torch", "albumentations"),
     "keras_pydataset_shared_rng.py": ("tensorflow", "keras"),
     "nanogpt_loop.py": ("torch",),
+    "pandas_features.py": ("torch", "pandas"),
 }
 
 
@@ -117,6 +118,12 @@ def test_nanogpt_checkpoint_recomputation_of_dropout_is_not_a_difference(
                   if n.startswith("aten.bernoulli") and phase == Phase.BACKWARD]
     assert recomputed, sorted(set(names))
     assert any("_to_copy" in n for n in names), sorted(set(names))
+
+
+def test_pandas_imported_under_nondet_builds_on_the_real_datetime(tmp_path: Path) -> None:
+    # pandas' Cython Timestamp subclassed nondet's datetime.datetime stand-in: SIGSEGV in
+    # every run ("the script failed in run a (killed by signal 11)")
+    _run("pandas_features.py", tmp_path)
 
 
 @pytest.mark.tensorflow

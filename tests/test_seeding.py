@@ -406,7 +406,9 @@ def test_tensorflow_and_keras_seeding_calls_are_recorded(session: FakeSession,
     tf.random.set_seed(31)  # tf-seed-here
     g = tf.random.Generator.from_seed(32)  # tf-generator-here
     keras.utils.set_random_seed(33)  # keras-seed-here: seeds 4 RNGs, recorded once
-    assert session.seeds() == [
+    # (libraries Keras imports on first use may seed their own generators, e.g. scipy.stats
+    # under scikit-learn when installed: those name a library frame and are left out here)
+    assert [s for s in session.seeds() if s[2] == ""] == [
         ("tf.random.set_seed", _line_of("tf-seed-here"), "", ["31"]),
         ("tf.random.Generator.from_seed", _line_of("tf-generator-here"), "", ["32"]),
         ("keras.utils.set_random_seed", _line_of("keras-seed-here"), "", ["33"])]

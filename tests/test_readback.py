@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from nondet import readback
+from tests.conftest import step_rows, write_capture
 
 _HARNESS = textwrap.dedent("""
     import json, os, pickle, sys, time
@@ -99,3 +100,16 @@ def test_without_the_invocation_time_nothing_is_watched(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "True"
     assert builtins.open is open  # this process was never patched
+
+
+def test_report_notes_name_the_file_once_and_doubt_a_verified_fix(tmp_path: Path) -> None:
+    fact = {f"capture_note.{readback.FACT}:ckpt.pt": readback.note_text("ckpt.pt")}
+    steps = step_rows({"step": 0})
+    dump = [str(write_capture(tmp_path / f"run-{x}-dump.h5", steps, facts=fact)) for x in "ab"]
+    fixed = str(write_capture(tmp_path / "run-a-fix1.h5", steps, facts=fact))
+    quiet = str(write_capture(tmp_path / "run-b-fix1.h5", steps, facts={"framework": "torch"}))
+    assert readback.report_notes(dump) == [readback.note_text("ckpt.pt")]
+    notes = readback.report_notes([*dump, fixed, quiet, "run-a.log"])
+    assert notes[0] == readback.note_text("ckpt.pt") and len(notes) == 2
+    assert "verified" in notes[1]
+    assert readback.report_notes([quiet]) == []

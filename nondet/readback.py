@@ -37,6 +37,9 @@ _OWN_DIR = ".nondet"
 # mtime granularity: a file written in the second the invocation started still counts
 _SLACK = 1.0
 
+#: Paths remembered as checked (a script reading a million files does not grow it further).
+_CHECKED_MAX = 100_000
+
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
@@ -57,8 +60,9 @@ def install(session: Session, run_started: float | None = None) -> None:
     except (KeyError, ValueError):
         return  # not started by a nondet parent that says when (an old one, a test)
     started = time.time() if run_started is None else run_started
-    cwd = os.path.realpath(os.getcwd()) + os.sep
+    cwd = os.path.abspath(os.getcwd()) + os.sep
     seen: set[str] = set()
+    checked: set[str] = set()
 
     def check(file: Any, reading: bool) -> None:
         if not reading or len(seen) >= MAX_FILES or session_module.current() is not session:
@@ -67,9 +71,13 @@ def install(session: Session, run_started: float | None = None) -> None:
             if isinstance(file, int) or not isinstance(file, (str, bytes, os.PathLike)):
                 return
             path = os.fsdecode(file)
-            real = os.path.realpath(path)
-            if not real.startswith(cwd) or real in seen:
+            real = os.path.abspath(path)  # no syscalls: a symlink into the cwd is missed
+            if real in checked or not real.startswith(cwd):
                 return
+            if len(checked) < _CHECKED_MAX:
+                # once checked, never again: a file's mtime only moves on, past this run's
+                # start, so a file that was not another run's output cannot become one
+                checked.add(real)
             shown = real[len(cwd):]
             if shown.split(os.sep, 1)[0] == _OWN_DIR:
                 return

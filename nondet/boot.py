@@ -15,7 +15,16 @@ import sys
 import threading
 import traceback
 
-from nondet import channel, clock, environment, exit_place, frameworks, interventions, pyhooks
+from nondet import (
+    channel,
+    clock,
+    environment,
+    exit_place,
+    frameworks,
+    interventions,
+    pyhooks,
+    readback,
+)
 from nondet import session as session_module
 from nondet.frameworks.base import StopRun
 from nondet.session import ChildConfig, Session
@@ -50,6 +59,7 @@ def main() -> int:
         np.random.seed(config.seed % 2**32)
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
+    readback.install(session)  # before the clock shift: it compares real mtimes
     offset = clock.offset_for(config.label)
     clock.shift(offset)  # run b's wall clock runs ahead: a seed read from it differs
     session.send_facts({clock.CLOCK_FACT: offset})

@@ -35,6 +35,7 @@ from nondet import (
     jobs,
     narrow,
     outdir,
+    readback,
     schedule,
     sources,
 )
@@ -200,7 +201,8 @@ def repeat(target: Target, options: Options, progress: ProgressSink, count: int)
                                              captures[differing])
     return found.report(runs=[_summary(r) for r in results], command=target.describe(),
                         captures=[str(c.path) for c in captures] + extra,
-                        notes=[r.idle_note for r in results if r.idle_note],
+                        notes=[*(r.idle_note for r in results if r.idle_note),
+                               *readback.report_notes([str(c.path) for c in captures] + extra)],
                         suggestions=suggestions, repeatability=table)
 
 
@@ -306,7 +308,8 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
     report = found.report(runs=[_summary(r) for r in (result_a, result_b)],
                           captures=[str(a.path), str(b.path), *extra],
                           command=target.describe(), suggestions=suggestions,
-                          notes=[r.idle_note for r in (result_a, result_b) if r.idle_note])
+                          notes=[*(r.idle_note for r in (result_a, result_b) if r.idle_note),
+                                 *readback.report_notes(extra)])
     report.sources, report.combined_fix = every, combined
     return report
 

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import os
 import shlex
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from nondet import environment
+from nondet import environment, readback
 from nondet.errors import NondetError
 from nondet.session import CONFIG_ENV, ChildConfig
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+#: When this nondet invocation began (real time): a file newer than this that a run reads
+#: was written by one of its runs (``readback``).
+_INVOCATION_STARTED = time.time()
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ def child_env(config: ChildConfig, extra_env: dict[str, str]) -> dict[str, str]:
     PYTHONHASHSEED (unless the user set one) and nondet importable."""
     env = {**os.environ, **extra_env}
     env[CONFIG_ENV] = config.to_env()
+    env.setdefault(readback.STARTED_ENV, str(_INVOCATION_STARTED))
     env.setdefault("PYTHONHASHSEED", str(config.seed % 2**32))
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)

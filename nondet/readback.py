@@ -1,0 +1,135 @@
+"""Files a run reads that an earlier run of the same nondet invocation wrote.
+
+nondet's runs share the script's working directory (scripts read data by relative paths).
+A script that resumes from what it finds there (``if os.path.exists("ckpt.pt"):
+torch.load(...)``, a cache it builds once, HF ``resume_from_checkpoint``) starts nondet's
+later runs (narrowing, verification) from what the first pair left: the runs no longer
+start from the same state, and nothing in the tensors says why. This module notes each
+such file once, as a ``capture_note`` fact the report shows (``analysis.capture_notes``).
+
+The test, per open for reading of a path under the working directory: its mtime lies
+between the invocation's start (``NONDET_INVOCATION_STARTED``, real time, set by the
+parent) and this run's start. Files written before nondet started (the data) are older;
+files this run writes itself are newer. A file the twin run rewrites while this one runs
+is not caught (telling it from the script's own writes made in C, as torch.save's, would
+risk a false alarm). Overhead: one ``os.stat`` per open for reading, nothing per step.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import os
+import time
+from typing import Any
+
+from nondet import session as session_module
+from nondet.session import Session
+
+#: Environment variable: the wall-clock time (``time.time()``) the nondet invocation began.
+STARTED_ENV = "NONDET_INVOCATION_STARTED"
+#: Fact key prefix (under ``capture_note.``) of one file read back.
+FACT = "read_earlier_run_output"
+#: Files named at most (a script reading a whole directory back is named by its first ones).
+MAX_FILES = 8
+#: nondet's own output directory (the captures): never the script's state.
+_OWN_DIR = ".nondet"
+# mtime granularity: a file written in the second the invocation started still counts
+_SLACK = 1.0
+
+#: Paths remembered as checked (a script reading a million files does not grow it further).
+_CHECKED_MAX = 100_000
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def note_text(path: str) -> str:
+    """The note for one file read back (the report's wording)."""
+    return (f"a run read {path}, written by an earlier run of this nondet invocation: the "
+            "runs did not start from the same state (the script resumes from or reuses "
+            "what it finds), so where they part and whether a fix holds may be wrong; "
+            "delete it before running nondet, or point the script's output elsewhere")
+
+
+def install(session: Session, run_started: float | None = None) -> None:
+    """Watch the script's opens for reading (``open``/``io.open``/``os.open``; ``np.load``,
+    ``torch.load`` and ``pickle`` of a path go through them). Call before the clock shift:
+    ``run_started`` is real time."""
+    try:
+        invocation = float(os.environ[STARTED_ENV])
+    except (KeyError, ValueError):
+        return  # not started by a nondet parent that says when (an old one, a test)
+    started = time.time() if run_started is None else run_started
+    cwd = os.path.abspath(os.getcwd()) + os.sep
+    seen: set[str] = set()
+    checked: set[str] = set()
+
+    def check(file: Any, reading: bool) -> None:
+        if not reading or len(seen) >= MAX_FILES or session_module.current() is not session:
+            return
+        try:
+            if isinstance(file, int) or not isinstance(file, (str, bytes, os.PathLike)):
+                return
+            path = os.fsdecode(file)
+            real = os.path.abspath(path)  # no syscalls: a symlink into the cwd is missed
+            if real in checked or not real.startswith(cwd):
+                return
+            if len(checked) < _CHECKED_MAX:
+                # once checked, never again: a file's mtime only moves on, past this run's
+                # start, so a file that was not another run's output cannot become one
+                checked.add(real)
+            shown = real[len(cwd):]
+            if shown.split(os.sep, 1)[0] == _OWN_DIR:
+                return
+            mtime = os.stat(real).st_mtime
+            if invocation - _SLACK <= mtime < started:
+                seen.add(real)
+                session.send_facts({f"capture_note.{FACT}:{shown}": note_text(shown)})
+        except Exception:
+            pass  # a hook never raises into the script; an unreadable path is the script's
+
+    original_open = builtins.open
+
+    def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        opened = original_open(file, mode, *args, **kwargs)  # the script's errors stay its own
+        check(file, isinstance(mode, str) and not any(c in mode for c in "wax"))
+        return opened
+
+    original_os_open = os.open
+
+    def os_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = original_os_open(path, flags, *args, **kwargs)
+        check(path, not flags & _WRITE_FLAGS)
+        return fd
+
+    builtins.open = open_
+    io.open = open_
+    os.open = os_open
+
+
+# -- parent side ---------------------------------------------------------------------------
+def report_notes(capture_paths: list[str]) -> list[str]:
+    """The read-back notes of the later runs' captures (narrowing, verification: the first
+    pair's reach the report through ``analysis.capture_notes``), once each, and a warning
+    when a fix's verification runs read such a file (their "verified" is not to be trusted)."""
+    from nondet.store.reader import open_capture  # parent only: h5py stays out of the child
+
+    notes: list[str] = []
+    verification = False
+    for path in capture_paths:
+        if not path.endswith(".h5"):
+            continue
+        try:
+            facts = open_capture(path).facts
+        except Exception:
+            continue  # a capture that cannot be read is reported by its own stage
+        for key, value in facts.items():
+            if key.startswith(f"capture_note.{FACT}:"):
+                verification = verification or "-fix" in os.path.basename(path)
+                if str(value) not in notes:
+                    notes.append(str(value))
+    if verification:
+        notes.append("the runs that verified a fix read such a file too: they resumed from "
+                     "another run's state, so \"verified\" above does not show the fix "
+                     "works; delete the file and run nondet again")
+    return notes

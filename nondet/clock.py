@@ -67,7 +67,33 @@ def shift(offset: float) -> None:
 
     strftime.__doc__ = real_strftime.__doc__
     time.strftime = strftime
+    real_datetime = datetime.datetime
     datetime.datetime = _shifted_datetime()  # type: ignore[misc,assignment]
+    _real_datetime_for_extensions(real_datetime)
+
+
+def _real_datetime_for_extensions(real: type) -> None:
+    """C extensions loaded from now on see the real ``datetime.datetime`` while they load.
+
+    Cython modules (pandas' ``Timestamp``) read ``datetime.datetime`` once at import and
+    build static types on it: a Python subclass there crashes the garbage collector. They
+    read the clock through the C API, which the stand-in never covered anyway.
+    """
+    import importlib.machinery
+
+    loader = importlib.machinery.ExtensionFileLoader
+    for name in ("create_module", "exec_module"):
+        original = getattr(loader, name)
+
+        def with_real_datetime(self: Any, arg: Any, _original: Any = original) -> Any:
+            stand_in = datetime.datetime
+            datetime.datetime = real  # type: ignore[misc,assignment]
+            try:
+                return _original(self, arg)
+            finally:
+                datetime.datetime = stand_in  # type: ignore[misc]
+
+        setattr(loader, name, with_real_datetime)
 
 
 def _default_now(function: Any) -> Any:
@@ -86,6 +112,11 @@ def _shifted_datetime() -> type:
     meta = standin.metaclass_for(base)
 
     class ShiftedDatetime(base, metaclass=meta):  # type: ignore[misc,valid-type,metaclass]
+        # No __dict__: C extensions built on datetime (pandas' Timestamp, Cython
+        # `cimport datetime`) take this class as their base and lay out their own fields
+        # right after datetime's; an extra __dict__ slot makes them overlap (segfault).
+        __slots__ = ()
+
         # now() and utcnow() read the C clock directly; fromtimestamp(time.time()) is the
         # same value through the (shifted) Python clock.
         @classmethod

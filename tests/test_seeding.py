@@ -429,3 +429,26 @@ def test_a_class_derived_from_a_stand_in_keeps_its_own_isinstance() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == ["True", "False", "True", "False"]
+
+
+def test_the_datetime_stand_in_keeps_datetimes_memory_layout() -> None:
+    # C types built on datetime (pandas' Timestamp via Cython `cimport datetime`) put their
+    # fields right after datetime's: a larger stand-in made `import pandas` segfault.
+    code = textwrap.dedent("""
+        import datetime
+        from nondet import clock
+        size = datetime.datetime.__basicsize__
+        clock.shift(0.0)
+        print(datetime.datetime.__basicsize__ == size, datetime.datetime.__dictoffset__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["True", "0"]
+
+
+def test_a_cython_extension_built_on_datetime_imports_under_the_shifted_clock() -> None:
+    pytest.importorskip("pandas")  # its Timestamp is a Cython type on datetime
+    code = "from nondet import clock; clock.shift(5.5); import pandas; print(pandas.Timestamp(0))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["1970-01-01", "00:00:00"]

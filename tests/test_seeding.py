@@ -4,6 +4,7 @@ moved ahead (``clock``). Hooks are installed on a fake session and removed after
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import subprocess
@@ -480,3 +481,13 @@ def test_extension_modules_initialize_with_the_original_classes() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == ["True", "True", "True"]
+
+
+def test_pandas_imports_under_the_shifted_clock() -> None:
+    # the real case behind the two tests above: its Timestamp is a Cython type on datetime
+    if importlib.util.find_spec("pandas") is None:
+        pytest.fail("pandas is not installed (pip install -e '.[test]')")
+    code = "from nondet import clock; clock.shift(5.5); import pandas; print(pandas.Timestamp(0))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["1970-01-01", "00:00:00"]

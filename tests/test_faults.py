@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -211,12 +212,13 @@ def test_disk_full_exits_2_with_one_line_and_readable_captures(
     assert capture.status == "write_failed" and capture.n_steps == 2  # steps 0 and 1
 
 
-def _run_bounded(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def _run_bounded(command: list[str], cwd: Path,
+                 preexec: Callable[[], None] | None = None) -> subprocess.CompletedProcess[str]:
     """Run in its own process group; on timeout kill the whole group (nondet and its runs)
     and fail, so a regression neither hangs the suite nor leaves processes behind."""
     proc = subprocess.Popen(command, cwd=cwd, env={**os.environ, "NO_COLOR": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=preexec)
     try:
         stdout, stderr = proc.communicate(timeout=BOUND)
     except subprocess.TimeoutExpired:
@@ -330,16 +332,9 @@ def test_the_file_size_limit_exits_2_with_one_line(tmp_path: Path, limit_kib: in
 
     command = [sys.executable, "-m", "nondet", "run", "-q", "--ops", "all", STEPS,
                "--steps", "3000"]
-    proc = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "NO_COLOR": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=limit)
-    try:
-        _, stderr = proc.communicate(timeout=BOUND)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"still running after {BOUND} s")
-    assert proc.returncode == 2, (proc.returncode, stderr[-3000:])
+    done = _run_bounded(command, tmp_path, preexec=limit)
+    stderr = done.stderr
+    assert done.returncode == 2, (done.returncode, stderr[-3000:])
     line = _one_error_line(stderr)
     assert "cannot write " in line and "File too large" in line, line
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]

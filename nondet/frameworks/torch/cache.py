@@ -58,6 +58,7 @@ from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.hostwords import StateViews
 from nondet.frameworks.torch.optable import OpInfo
 from nondet.frameworks.torch.readback import read_back
+from nondet.frameworks.torch.shared import fold, in_shared_memory
 from nondet.frameworks.torch.steprecords import StepRecords, TorchHost
 from nondet.frameworks.torch.tensors import Storages, StorageState
 from nondet.records import Kind
@@ -124,8 +125,10 @@ class FingerprintCache(StepRecords):
         self.unnamed_entries: dict[tuple[Any, tuple[int, ...] | None], int] = {}
         #: A child process the script started (children.py): memory it shares with other
         #: processes (Hogwild weights) may be written by them at any moment, unseen by this
-        #: process's version counters, so every read of it is an entry, hashed afresh.
+        #: process's version counters, so every read of it is an entry, hashed afresh,
+        #: and hashed again after the op (Note [Writes during an op] in shared.py).
         self.shared_is_volatile = False
+        self.rereads: list[tuple[Fp, Fp]] = []  # (before, after) still on a device
 
     # -- fingerprints -----------------------------------------------------------------------
     def fingerprint(self, t: torch.Tensor, fp: Fp | None = None) -> Fp:
@@ -386,12 +389,8 @@ class FingerprintCache(StepRecords):
         for fp in self.pending:
             fp.finalize()
         self.pending = []
+        if self.rereads:
+            fold(self.rereads)
+            self.rereads = []
         return values
 
-
-def in_shared_memory(t: torch.Tensor) -> bool:
-    """``t`` lives in memory shared with other processes (never raises)."""
-    try:
-        return bool(t.is_shared())  # type: ignore[no-untyped-call]
-    except Exception:
-        return False

@@ -38,7 +38,8 @@ from nondet import frameworks
 from nondet.channel import CHILD_ENTRY_PREFIX, CHILD_PARAMS_FACT
 from nondet.frameworks.base import Session, StopRun
 from nondet.frameworks.fp import group_fp
-from nondet.frameworks.torch.cache import FingerprintCache, in_shared_memory
+from nondet.frameworks.torch.cache import FingerprintCache
+from nondet.frameworks.torch.shared import in_shared_memory
 from nondet.records import INIT_STEP
 
 

@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.torch import comm, cuda
+from nondet.frameworks.torch import comm, cuda, shared
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.cache import FingerprintCache
 from nondet.frameworks.torch.compiled import in_region
@@ -166,6 +166,8 @@ class OpRecorder(FingerprintCache):
             out = func(*args, **kwargs)
         finally:
             self.depth -= 1
+        if self.shared_is_volatile and not info.comm:  # Note [Writes during an op]
+            shared.reread_inputs(self, info, args, kwargs)
 
         outputs = [out] if isinstance(out, torch.Tensor) else list(tensors_in(out))
         for position in info.mutated_args:

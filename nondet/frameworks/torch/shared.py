@@ -1,0 +1,129 @@
+"""Memory shared with other processes, in a process where they may write it at any moment.
+
+Note [Writes during an op]
+In a child process the script started (children.py), memory shared with its siblings
+(Hogwild weights, ``model.share_memory()``) can be written by them at any time, unseen by
+this process's version counters. So every read of it is an entry point, hashed afresh
+(``FingerprintCache.shared_is_volatile``, ``lookup``). That hash is taken before the op
+runs; a sibling's write that lands *while* the op runs makes the op compute with values
+other than those hashed: its output differs while its inputs matched, and the op would be
+blamed for a difference that entered from outside.
+
+So in such a process the op's shared inputs are hashed again right after it (only those
+it reads: not the ones it writes, whose value afterwards is its own output). If one
+changed, the entry record made for that read takes both values: its fingerprint (the same
+object the op record holds among its inputs) becomes a combination of the value before and
+the value after. Then the entry differs between the runs (the finding: "parameter
+0.weight" entered with a different value, at this op's line) and the op's inputs differ,
+so the op is not blamed. Nothing is added to the records: an extra record in one run only
+would misalign the two runs' records (a "structure" finding). A value unchanged by the op
+stays exactly as it was, and a change made identically in both runs folds identically:
+only a write whose timing differs between the runs shows.
+
+On the host both hashes are final at once and compared on the spot. A fingerprint still
+on its device is compared when the step's fingerprints are resolved (``fold``); outputs
+derived from it then keep the value from before, which changes nothing found: the entry
+comes first. Ordinary processes pay nothing (``shared_is_volatile`` is False).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nondet.fingerprint import combine
+from nondet.frameworks.fp import Fp
+
+if TYPE_CHECKING:
+    from nondet.frameworks.torch.cache import FingerprintCache
+    from nondet.frameworks.torch.optable import OpInfo
+
+#: Marks a fingerprint folded from a value before and a value after an op.
+_CHANGED_TAG = 0x5B1B_3A7E
+
+
+def in_shared_memory(t: torch.Tensor) -> bool:
+    """``t`` lives in memory shared with other processes (never raises)."""
+    try:
+        return bool(t.is_shared())  # type: ignore[no-untyped-call]
+    except Exception:
+        return False
+
+
+def reread_inputs(rec: FingerprintCache, info: OpInfo, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> None:
+    """After an op in a process whose shared memory is volatile: hash the shared tensors
+    it read again, and fold a change into the entry it read (Note [Writes during an op]).
+    Never raises: the op has run and its result goes back to the script whatever happens
+    here (trouble is nondet's bug: reported, capture stops)."""
+    try:
+        _reread(rec, info, args, kwargs)
+    except Exception:
+        rec.backend.hook_failed()
+
+
+def _reread(rec: FingerprintCache, info: OpInfo, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> None:
+    seen: set[int] = set()
+    # memory the op writes itself changes by its own doing (a read alias of a written
+    # tensor, ``w.add_(w)``): left alone, so an op's own nondeterminism stays the op's
+    written = {_memory(t) for t in _tensors(_written(info, args, kwargs))}
+    for t in _tensors(_read(info, args, kwargs)):
+        if id(t) in seen or not in_shared_memory(t):
+            continue
+        seen.add(id(t))
+        if written and _memory(t) in written:
+            continue
+        entry = rec.entry(t)  # the one ``lookup`` made for this read
+        if entry is None:
+            continue
+        before = entry[4]
+        if before.uninit or before.lazy:
+            continue
+        after = rec.fingerprint(t)
+        if before.value is not None and after.value is not None:
+            _fold(before, after)
+        else:
+            rec.rereads.append((before, after))
+
+
+def fold(pairs: list[tuple[Fp, Fp]]) -> None:
+    """Fold the changes of fingerprints compared once final (``resolve``)."""
+    for before, after in pairs:
+        _fold(before, after)
+
+
+def _fold(before: Fp, after: Fp) -> None:
+    if after.value != before.value:
+        before.value = combine((before.value or 0, after.value or 0, _CHANGED_TAG)) or 1
+
+
+def _read(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    return [v for i, v in enumerate(args) if i not in info.mutated_args] + [
+        v for k, v in kwargs.items() if k not in info.mutated_kwargs]
+
+
+def _written(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    return [args[i] for i in info.mutated_args if i < len(args)] + [
+        kwargs[k] for k in info.mutated_kwargs if k in kwargs]
+
+
+def _tensors(values: list[Any]) -> Iterator[torch.Tensor]:
+    """Tensors among op arguments: a tensor, or a list/tuple of them."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
+def _memory(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage starts (None: no storage to read)."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:
+        return None

@@ -123,3 +123,24 @@ def test_shared_inputs_are_hashed_again_only_where_shared_memory_is_volatile(
         hashed = count_hashes(recorder, w)
         scale_by_shared(w, torch.arange(4.0))
     assert len(hashed) == hashes
+
+
+def test_trouble_re_reading_is_nondets_and_the_op_result_still_reaches_the_script() -> None:
+    w = _shared_weight()
+    failed: list[int] = []
+    with recording() as recorder:
+        recorder.shared_is_volatile = True
+        recorder.backend.hook_failed = lambda: failed.append(1)  # type: ignore[method-assign]
+        original = recorder.fingerprint
+
+        def fingerprint_once(t: torch.Tensor, fp: object = None) -> object:
+            recorder.fingerprint = broken  # type: ignore[method-assign,assignment]
+            return original(t, fp)  # type: ignore[arg-type]
+
+        def broken(t: torch.Tensor, fp: object = None) -> object:
+            raise RuntimeError("a bug in nondet")
+
+        recorder.fingerprint = fingerprint_once  # type: ignore[method-assign,assignment]
+        y = torch.ops.aten.mul.Tensor(w, 3.0)  # hashed before (once), then again: raises
+    assert torch.equal(y, torch.full((4,), 1.5))
+    assert failed == [1]

@@ -137,3 +137,20 @@ def test_a_parameter_numpy_cannot_read_sums_with_torch() -> None:
     state, _ = StateFingerprints(rec, rec.hasher).step_state(params, [], [], [], None, False)
     want = sum(float(p.sum(dtype=torch.float64)) for _, p in params)
     assert state.params_sum == pytest.approx(want, rel=1e-12)
+
+
+def test_the_parameter_sum_is_the_same_float_with_and_without_statistics() -> None:
+    """A detailed step reuses each parameter's sum from its statistics: the same float as
+    a step-level step's, also where two parameters share a name (unnamed ones are "?")."""
+    g = torch.Generator().manual_seed(3)
+    params = [(name, torch.randn(n, generator=g)) for name, n in
+              (("?", 70_000), ("?", 33), ("w", 5000), ("h", 12))]
+    params.append(("bf", torch.randn(9, generator=g).to(torch.bfloat16)))  # the torch path
+    rec = recorder()
+    state_fps = StateFingerprints(rec, rec.hasher)
+    sums = [state_fps.step_state(params[:4], [], [], [], None, detailed)[0].params_sum
+            for detailed in (False, True)]
+    assert sums[0] == sums[1]
+    with_bf16 = [state_fps.step_state(params, [], [], [], None, detailed)[0].params_sum
+                 for detailed in (False, True)]
+    assert with_bf16[0] == with_bf16[1]

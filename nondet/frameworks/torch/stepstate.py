@@ -72,9 +72,12 @@ class StateFingerprints:
             rng.extend(self.of(s) for s in torch.cuda.get_rng_state_all())
         keys = [(group, name, t) for group, items in (groups if detailed else [])
                 for name, _, t in items if t is not None]
-        stats = dict(zip([(group, name) for group, name, _ in keys],
-                         self.hasher.stats_many([t for _, _, t in keys]), strict=True))
-        params_sum = _params_sum(params)
+        computed = self.hasher.stats_many([t for _, _, t in keys])
+        stats = dict(zip([(group, name) for group, name, _ in keys], computed, strict=True))
+        # a detailed step has each parameter's sum already: the same float, not summed twice
+        known = {id(t): pair[0] for (group, _, t), pair in zip(keys, computed, strict=True)
+                 if group is Group.PARAM and pair and isinstance(pair[0], float)}
+        params_sum = _params_sum(params, known)
         # Every pending Fp of this step (data and losses too) and the float64 scalars still
         # on a device come back in one transfer per device (readback.py), never one per
         # tensor; statistics computed on the host (hoststats.py) are floats already.
@@ -106,16 +109,19 @@ class StateFingerprints:
         return state, loss
 
 
-def _params_sum(params: list[tuple[str, Any]]) -> torch.Tensor | float:
+def _params_sum(params: list[tuple[str, Any]], known: dict[int, float]
+                ) -> torch.Tensor | float:
     """The float64 sum of all floating parameters' values (NaN: none): on the host when
     every one is a plain CPU tensor NumPy reads (hoststats.py: no torch reduction, so no
-    OpenMP barrier at every step end), else a device scalar read back with the rest."""
+    OpenMP barrier at every step end), else a device scalar read back with the rest.
+    ``known``: host sums of parameters by id (their statistics in a detailed step)."""
     floating = [p for _, p in params if p.is_floating_point()]
     reals = [hoststats.host_reals(p) for p in floating]
     if all(r is not None for r in reals):
         total = 0.0  # added in parameter order: the same float in both runs
-        for r in reals:
-            total += hoststats.real_sum(r)  # type: ignore[arg-type]  # not None: checked
+        for p, r in zip(floating, reals, strict=True):
+            part = known.get(id(p))
+            total += hoststats.real_sum(r) if part is None else part  # type: ignore[arg-type]
         return total if floating else math.nan
     sums = [p.detach().sum(dtype=torch.float64) for p in floating]
     return torch.stack(sums).sum()

@@ -1,6 +1,7 @@
 """Op-level capture's cost inside one process, where a shared machine's load cancels out.
 
     python bench/torch_inprocess.py [--narrow] [--rounds N] [--threads N] [--step-level]
+                                    [--detailed]
 
 Runs the benchmark model's training step (bench/model_torch.py's model, optimizer and
 data) in one process, round-robin: plainly; under a dispatch mode that only passes ops
@@ -19,6 +20,9 @@ followed by what the backend does at each step end of a step-level capture (name
 the gradients' group fingerprint at the optimizer step, then ``StateFingerprints.step_state``:
 the state groups' fingerprints, RNG state, the float64 parameter sum and the loss read back;
 not the step row's transport to the parent process, which is session.py's).
+``--detailed`` makes that the step end of a step with op-level capture: a fingerprint and
+float statistics (sum, max |x|) per tensor instead of one fingerprint per group (here every
+tensor is hashed, as no recorded op has cached its fingerprint).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--step-level", action="store_true",
                         help="measure step-level capture (state fingerprints at step ends)")
+    parser.add_argument("--detailed", action="store_true",
+                        help="with --step-level: the step end of a step with op capture")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
@@ -86,19 +92,21 @@ def main() -> None:
     optimizers: list[weakref.ref[torch.optim.Optimizer]] = [weakref.ref(optimizer)]
 
     state_cpu: list[float] = []  # thread CPU time of the step-level work alone
+    state_wall: list[float] = []  # and its wall time
 
     def step_level(i: int) -> None:
         loss = step(i)
         # as TorchBackend does: gradients at the optimizer step, the rest at the step end
-        c0 = time.thread_time()
+        c0, w0 = time.thread_time(), time.perf_counter()
         with torch.no_grad():
             params, _, _ = named_state([model], optimizers, names)
             grads = state.named([(n, p.grad) for n, p in params if p.grad is not None],
-                                detailed=False)
+                                detailed=opts.detailed)
             params, buffers, optim = named_state([model], optimizers, names)
             scalar = loss.detach().real.reshape(()).to(torch.float64)
-            state.step_state(params, buffers, optim, grads, scalar, detailed=False)
+            state.step_state(params, buffers, optim, grads, scalar, detailed=opts.detailed)
         state_cpu.append(time.thread_time() - c0)
+        state_wall.append(time.perf_counter() - w0)
 
     def run(kind: str, i: int) -> None:
         if kind == "plain":
@@ -140,8 +148,10 @@ def main() -> None:
               f"wall {1000 * w:7.2f} ms ({w / base_wall:.2f}x)")
     if opts.step_level:
         extra = statistics.median(state_cpu[2:])
+        wall_extra = statistics.median(state_wall[2:])
         print(f"  step-level work alone per step (cpu): {1e6 * extra:.0f} us "
-              f"({1 + extra / base_cpu:.3f}x of the plain step's cpu)")
+              f"({1 + extra / base_cpu:.3f}x of the plain step's cpu), wall "
+              f"{1e6 * wall_extra:.0f} us ({1 + wall_extra / base_wall:.3f}x)")
         return
     per_op = (statistics.median(cpu["recorder"]) - base_cpu) / max(1, records["recorder"])
     print(f"  recorder cost per op record (cpu): {1e6 * per_op:.1f} us")

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from nondet.fingerprint import host_content, word_size
+from nondet.frameworks.torch import hoststats
 from nondet.frameworks.torch.devicesum import WORD_DTYPES, DeviceSums, word_pieces
 from nondet.frameworks.torch.hostwords import (
     StateViews,
@@ -37,6 +38,9 @@ from nondet.frameworks.torch.leaves import data_leaves, prepared
 _REDUCIBLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 Content = torch.Tensor | int
+#: A statistic: a float64 device scalar (read back at the step end) or, computed on the
+#: host (hoststats.py), already a float.
+Stat = torch.Tensor | float
 #: Non-contiguous CPU tensors above this many elements take the torch path (its staging
 #: bounds the memory a copy would take); contiguous ones of any size are read zero-copy by
 #: ``np.dot``, which writes no products: measured on the narrow benchmark model, it hashes
@@ -138,32 +142,38 @@ class TorchHasher:
         return words if word == 8 else words.to(torch.int64)
 
     @staticmethod
-    def stats(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(sum, max |x|) as float64 device scalars, for floating and complex tensors; None
-        where they cannot be computed (they only size a difference, never decide one)."""
+    def stats(tensor: torch.Tensor) -> tuple[Stat, Stat] | None:
+        """(sum, max |x|) as floats (plain CPU tensors) or float64 device scalars, for
+        floating and complex tensors; None where they cannot be computed (they only size a
+        difference, never decide one)."""
         return TorchHasher.stats_many([tensor])[0]
 
     @staticmethod
-    def stats_many(tensors: Sequence[torch.Tensor]
-                   ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """``stats`` of each tensor, the max |x| of all those of one device and dtype in one
-        call (``torch._foreach_norm`` with ord=inf is max |x|, exactly: no arithmetic):
-        a step with op capture has them for every parameter, gradient and Adam state."""
-        ready = [_stat_input(t) for t in tensors]
-        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(ready)
-        groups: dict[tuple[Any, Any], list[int]] = {}
-        for i, t in enumerate(ready):
+    def stats_many(tensors: Sequence[torch.Tensor]) -> list[tuple[Stat, Stat] | None]:
+        """``stats`` of each tensor: on the host for plain dense CPU tensors
+        (hoststats.py), else with torch, the max |x| of all those of one device and dtype
+        in one call (``torch._foreach_norm`` with ord=inf is max |x|, exactly: no
+        arithmetic): a step with op capture has them for every parameter, gradient and
+        Adam state."""
+        out: list[tuple[Stat, Stat] | None] = [None] * len(tensors)
+        groups: dict[tuple[Any, Any], list[tuple[int, torch.Tensor]]] = {}
+        for i, tensor in enumerate(tensors):
+            reals = hoststats.host_reals(tensor)
+            if reals is not None:
+                out[i] = hoststats.stats(reals)
+                continue
+            t = _stat_input(tensor)
             if t is None:
                 continue
             if t.numel() == 0:
                 zero = torch.zeros((), dtype=torch.float64, device=t.device)
                 out[i] = zero, zero
             else:
-                groups.setdefault((t.device, t.dtype), []).append(i)
-        for indices in groups.values():
-            parts = [t for t in (ready[i] for i in indices) if t is not None]
+                groups.setdefault((t.device, t.dtype), []).append((i, t))
+        for members in groups.values():
+            parts = [t for _, t in members]
             maxabs = torch.stack(torch._foreach_norm(parts, math.inf)).to(torch.float64)
-            for i, t, m in zip(indices, parts, maxabs.unbind(), strict=True):
+            for (i, t), m in zip(members, maxabs.unbind(), strict=True):
                 out[i] = t.sum(dtype=torch.float64), m
         return out
 

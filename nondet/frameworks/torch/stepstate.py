@@ -13,6 +13,7 @@ import torch
 from nondet.fingerprint import scalar_value
 from nondet.frameworks.base import StepState, TensorRow
 from nondet.frameworks.fp import Fp, group_fp
+from nondet.frameworks.torch import hoststats
 from nondet.frameworks.torch.cache import FingerprintCache
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.hostwords import StateViews
@@ -69,21 +70,28 @@ class StateFingerprints:
         rng = [self.of(torch.get_rng_state())]
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             rng.extend(self.of(s) for s in torch.cuda.get_rng_state_all())
-        sums = [p.detach().sum(dtype=torch.float64) for _, p in params
-                if p.is_floating_point()]
-        params_sum = torch.stack(sums).sum() if sums else None
         keys = [(group, name, t) for group, items in (groups if detailed else [])
                 for name, _, t in items if t is not None]
-        stats = dict(zip([(group, name) for group, name, _ in keys],
-                         self.hasher.stats_many([t for _, _, t in keys]), strict=True))
-        # Every pending Fp of this step (data and losses too) and these float64 scalars
-        # come back in one transfer per device (readback.py), never one per tensor.
-        floats = [x for x in (params_sum, loss_scalar) if x is not None]
-        floats += [x for pair in stats.values() if pair for x in pair]
-        values = iter(self.recorder.resolve(floats))
-        params_value = next(values) if params_sum is not None else math.nan
-        loss = next(values) if loss_scalar is not None else None
-        host_stats = {key: (next(values), next(values)) for key, pair in stats.items()
+        computed = self.hasher.stats_many([t for _, _, t in keys])
+        stats = dict(zip([(group, name) for group, name, _ in keys], computed, strict=True))
+        # a detailed step has each parameter's sum already: the same float, not summed twice
+        known = {id(t): pair[0] for (group, _, t), pair in zip(keys, computed, strict=True)
+                 if group is Group.PARAM and pair and isinstance(pair[0], float)}
+        params_sum = _params_sum(params, known)
+        # Every pending Fp of this step (data and losses too) and the float64 scalars still
+        # on a device come back in one transfer per device (readback.py), never one per
+        # tensor; statistics computed on the host (hoststats.py) are floats already.
+        scalars = [x for x in (params_sum, loss_scalar) if isinstance(x, torch.Tensor)]
+        scalars += [x for pair in stats.values() if pair for x in pair
+                    if isinstance(x, torch.Tensor)]
+        values = iter(self.recorder.resolve(scalars))
+
+        def value(x: torch.Tensor | float) -> float:
+            return next(values) if isinstance(x, torch.Tensor) else x
+
+        params_value = value(params_sum)
+        loss = value(loss_scalar) if loss_scalar is not None else None
+        host_stats = {key: (value(pair[0]), value(pair[1])) for key, pair in stats.items()
                       if pair}
         state = StepState(
             params=group_fp([fp.value or 0 for _, fp, _ in groups[0][1]]),
@@ -99,3 +107,21 @@ class StateFingerprints:
                 state.tensors.append(TensorRow(group, name, fp.value or 0, total, maxabs,
                                                t.numel() if t is not None else 0))
         return state, loss
+
+
+def _params_sum(params: list[tuple[str, Any]], known: dict[int, float]
+                ) -> torch.Tensor | float:
+    """The float64 sum of all floating parameters' values (NaN: none): on the host when
+    every one is a plain CPU tensor NumPy reads (hoststats.py: no torch reduction, so no
+    OpenMP barrier at every step end), else a device scalar read back with the rest.
+    ``known``: host sums of parameters by id (their statistics in a detailed step)."""
+    floating = [p for _, p in params if p.is_floating_point()]
+    reals = [hoststats.host_reals(p) for p in floating]
+    if all(r is not None for r in reals):
+        total = 0.0  # added in parameter order: the same float in both runs
+        for p, r in zip(floating, reals, strict=True):
+            part = known.get(id(p))
+            total += hoststats.real_sum(r) if part is None else part  # type: ignore[arg-type]
+        return total if floating else math.nan
+    sums = [p.detach().sum(dtype=torch.float64) for p in floating]
+    return torch.stack(sums).sum()

@@ -1,0 +1,58 @@
+"""Float statistics of step-level state computed on the host with NumPy: the parameter sum
+of every step row, and the per-tensor sum and max |x| of detailed steps.
+
+These numbers only size a difference (docs/architecture.md, growth), they never decide
+one, so what they must be is deterministic (the same in both runs), not equal to those of
+another implementation. On the CPU they used to be torch reductions, one or two per tensor
+at every step end: each large one enters torch's OpenMP pool, whose barrier waits for the
+other thread (milliseconds when the machine is loaded: measured 7.4 ms of CPU per step
+end for the narrow benchmark model's parameter sum alone on 2 threads, 49 ms for a detailed
+step end), and each small one costs a dispatch. NumPy reads the tensor's memory in place,
+single-threaded, with no pool to wake. Accelerator tensors, wrapper subclasses, conjugate
+or negative views and dtypes NumPy lacks (bfloat16, fp8) keep the torch path
+(``hashing.TorchHasher.stats_many``), read back once per device with the fingerprints.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nondet.frameworks.torch.hostwords import raw_bytes
+
+#: NumPy's type of a dtype's real values (complex: the real and imaginary parts, as
+#: ``torch.view_as_real`` lays them out).
+_NP_REALS: dict[torch.dtype, type[np.floating]] = {
+    torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
+    torch.complex128: np.float64, torch.complex64: np.float32,
+}
+
+
+def host_reals(t: torch.Tensor) -> np.ndarray | None:
+    """The real floating values of a plain, dense, contiguous CPU tensor as a NumPy view
+    of its memory (valid while ``t`` keeps it: ``hostwords.raw_bytes``), or None where the
+    torch path must compute its statistics."""
+    kind = type(t)
+    if ((kind is not torch.Tensor and kind is not torch.nn.Parameter) or not t.is_cpu
+            or t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_conj()
+            or t.is_neg() or not t.is_contiguous()):
+        return None
+    real = _NP_REALS.get(t.dtype)
+    return None if real is None else raw_bytes(t).view(real)
+
+
+def real_sum(values: np.ndarray) -> float:
+    """The float64 sum of ``values`` (NumPy's pairwise summation: a fixed order)."""
+    return float(np.add.reduce(values, dtype=np.float64)) if values.size else 0.0
+
+
+def stats(values: np.ndarray) -> tuple[float, float]:
+    """(sum, max |x|) of ``values``: the max without an array of absolute values (two
+    reductions that write nothing). NaN anywhere makes both NaN, as torch's do."""
+    if not values.size:
+        return 0.0, 0.0
+    high, low = float(values.max()), float(values.min())
+    # max() propagates NaN, so ``high`` is NaN exactly when some value is; abs() turns a
+    # -0.0 into the 0.0 torch's norm gives
+    maxabs = high if high != high else abs(high if high >= -low else low)
+    return real_sum(values), maxabs

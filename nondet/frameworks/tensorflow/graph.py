@@ -5,6 +5,7 @@ graphs are instrumented. See Note [Graph instrumentation] in traced.py."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,22 +105,41 @@ class RecorderVariables:
             self.loss_value = tf.Variable(tf.constant(math.nan, tf.float64), trainable=False,
                                           name="nondet_loss")
         self._guards: dict[Any, tuple[Any, Any]] = {}
+        self._drains: dict[int, Any] = {}  # per slot count: drain's traced function
 
     def drain(self, slots: int) -> tuple[int, int, float, np.ndarray]:
         """After a traced function ran: the update count, the carried loss (hash + 1, value)
         and the first ``slots`` slots, in one read-back; the slots and the loss hash are
-        then zeroed (the next call writes them afresh)."""
-        parts = [tf.reshape(self.updates, [1]), tf.reshape(self.loss_hash, [1]),
-                 tf.reshape(tf.bitcast(self.loss_value.read_value(), tf.int64), [1])]
-        if slots:
-            parts.append(self.buffer[:slots])
-        values = to_host(tf.concat(parts, 0))
-        if slots:
-            self.buffer[:slots].assign(tf.zeros([slots], tf.int64))
-        if values[1]:
-            self.loss_hash.assign(0)
+        then zeroed (the next call writes them afresh). One call of a function traced once
+        per slot count: done as eager ops (three reshapes, a read, a bitcast, a slice, a
+        concat, two assignments) it cost about 1.2 ms of CPU after every call of the
+        script's step, as much as the step-level state hash (docs/benchmarks.md)."""
+        function = self._drains.get(slots)
+        if function is None:
+            if len(self._drains) >= 8:  # a function retraced again and again: keep a few
+                self._drains.clear()
+            with tf.init_scope():
+                function = tf.function(functools.partial(self._drained, slots),
+                                       autograph=False).get_concrete_function()
+            self._drains[slots] = function
+        values = to_host(function())
         loss_value = float(values[2:3].view(np.float64)[0])
         return int(values[0]), int(values[1]), loss_value, values[3:]
+
+    def _drained(self, slots: int) -> tf.Tensor:
+        """``drain``'s computation: the values, read before the zeroing (control
+        dependencies; a function runs its assignments even when nothing uses them)."""
+        parts = [tf.reshape(self.updates.read_value(), [1]),
+                 tf.reshape(self.loss_hash.read_value(), [1]),
+                 tf.reshape(tf.bitcast(self.loss_value.read_value(), tf.int64), [1])]
+        if slots:
+            parts.append(self.buffer.read_value()[:slots])
+        values = tf.concat(parts, 0)
+        with tf.control_dependencies([values]):
+            if slots:
+                self.buffer[:slots].assign(tf.zeros([slots], tf.int64))
+            self.loss_hash.assign(tf.zeros([], tf.int64))
+        return values
 
     def guard(self, dtype: Any, plan: Plan | None) -> tuple[Any, Any]:
         """The two branches of the guard for tensors of ``dtype`` whose static shape gave

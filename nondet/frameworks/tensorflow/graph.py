@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,6 @@ import tensorflow as tf
 from tensorflow.python.framework.func_graph import FuncGraph
 
 from nondet.fingerprint import name_code
-from nondet.frameworks.fp import Fp
 from nondet.frameworks.tensorflow.hashing import GraphHasher, Plan
 from nondet.records import Kind
 
@@ -78,7 +77,8 @@ class GraphOp:
     code: int = 0
     numel: int = -1
     data: bool = False  # recorded every step, outside the op window
-    fps: list[Fp] = field(default_factory=list)  # of the last execution
+    values: tuple[int, ...] = ()  # output fingerprint values of the last execution
+    keys: Any = None  # traced._OpKeys, made at the first collection
 
 
 class RecorderVariables:

@@ -45,9 +45,11 @@ Limitations
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
@@ -172,7 +174,7 @@ class GraphRecorder:
             derived=op_type in DERIVED_OPS and not entry, code=name_code(op_type),
             numel=numel(numeric[0]) if numeric else -1, data=data,
         )
-        for position, t in enumerate(numeric):  # positions count hashed outputs, as op.fps
+        for position, t in enumerate(numeric):  # positions count hashed outputs, as op.values
             self.where[(gid, t.name)] = (index, position)
         if not numeric:
             return None
@@ -307,7 +309,13 @@ class GraphRecorder:
     # -- after a traced function ran -----------------------------------------------------------
     def collect(self) -> tuple[list[Fp], int]:
         """Read the slots of the function that just ran: data fingerprints of this call
-        and how many optimizer updates it made. Op records are added if in the window."""
+        and how many optimizer updates it made. Op records are added if in the window.
+
+        Graph fingerprints are final here (their contents came back with the slots), so
+        they are worked out as plain integers, each op's description packed once
+        (``_OpKeys``): an ``Fp`` object per output and a masking pass per combination were
+        half of this loop's time, ~650 records per step on the narrow benchmark model
+        (docs/benchmarks.md). The values are those ``Fp.finalize`` gives."""
         if self._vars is None:
             return [], 0
         updates, loss_hash, loss_value, values = self._vars.drain(self.next_slot)
@@ -316,32 +324,35 @@ class GraphRecorder:
         if self.next_slot == 0:
             return [], new_updates
         data: list[Fp] = []
-        for op in self.table:
-            op.fps = []
+        active = self.active
+        table = self.table
+        stored_all = values.tolist()
+        for op in table:
+            op.values = ()
+            keys = op.keys
+            if keys is None:
+                keys = op.keys = _OpKeys(op)
             if op.derived:
-                parents = [self._produced(p) for p in op.producers]
-                if not any(parents) or not self.active:
+                if not active:
                     continue
-                op.fps = [self._from_parents(op, parents, m) for m in op.meta]
+                parents = [v for v in (_value_of(table, p) for p in op.producers)
+                           if v is not None]
+                if not parents:
+                    continue
+                op.values = tuple(_combine((*parents, *m)) for m in keys.derived)
             else:
-                stored = [int(values[s]) for s in op.slots]
+                stored = [stored_all[s] for s in op.slots]
                 if not any(stored):
                     continue  # did not run
-                op.fps = [self._from_slot(v, m) for v, m in zip(stored, op.meta, strict=True)]
+                op.values = tuple(_combine(((v - 1) & MASK64, *m))
+                                  for v, m in zip(stored, keys.meta, strict=True))
             if op.data:
-                data.extend(op.fps)
-            if self.active:
-                ins = [fp for fp in (self._produced(p) for p in op.producers) if fp is not None]
+                data.extend(Fp(v) for v in op.values)
+            if active:
+                ins = [v for v in (_value_of(table, p) for p in op.producers) if v is not None]
                 self.records.append((op.kind, op.phase, 0, op.name_id, op.module, op.source,
-                                     op.fps, ins, op.numel))
+                                     _joined(op.values), _joined(ins), op.numel))
         return data, new_updates
-
-    def _produced(self, producer: tuple[int, int]) -> Fp | None:
-        index, position = producer
-        if index < 0 or index >= len(self.table):
-            return None
-        fps = self.table[index].fps
-        return fps[position] if position < len(fps) else None
 
     @staticmethod
     def _from_slot(stored: int, meta: tuple[int, ...]) -> Fp:
@@ -350,11 +361,49 @@ class GraphRecorder:
         fp.finalize()
         return fp
 
-    @staticmethod
-    def _from_parents(op: GraphOp, parents: list[Fp | None], meta: tuple[int, ...]) -> Fp:
-        fp = Fp()
-        fp.parents = tuple(p for p in parents if p is not None)
-        fp.meta = (op.code, *meta)
-        fp.finalize()
-        return fp
+
+
+class _OpKeys:
+    """An op's descriptions as ``combine`` words (masked to 64 bits), made at its first
+    collection: per hashed output, its description; per derived output, the op type's
+    code and its description (Note [Derived fingerprints])."""
+
+    __slots__ = ("derived", "meta")
+
+    def __init__(self, op: GraphOp) -> None:
+        self.meta = [tuple(x & MASK64 for x in m) for m in op.meta]
+        self.derived = [((op.code & MASK64), *m) for m in self.meta]
+
+
+_PACKERS: dict[int, struct.Struct] = {}
+
+
+def _combine(words: tuple[int, ...]) -> int:
+    """``fingerprint.combine`` of words already within 64 bits (the same value: its masking
+    leaves them as they are), without the masking pass."""
+    packer = _PACKERS.get(len(words))
+    if packer is None:
+        packer = _PACKERS[len(words)] = struct.Struct(f"<{len(words)}Q")
+    return int.from_bytes(hashlib.blake2b(packer.pack(*words), digest_size=8).digest(),
+                          "little") or 1
+
+
+def _value_of(table: list[GraphOp], producer: tuple[int, int]) -> int | None:
+    """The fingerprint value of a producer's output in the call just collected (None: not
+    known, or it did not run)."""
+    index, position = producer
+    if index < 0 or index >= len(table):
+        return None
+    values = table[index].values
+    return values[position] if position < len(values) else None
+
+
+def _joined(values: Sequence[int]) -> int:
+    """``fp.combined`` of final fingerprints, from their values: 0 for none, a lone one
+    stands for itself (never 0), several are combined."""
+    if not values:
+        return 0
+    if len(values) == 1:
+        return values[0]
+    return _combine(tuple(values))
 

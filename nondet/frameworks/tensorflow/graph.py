@@ -79,6 +79,7 @@ class GraphOp:
     data: bool = False  # recorded every step, outside the op window
     values: tuple[int, ...] = ()  # output fingerprint values of the last execution
     keys: Any = None  # traced._OpKeys, made at the first collection
+    alias: int | None = None  # a repeated variable read: the table index of the earlier one
 
 
 class RecorderVariables:

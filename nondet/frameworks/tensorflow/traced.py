@@ -78,6 +78,7 @@ from nondet.frameworks.tensorflow.graph import (
     xla_compiled,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, static_plan
+from nondet.frameworks.tensorflow.reads import READ, RepeatReads
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
 
 
@@ -114,6 +115,7 @@ class GraphRecorder:
         self.updates_seen = 0
         self.carried: tuple[int, float] | None = None  # loss hash + 1 and value, see collect
         self.reordering_stage = -1  # source of the last tf.data stage built unordered
+        self.repeats = RepeatReads()
         self._local = threading.local()
 
     @property
@@ -140,6 +142,7 @@ class GraphRecorder:
         by identities that depend on their fingerprint's write, so the write always runs
         (ops nothing depends on may be pruned from a function)."""
         outputs = list(outputs or ())
+        self.repeats.note(op_type, inputs, graph)  # before any return: writes count
         if op_type in SKIPPED_OPS or op_type in LATE_OPS:
             return None
         if op_type not in DATA_OPS and (not self._window_ahead() or under_strategy()):
@@ -179,7 +182,11 @@ class GraphRecorder:
         if not numeric:
             return None
         self.table.append(op)
-        if op.derived and not late:
+        if op_type == READ:  # a repeated read takes the earlier one's value (reads.py)
+            op.alias = self.repeats.earlier(inputs, graph, op.meta)
+            if op.alias is None:
+                self.repeats.remember(inputs, graph, index, op.meta)
+        if (op.derived or op.alias is not None) and not late:
             return None
         replaced = []
         position = 0
@@ -332,7 +339,11 @@ class GraphRecorder:
             keys = op.keys
             if keys is None:
                 keys = op.keys = _OpKeys(op)
-            if op.derived:
+            if op.alias is not None:  # a repeated read: the earlier read's value (reads.py)
+                op.values = table[op.alias].values
+                if not op.values:
+                    continue  # did not run
+            elif op.derived:
                 if not active:
                     continue
                 parents = [v for v in (_value_of(table, p) for p in op.producers)

@@ -13,10 +13,12 @@ and each variable again after the forward pass read them).
 
 What could write between two reads is judged conservatively, op by op as the graph is
 traced (``note``): any op other than a read that takes a resource input may write through
-it. Reads are remembered only through a handle the graph captured from outside (one
-placeholder per variable, so the same handle tensor throughout); a possible write through
-any other resource tensor (a function argument, which may alias a captured variable, or a
-handle made or passed on inside the graph) forgets every read of that graph. Writes from
+it. Reads are remembered only through a handle the graph captured from outside: one
+placeholder per variable, so the same handle tensor throughout (TensorFlow traces a
+variable passed as an argument as that variable, through the same placeholder as a
+closure's capture of it: checked in tests/frameworks/test_tf_repeat_reads.py); a
+possible write through any other resource tensor (a handle made or passed on inside the
+graph) forgets every read of that graph. Writes from
 outside the graph while it runs (another thread's function) are not seen; nondet refuses
 scripts that train in two threads at once.
 """

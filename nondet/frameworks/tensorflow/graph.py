@@ -6,7 +6,10 @@ graphs are instrumented. See Note [Graph instrumentation] in traced.py."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework.func_graph import FuncGraph
 
-from nondet.fingerprint import name_code
+from nondet.fingerprint import MASK64, name_code
 from nondet.frameworks.tensorflow.hashing import GraphHasher, Plan
 from nondet.records import Kind
 
@@ -78,8 +81,52 @@ class GraphOp:
     numel: int = -1
     data: bool = False  # recorded every step, outside the op window
     values: tuple[int, ...] = ()  # output fingerprint values of the last execution
-    keys: Any = None  # traced._OpKeys, made at the first collection
+    keys: Any = None  # OpKeys, made at the first collection (traced.collect)
     alias: int | None = None  # a repeated variable read: the table index of the earlier one
+
+class OpKeys:
+    """An op's descriptions as ``combine`` words (masked to 64 bits), made at its first
+    collection: per hashed output, its description; per derived output, the op type's
+    code and its description (Note [Derived fingerprints])."""
+
+    __slots__ = ("derived", "meta")
+
+    def __init__(self, op: GraphOp) -> None:
+        self.meta = [tuple(x & MASK64 for x in m) for m in op.meta]
+        self.derived = [((op.code & MASK64), *m) for m in self.meta]
+
+
+_WORD_PACKERS: dict[int, struct.Struct] = {}
+
+
+def combine_words(words: tuple[int, ...]) -> int:
+    """``fingerprint.combine`` of words already within 64 bits (the same value: its masking
+    leaves them as they are), without the masking pass."""
+    packer = _WORD_PACKERS.get(len(words))
+    if packer is None:
+        packer = _WORD_PACKERS[len(words)] = struct.Struct(f"<{len(words)}Q")
+    return int.from_bytes(hashlib.blake2b(packer.pack(*words), digest_size=8).digest(),
+                          "little") or 1
+
+
+def value_of(table: list[GraphOp], producer: tuple[int, int]) -> int | None:
+    """The fingerprint value of a producer's output in the call just collected (None: not
+    known, or it did not run)."""
+    index, position = producer
+    if index < 0 or index >= len(table):
+        return None
+    values = table[index].values
+    return values[position] if position < len(values) else None
+
+
+def joined(values: Sequence[int]) -> int:
+    """``fp.combined`` of final fingerprints, from their values: 0 for none, a lone one
+    stands for itself (never 0), several are combined."""
+    if not values:
+        return 0
+    if len(values) == 1:
+        return values[0]
+    return combine_words(tuple(values))
 
 
 class RecorderVariables:

@@ -45,11 +45,9 @@ Limitations
 
 from __future__ import annotations
 
-import hashlib
 import math
-import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
@@ -69,12 +67,16 @@ from nondet.frameworks.tensorflow.graph import (
     SLOT_MARGIN,
     XLA_NOTE,
     GraphOp,
+    OpKeys,
     RecorderVariables,
     backward_graph,
+    combine_words,
     describe,
     entry_label,
+    joined,
     numel,
     under_strategy,
+    value_of,
     xla_compiled,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, static_plan
@@ -320,7 +322,7 @@ class GraphRecorder:
 
         Graph fingerprints are final here (their contents came back with the slots), so
         they are worked out as plain integers, each op's description packed once
-        (``_OpKeys``): an ``Fp`` object per output and a masking pass per combination were
+        (``OpKeys``): an ``Fp`` object per output and a masking pass per combination were
         half of this loop's time, ~650 records per step on the narrow benchmark model
         (docs/benchmarks.md). The values are those ``Fp.finalize`` gives."""
         if self._vars is None:
@@ -338,7 +340,7 @@ class GraphRecorder:
             op.values = ()
             keys = op.keys
             if keys is None:
-                keys = op.keys = _OpKeys(op)
+                keys = op.keys = OpKeys(op)
             if op.alias is not None:  # a repeated read: the earlier read's value (reads.py)
                 op.values = table[op.alias].values
                 if not op.values:
@@ -346,23 +348,23 @@ class GraphRecorder:
             elif op.derived:
                 if not active:
                     continue
-                parents = [v for v in (_value_of(table, p) for p in op.producers)
+                parents = [v for v in (value_of(table, p) for p in op.producers)
                            if v is not None]
                 if not parents:
                     continue
-                op.values = tuple(_combine((*parents, *m)) for m in keys.derived)
+                op.values = tuple(combine_words((*parents, *m)) for m in keys.derived)
             else:
                 stored = [stored_all[s] for s in op.slots]
                 if not any(stored):
                     continue  # did not run
-                op.values = tuple(_combine(((v - 1) & MASK64, *m))
+                op.values = tuple(combine_words(((v - 1) & MASK64, *m))
                                   for v, m in zip(stored, keys.meta, strict=True))
             if op.data:
                 data.extend(Fp(v) for v in op.values)
             if active:
-                ins = [v for v in (_value_of(table, p) for p in op.producers) if v is not None]
+                ins = [v for v in (value_of(table, p) for p in op.producers) if v is not None]
                 self.records.append((op.kind, op.phase, 0, op.name_id, op.module, op.source,
-                                     _joined(op.values), _joined(ins), op.numel))
+                                     joined(op.values), joined(ins), op.numel))
         return data, new_updates
 
     @staticmethod
@@ -371,50 +373,3 @@ class GraphRecorder:
         fp.content, fp.meta = (stored - 1) & MASK64, meta
         fp.finalize()
         return fp
-
-
-
-class _OpKeys:
-    """An op's descriptions as ``combine`` words (masked to 64 bits), made at its first
-    collection: per hashed output, its description; per derived output, the op type's
-    code and its description (Note [Derived fingerprints])."""
-
-    __slots__ = ("derived", "meta")
-
-    def __init__(self, op: GraphOp) -> None:
-        self.meta = [tuple(x & MASK64 for x in m) for m in op.meta]
-        self.derived = [((op.code & MASK64), *m) for m in self.meta]
-
-
-_PACKERS: dict[int, struct.Struct] = {}
-
-
-def _combine(words: tuple[int, ...]) -> int:
-    """``fingerprint.combine`` of words already within 64 bits (the same value: its masking
-    leaves them as they are), without the masking pass."""
-    packer = _PACKERS.get(len(words))
-    if packer is None:
-        packer = _PACKERS[len(words)] = struct.Struct(f"<{len(words)}Q")
-    return int.from_bytes(hashlib.blake2b(packer.pack(*words), digest_size=8).digest(),
-                          "little") or 1
-
-
-def _value_of(table: list[GraphOp], producer: tuple[int, int]) -> int | None:
-    """The fingerprint value of a producer's output in the call just collected (None: not
-    known, or it did not run)."""
-    index, position = producer
-    if index < 0 or index >= len(table):
-        return None
-    values = table[index].values
-    return values[position] if position < len(values) else None
-
-
-def _joined(values: Sequence[int]) -> int:
-    """``fp.combined`` of final fingerprints, from their values: 0 for none, a lone one
-    stands for itself (never 0), several are combined."""
-    if not values:
-        return 0
-    if len(values) == 1:
-        return values[0]
-    return _combine(tuple(values))
-

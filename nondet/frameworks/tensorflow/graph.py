@@ -5,16 +5,19 @@ graphs are instrumented. See Note [Graph instrumentation] in traced.py."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
-from dataclasses import dataclass, field
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework.func_graph import FuncGraph
 
-from nondet.fingerprint import name_code
-from nondet.frameworks.fp import Fp
+from nondet.fingerprint import MASK64, name_code
 from nondet.frameworks.tensorflow.hashing import GraphHasher, Plan
 from nondet.records import Kind
 
@@ -77,7 +80,53 @@ class GraphOp:
     code: int = 0
     numel: int = -1
     data: bool = False  # recorded every step, outside the op window
-    fps: list[Fp] = field(default_factory=list)  # of the last execution
+    values: tuple[int, ...] = ()  # output fingerprint values of the last execution
+    keys: Any = None  # OpKeys, made at the first collection (traced.collect)
+    alias: int | None = None  # a repeated variable read: the table index of the earlier one
+
+class OpKeys:
+    """An op's descriptions as ``combine`` words (masked to 64 bits), made at its first
+    collection: per hashed output, its description; per derived output, the op type's
+    code and its description (Note [Derived fingerprints])."""
+
+    __slots__ = ("derived", "meta")
+
+    def __init__(self, op: GraphOp) -> None:
+        self.meta = [tuple(x & MASK64 for x in m) for m in op.meta]
+        self.derived = [((op.code & MASK64), *m) for m in self.meta]
+
+
+_WORD_PACKERS: dict[int, struct.Struct] = {}
+
+
+def combine_words(words: tuple[int, ...]) -> int:
+    """``fingerprint.combine`` of words already within 64 bits (the same value: its masking
+    leaves them as they are), without the masking pass."""
+    packer = _WORD_PACKERS.get(len(words))
+    if packer is None:
+        packer = _WORD_PACKERS[len(words)] = struct.Struct(f"<{len(words)}Q")
+    return int.from_bytes(hashlib.blake2b(packer.pack(*words), digest_size=8).digest(),
+                          "little") or 1
+
+
+def value_of(table: list[GraphOp], producer: tuple[int, int]) -> int | None:
+    """The fingerprint value of a producer's output in the call just collected (None: not
+    known, or it did not run)."""
+    index, position = producer
+    if index < 0 or index >= len(table):
+        return None
+    values = table[index].values
+    return values[position] if position < len(values) else None
+
+
+def joined(values: Sequence[int]) -> int:
+    """``fp.combined`` of final fingerprints, from their values: 0 for none, a lone one
+    stands for itself (never 0), several are combined."""
+    if not values:
+        return 0
+    if len(values) == 1:
+        return values[0]
+    return combine_words(tuple(values))
 
 
 class RecorderVariables:
@@ -104,22 +153,41 @@ class RecorderVariables:
             self.loss_value = tf.Variable(tf.constant(math.nan, tf.float64), trainable=False,
                                           name="nondet_loss")
         self._guards: dict[Any, tuple[Any, Any]] = {}
+        self._drains: dict[int, Any] = {}  # per slot count: drain's traced function
 
     def drain(self, slots: int) -> tuple[int, int, float, np.ndarray]:
         """After a traced function ran: the update count, the carried loss (hash + 1, value)
         and the first ``slots`` slots, in one read-back; the slots and the loss hash are
-        then zeroed (the next call writes them afresh)."""
-        parts = [tf.reshape(self.updates, [1]), tf.reshape(self.loss_hash, [1]),
-                 tf.reshape(tf.bitcast(self.loss_value.read_value(), tf.int64), [1])]
-        if slots:
-            parts.append(self.buffer[:slots])
-        values = to_host(tf.concat(parts, 0))
-        if slots:
-            self.buffer[:slots].assign(tf.zeros([slots], tf.int64))
-        if values[1]:
-            self.loss_hash.assign(0)
+        then zeroed (the next call writes them afresh). One call of a function traced once
+        per slot count: done as eager ops (three reshapes, a read, a bitcast, a slice, a
+        concat, two assignments) it cost about 1.2 ms of CPU after every call of the
+        script's step, as much as the step-level state hash (docs/benchmarks.md)."""
+        function = self._drains.get(slots)
+        if function is None:
+            if len(self._drains) >= 8:  # a function retraced again and again: keep a few
+                self._drains.clear()
+            with tf.init_scope():
+                function = tf.function(functools.partial(self._drained, slots),
+                                       autograph=False).get_concrete_function()
+            self._drains[slots] = function
+        values = to_host(function())
         loss_value = float(values[2:3].view(np.float64)[0])
         return int(values[0]), int(values[1]), loss_value, values[3:]
+
+    def _drained(self, slots: int) -> tf.Tensor:
+        """``drain``'s computation: the values, read before the zeroing (control
+        dependencies; a function runs its assignments even when nothing uses them)."""
+        parts = [tf.reshape(self.updates.read_value(), [1]),
+                 tf.reshape(self.loss_hash.read_value(), [1]),
+                 tf.reshape(tf.bitcast(self.loss_value.read_value(), tf.int64), [1])]
+        if slots:
+            parts.append(self.buffer.read_value()[:slots])
+        values = tf.concat(parts, 0)
+        with tf.control_dependencies([values]):
+            if slots:
+                self.buffer[:slots].assign(tf.zeros([slots], tf.int64))
+            self.loss_hash.assign(tf.zeros([], tf.int64))
+        return values
 
     def guard(self, dtype: Any, plan: Plan | None) -> tuple[Any, Any]:
         """The two branches of the guard for tensors of ``dtype`` whose static shape gave

@@ -204,9 +204,11 @@ class TFOpRecorder(GraphRecorder):
     # -- rows ------------------------------------------------------------------------------
     def take_rows(self, step: int) -> np.ndarray:
         self.resolve()
+        # graph records carry final values already (traced.collect), eager ones Fps
         rows = [
-            (step, i, kind, phase, flags, name, module, source, combined(outs),
-             combined(ins), 0, 0, numel)
+            (step, i, kind, phase, flags, name, module, source,
+             outs if isinstance(outs, int) else combined(outs),
+             ins if isinstance(ins, int) else combined(ins), 0, 0, numel)
             for i, (kind, phase, flags, name, module, source, outs, ins, numel)
             in enumerate(self.records)
         ]

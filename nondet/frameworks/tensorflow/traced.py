@@ -67,15 +67,20 @@ from nondet.frameworks.tensorflow.graph import (
     SLOT_MARGIN,
     XLA_NOTE,
     GraphOp,
+    OpKeys,
     RecorderVariables,
     backward_graph,
+    combine_words,
     describe,
     entry_label,
+    joined,
     numel,
     under_strategy,
+    value_of,
     xla_compiled,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, static_plan
+from nondet.frameworks.tensorflow.reads import READ, RepeatReads
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
 
 
@@ -112,6 +117,7 @@ class GraphRecorder:
         self.updates_seen = 0
         self.carried: tuple[int, float] | None = None  # loss hash + 1 and value, see collect
         self.reordering_stage = -1  # source of the last tf.data stage built unordered
+        self.repeats = RepeatReads()
         self._local = threading.local()
 
     @property
@@ -138,6 +144,7 @@ class GraphRecorder:
         by identities that depend on their fingerprint's write, so the write always runs
         (ops nothing depends on may be pruned from a function)."""
         outputs = list(outputs or ())
+        self.repeats.note(op_type, inputs, graph)  # before any return: writes count
         if op_type in SKIPPED_OPS or op_type in LATE_OPS:
             return None
         if op_type not in DATA_OPS and (not self._window_ahead() or under_strategy()):
@@ -172,12 +179,16 @@ class GraphRecorder:
             derived=op_type in DERIVED_OPS and not entry, code=name_code(op_type),
             numel=numel(numeric[0]) if numeric else -1, data=data,
         )
-        for position, t in enumerate(numeric):  # positions count hashed outputs, as op.fps
+        for position, t in enumerate(numeric):  # positions count hashed outputs, as op.values
             self.where[(gid, t.name)] = (index, position)
         if not numeric:
             return None
         self.table.append(op)
-        if op.derived and not late:
+        if op_type == READ:  # a repeated read takes the earlier one's value (reads.py)
+            op.alias = self.repeats.earlier(inputs, graph, op.meta)
+            if op.alias is None:
+                self.repeats.remember(inputs, graph, index, op.meta)
+        if (op.derived or op.alias is not None) and not late:
             return None
         replaced = []
         position = 0
@@ -307,7 +318,13 @@ class GraphRecorder:
     # -- after a traced function ran -----------------------------------------------------------
     def collect(self) -> tuple[list[Fp], int]:
         """Read the slots of the function that just ran: data fingerprints of this call
-        and how many optimizer updates it made. Op records are added if in the window."""
+        and how many optimizer updates it made. Op records are added if in the window.
+
+        Graph fingerprints are final here (their contents came back with the slots), so
+        they are worked out as plain integers, each op's description packed once
+        (``OpKeys``): an ``Fp`` object per output and a masking pass per combination were
+        half of this loop's time, ~650 records per step on the narrow benchmark model
+        (docs/benchmarks.md). The values are those ``Fp.finalize`` gives."""
         if self._vars is None:
             return [], 0
         updates, loss_hash, loss_value, values = self._vars.drain(self.next_slot)
@@ -316,32 +333,39 @@ class GraphRecorder:
         if self.next_slot == 0:
             return [], new_updates
         data: list[Fp] = []
-        for op in self.table:
-            op.fps = []
-            if op.derived:
-                parents = [self._produced(p) for p in op.producers]
-                if not any(parents) or not self.active:
+        active = self.active
+        table = self.table
+        stored_all = values.tolist()
+        for op in table:
+            op.values = ()
+            keys = op.keys
+            if keys is None:
+                keys = op.keys = OpKeys(op)
+            if op.alias is not None:  # a repeated read: the earlier read's value (reads.py)
+                op.values = table[op.alias].values
+                if not op.values:
+                    continue  # did not run
+            elif op.derived:
+                if not active:
                     continue
-                op.fps = [self._from_parents(op, parents, m) for m in op.meta]
+                parents = [v for v in (value_of(table, p) for p in op.producers)
+                           if v is not None]
+                if not parents:
+                    continue
+                op.values = tuple(combine_words((*parents, *m)) for m in keys.derived)
             else:
-                stored = [int(values[s]) for s in op.slots]
+                stored = [stored_all[s] for s in op.slots]
                 if not any(stored):
                     continue  # did not run
-                op.fps = [self._from_slot(v, m) for v, m in zip(stored, op.meta, strict=True)]
+                op.values = tuple(combine_words(((v - 1) & MASK64, *m))
+                                  for v, m in zip(stored, keys.meta, strict=True))
             if op.data:
-                data.extend(op.fps)
-            if self.active:
-                ins = [fp for fp in (self._produced(p) for p in op.producers) if fp is not None]
+                data.extend(Fp(v) for v in op.values)
+            if active:
+                ins = [v for v in (value_of(table, p) for p in op.producers) if v is not None]
                 self.records.append((op.kind, op.phase, 0, op.name_id, op.module, op.source,
-                                     op.fps, ins, op.numel))
+                                     joined(op.values), joined(ins), op.numel))
         return data, new_updates
-
-    def _produced(self, producer: tuple[int, int]) -> Fp | None:
-        index, position = producer
-        if index < 0 or index >= len(self.table):
-            return None
-        fps = self.table[index].fps
-        return fps[position] if position < len(fps) else None
 
     @staticmethod
     def _from_slot(stored: int, meta: tuple[int, ...]) -> Fp:
@@ -349,12 +373,3 @@ class GraphRecorder:
         fp.content, fp.meta = (stored - 1) & MASK64, meta
         fp.finalize()
         return fp
-
-    @staticmethod
-    def _from_parents(op: GraphOp, parents: list[Fp | None], meta: tuple[int, ...]) -> Fp:
-        fp = Fp()
-        fp.parents = tuple(p for p in parents if p is not None)
-        fp.meta = (op.code, *meta)
-        fp.finalize()
-        return fp
-

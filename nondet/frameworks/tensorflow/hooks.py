@@ -42,6 +42,7 @@ class HookHost(RecorderHost, Protocol):
     started: bool
     explicit: bool  # nondet.step() is in charge of boundaries
     evaluating: bool  # inside Keras evaluate/predict
+    fit_steps_per_execution: int  # of the Keras model whose fit/train_on_batch is running
     layer_stack: list[int]
     making_own_variables: bool  # nondet's own variables are not the script's state
 
@@ -200,6 +201,7 @@ def install_keras(backend: HookHost) -> None:
 
     BaseOptimizer.apply = apply
     _mark_evaluation(backend)
+    _note_steps_per_execution(backend)
 
 
 DISTRIBUTE_NOTE = (
@@ -227,6 +229,32 @@ def _mark_evaluation(backend: HookHost) -> None:
                 backend.evaluating = outer
 
         setattr(TensorFlowTrainer, method, functools.wraps(original)(not_training))
+
+
+def _note_steps_per_execution(backend: HookHost) -> None:
+    """While Keras ``fit``/``train_on_batch`` runs, the model's ``steps_per_execution``: a
+    traced call that makes several updates is then worded by its cause (``TFBackend.
+    after_function``): a GAN's ``train_step`` applying two optimizers makes several updates
+    per call with ``steps_per_execution=1``, where "compile with steps_per_execution=1" is
+    no advice."""
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:  # another Keras layout: the note names both causes
+        return
+    for method in ("fit", "train_on_batch"):
+        original = getattr(TensorFlowTrainer, method)
+
+        def training(model: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            outer = backend.fit_steps_per_execution
+            with backend.guarded():
+                backend.fit_steps_per_execution = int(getattr(model, "steps_per_execution", 1)
+                                                      or 1)
+            try:
+                return _original(model, *args, **kwargs)
+            finally:
+                backend.fit_steps_per_execution = outer
+
+        setattr(TensorFlowTrainer, method, functools.wraps(original)(training))
 
 
 def _layer_id(backend: HookHost, layer: Any) -> int:

@@ -108,7 +108,8 @@ def install(backend: HookHost) -> Any:
             element = original_next(iterator)
         finally:
             backend.phase = previous
-        tensors = tf.nest.flatten(element)
+        # expand_composites: a ragged or sparse batch is hashed by its dense components
+        tensors = tf.nest.flatten(element, expand_composites=True)
         with backend.guarded():
             fps = backend.recorder.entry("tf_data", "iterator next", tensors)
             if fps:

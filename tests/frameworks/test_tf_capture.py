@@ -394,3 +394,27 @@ def test_a_function_differentiated_by_an_eager_tape_records_its_backward_in_that
     for step in (0, 1):  # each step's own backward, read when it ran (not at the next call)
         backward = [r["name"] for r in records(c, step) if r["phase"] == "backward"]
         assert "TanhGrad" in backward, (step, backward)
+
+
+@pytest.mark.parametrize("export", [
+    "model.export(tempfile.mkdtemp())",
+    "tf.lite.TFLiteConverter.from_keras_model(model).convert()",
+])
+def test_a_model_exported_with_the_op_window_open_is_saved(tmp_path: Path, export: str) -> None:
+    # h-realtf2: with op-level recording at every step (--ops all), functions traced for a
+    # SavedModel got guards over nondet's variables, which the export refused ("references
+    # an 'untracked' resource"): "the script failed" for nondet's own graph (TF Lite fell
+    # back to a path that failed too)
+    c, result = run_script(tmp_path, f"""
+        import tempfile
+        import numpy as np
+        keras = tf.keras
+        x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, x[:, :1], batch_size=16, epochs=1, verbose=0)
+        {export}
+        print("exported")
+        """, op_steps=list(range(-1, 4)))
+    assert c.n_steps == 2
+    assert "exported" in result.log_path.read_text(errors="replace")

@@ -118,7 +118,48 @@ def install(backend: HookHost) -> Any:
         return element
 
     iterator_ops.OwnedIterator.__next__ = iterator_next
+    _save_unguarded(backend)
     return creator_scope
+
+
+def _save_unguarded(backend: HookHost) -> None:
+    """Functions traced while a SavedModel is written (``tf.saved_model.save``, which Keras'
+    ``model.export`` and the TF Lite converter's ``from_keras_model`` call) get no op guards:
+    a guard captures nondet's own variables, which the saved object does not track, and
+    TensorFlow refuses to export it ("references an 'untracked' resource"), so with the op
+    window open (``--ops all``) the script failed for nondet's graph. Exporting is not
+    training: nothing of it is recorded. Patched where every alias of the API
+    (``tf.saved_model.save``, ``tf.compat.v2...``) ends up: the module's own global."""
+    from tensorflow.python.saved_model import save as save_module
+
+    original = save_module.save_and_return_nodes
+
+    @functools.wraps(original)
+    def save_and_return_nodes(*args: Any, **kwargs: Any) -> Any:
+        with backend.recorder.quiet():
+            return original(*args, **kwargs)
+
+    save_module.save_and_return_nodes = save_and_return_nodes
+
+
+def _export_unguarded(backend: HookHost) -> None:
+    """Keras' export archive (``model.export``, the TF Lite converter) may trace its
+    endpoints before ``tf.saved_model.save``: those traces get no guards either."""
+    try:
+        from keras.src.export.saved_model_export_archive import SavedModelExportArchive
+    except ImportError:  # another Keras layout: tf.saved_model.save is still covered
+        return
+    for method in ("add_endpoint", "track_and_add_endpoint", "write_out"):
+        original = getattr(SavedModelExportArchive, method, None)
+        if original is None:
+            continue
+
+        def unguarded(archive: Any, *args: Any, _original: Any = original,
+                      **kwargs: Any) -> Any:
+            with backend.recorder.quiet():
+                return _original(archive, *args, **kwargs)
+
+        setattr(SavedModelExportArchive, method, functools.wraps(original)(unguarded))
 
 
 def keras_backend_name() -> str:
@@ -203,6 +244,7 @@ def install_keras(backend: HookHost) -> None:
     BaseOptimizer.apply = apply
     _mark_evaluation(backend)
     _note_steps_per_execution(backend)
+    _export_unguarded(backend)
 
 
 DISTRIBUTE_NOTE = (

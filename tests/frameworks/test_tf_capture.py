@@ -267,6 +267,54 @@ def test_fit_over_a_dataset_of_unknown_length_counts_no_step_for_its_end(
     assert "capture_note.steps_per_execution" not in c.facts
 
 
+TWO_OPTIMIZERS = """
+import numpy as np
+keras = tf.keras
+x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+
+class TwoNets(keras.Model):  # a GAN's shape: train_step applies two optimizers
+    def __init__(self):
+        super().__init__()
+        self.d, self.g = keras.layers.Dense(1), keras.layers.Dense(3)
+
+    def compile(self, d_opt, g_opt, **kwargs):
+        super().compile(**kwargs)
+        self.d_opt, self.g_opt = d_opt, g_opt
+
+    def call(self, x):
+        return self.d(self.g(x))
+
+    def train_step(self, data):
+        for opt, layer in ((self.d_opt, self.d), (self.g_opt, self.g)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(data)))
+            grads = tape.gradient(loss, layer.trainable_variables)
+            opt.apply_gradients(zip(grads, layer.trainable_variables))
+        return {"loss": loss}
+
+model = TwoNets()
+model.build((None, 3))
+model.compile(keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1), steps_per_execution=SPE)
+model.fit(x, batch_size=16, epochs=1, shuffle=False, verbose=0)
+"""
+
+
+@pytest.mark.parametrize("spe", [1, 2])
+def test_several_updates_in_one_call_are_noted_by_their_cause(tmp_path: Path, spe: int) -> None:
+    # h-realtf2 (keras-io WGAN-GP): a train_step applying two optimizers made "one traced
+    # call made several training steps (Keras steps_per_execution > 1) ... compile with
+    # steps_per_execution=1" although it was 1: advice the user had already followed
+    c = capture(tmp_path, TWO_OPTIMIZERS.replace("SPE", str(spe)), op_steps=[-1])
+    assert c.n_steps == 8  # 4 batches, two updates each
+    notes = {k for k in c.facts if k.startswith("capture_note.")}
+    if spe == 1:
+        assert notes & {"capture_note.updates_per_call", "capture_note.steps_per_execution"} \
+            == {"capture_note.updates_per_call"}
+        assert "GAN" in str(c.facts["capture_note.updates_per_call"])
+    else:
+        assert "capture_note.steps_per_execution" in notes
+
+
 @pytest.mark.parametrize("jit", [
     "model.compile(optimizer='adam', loss='mse', jit_compile=True)",
     "model.compile(optimizer='adam', loss='mse', steps_per_execution=2, jit_compile=True)",
@@ -346,3 +394,27 @@ def test_a_function_differentiated_by_an_eager_tape_records_its_backward_in_that
     for step in (0, 1):  # each step's own backward, read when it ran (not at the next call)
         backward = [r["name"] for r in records(c, step) if r["phase"] == "backward"]
         assert "TanhGrad" in backward, (step, backward)
+
+
+@pytest.mark.parametrize("export", [
+    "model.export(tempfile.mkdtemp())",
+    "tf.lite.TFLiteConverter.from_keras_model(model).convert()",
+])
+def test_a_model_exported_with_the_op_window_open_is_saved(tmp_path: Path, export: str) -> None:
+    # h-realtf2: with op-level recording at every step (--ops all), functions traced for a
+    # SavedModel got guards over nondet's variables, which the export refused ("references
+    # an 'untracked' resource"): "the script failed" for nondet's own graph (TF Lite fell
+    # back to a path that failed too)
+    c, result = run_script(tmp_path, f"""
+        import tempfile
+        import numpy as np
+        keras = tf.keras
+        x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, x[:, :1], batch_size=16, epochs=1, verbose=0)
+        {export}
+        print("exported")
+        """, op_steps=list(range(-1, 4)))
+    assert c.n_steps == 2
+    assert "exported" in result.log_path.read_text(errors="replace")

@@ -204,3 +204,46 @@ def test_an_eager_optional_read_is_a_batch_at_the_stage_that_reorders(tmp_path: 
     assert optional, records(c, 1)
     assert all(r["kind"] == Kind.ENTRY and r["phase"] == "data" for r in optional), optional
     assert _data_lines(c, 1) == {line_of(tmp_path, "# STAGE")}
+
+
+RAGGED_LOOP = """
+rows = tf.ragged.constant([[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]] * 4)
+ds = tf.data.Dataset.from_tensor_slices(rows).map(lambda r: r + SHIFT).ragged_batch(4)
+emb = tf.keras.layers.Embedding(16, 4)
+opt = tf.keras.optimizers.SGD(0.1)
+for x in ds:  # READ
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.reduce_mean(tf.ragged.map_flat_values(emb, x), axis=1))
+    opt.apply_gradients(zip(tape.gradient(loss, emb.trainable_variables),
+                            emb.trainable_variables))
+"""
+
+
+def test_a_ragged_batch_that_differs_enters_as_data(tmp_path: Path) -> None:
+    """A ragged batch read eagerly is decoded from the iterator's variant output
+    (``RaggedTensorFromVariant``): nondet cannot hash a variant, so that op's "inputs
+    matched" vacuously, and a batch that differed was blamed on it as creating the
+    difference (cause TF-CPU-THREADS, h-realtf2 trial ragged2.py); and the step's data
+    fingerprint left the ragged values out."""
+    from nondet import compare, finding
+    from nondet.launch import CapturedRun, Plan, Target
+    from nondet.store import open_capture
+    from tests.frameworks.test_tf_capture import HEADER
+
+    script = tmp_path / "train.py"
+    captures = []
+    for label, shift in (("a", "0"), ("b", "1")):  # the same file, values shifted in run b
+        script.write_text(HEADER + dedent(RAGGED_LOOP.replace("SHIFT", shift)))
+        run = CapturedRun(Target(str(script), None, ()), Plan(label, [0]), 0, tmp_path / "out")
+        run.start()
+        result = run.wait()
+        assert result.status == "complete" and not result.hook_error, result.log_tail()
+        captures.append(open_capture(result.path))
+    a, b = captures
+    found = finding.localize(a, b, [0])
+    assert found is not None
+    assert (found.kind, found.phase) == ("entry", "data"), found
+    assert found.source is not None and found.source.endswith(
+        f":{line_of(tmp_path, '# READ')}"), found
+    step = compare.first_step_divergence(a.steps, b.steps)
+    assert step is not None and step.step == 0 and "data_fp" in step.fields, step

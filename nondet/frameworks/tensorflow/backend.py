@@ -43,6 +43,16 @@ from nondet.frameworks.tensorflow.state import (
 from nondet.frameworks.tensorflow.statehash import StateHasher
 from nondet.records import INIT_STEP, Group, Kind, Phase
 
+STEPS_PER_EXECUTION_NOTE = (
+    "one traced call made several training steps (Keras steps_per_execution > 1): they share "
+    "one weights snapshot and the op records of the first; for a step-exact finding, compile "
+    "with steps_per_execution=1")
+UPDATES_PER_CALL_NOTE = (
+    "one traced call made several optimizer updates (a training step that applies more than "
+    "one, such as a GAN's two optimizers): each counts as a step, and they share the weights "
+    "snapshot taken after the call, so a difference made inside the call is named at the "
+    "call's first update")
+
 
 class TFBackend(StepLifecycle):
     name = "tensorflow"
@@ -54,6 +64,7 @@ class TFBackend(StepLifecycle):
         self.making_own_variables = False
         self._state_hasher: StateHasher | None = None  # made with the recorder's variables
         self.evaluating = False  # inside Keras evaluate/predict (see hooks._mark_evaluation)
+        self.fit_steps_per_execution = 0  # 0: no Keras fit running (hooks: the model's value)
         super().__init__(session)
         try:
             tf.random.set_seed(session.config.seed)
@@ -190,13 +201,20 @@ class TFBackend(StepLifecycle):
         if data:
             self.add_data("tf_data:IteratorGetNext", data, -1)  # size not known here
         if updates > 1 and not self.explicit:
-            self.note_once("steps_per_execution", (
-                "one traced call made several training steps (Keras steps_per_execution > 1): "
-                "they share one weights snapshot and the op records of the first; for a "
-                "step-exact finding, compile with steps_per_execution=1"))
+            self._note_several_updates()
         for _ in range(updates):
             if not self.explicit:
                 self.boundary()
+
+    def _note_several_updates(self) -> None:
+        """One traced call ran several optimizer updates: each is a step, but they share the
+        weights snapshot taken after the call. Worded by its cause: Keras
+        ``steps_per_execution`` (which the user can set to 1), or a step function applying
+        several updates itself (a GAN's two optimizers, critic steps in a loop)."""
+        if self.fit_steps_per_execution > 1:
+            self.note_once("steps_per_execution", STEPS_PER_EXECUTION_NOTE)
+        else:
+            self.note_once("updates_per_call", UPDATES_PER_CALL_NOTE)
 
     # -- window, pause ---------------------------------------------------------------------------
     def in_op_window(self) -> bool:

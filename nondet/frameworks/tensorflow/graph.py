@@ -255,8 +255,11 @@ def under_strategy() -> bool:
     step once per device, each replica in a thread of its own): op-level guards are not
     placed there (they read nondet's variables from the replica's device, which
     TensorFlow refuses or waits on forever); the batches and the step-level state are
-    still recorded."""
-    return bool(tf.distribute.has_strategy())
+    still recorded. ``OneDeviceStrategy`` has one replica in the script's thread and no
+    cross-device read: its ops are recorded as without a strategy."""
+    if not tf.distribute.has_strategy():
+        return False
+    return not isinstance(tf.distribute.get_strategy(), tf.distribute.OneDeviceStrategy)
 
 
 XLA_NOTE = (

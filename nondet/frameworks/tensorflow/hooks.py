@@ -42,6 +42,7 @@ class HookHost(RecorderHost, Protocol):
     started: bool
     explicit: bool  # nondet.step() is in charge of boundaries
     evaluating: bool  # inside Keras evaluate/predict
+    fit_steps_per_execution: int  # of the Keras model whose fit/train_on_batch is running
     layer_stack: list[int]
     making_own_variables: bool  # nondet's own variables are not the script's state
 
@@ -107,7 +108,8 @@ def install(backend: HookHost) -> Any:
             element = original_next(iterator)
         finally:
             backend.phase = previous
-        tensors = tf.nest.flatten(element)
+        # expand_composites: a ragged or sparse batch is hashed by its dense components
+        tensors = tf.nest.flatten(element, expand_composites=True)
         with backend.guarded():
             fps = backend.recorder.entry("tf_data", "iterator next", tensors)
             if fps:
@@ -116,7 +118,48 @@ def install(backend: HookHost) -> Any:
         return element
 
     iterator_ops.OwnedIterator.__next__ = iterator_next
+    _save_unguarded(backend)
     return creator_scope
+
+
+def _save_unguarded(backend: HookHost) -> None:
+    """Functions traced while a SavedModel is written (``tf.saved_model.save``, which Keras'
+    ``model.export`` and the TF Lite converter's ``from_keras_model`` call) get no op guards:
+    a guard captures nondet's own variables, which the saved object does not track, and
+    TensorFlow refuses to export it ("references an 'untracked' resource"), so with the op
+    window open (``--ops all``) the script failed for nondet's graph. Exporting is not
+    training: nothing of it is recorded. Patched where every alias of the API
+    (``tf.saved_model.save``, ``tf.compat.v2...``) ends up: the module's own global."""
+    from tensorflow.python.saved_model import save as save_module
+
+    original = save_module.save_and_return_nodes
+
+    @functools.wraps(original)
+    def save_and_return_nodes(*args: Any, **kwargs: Any) -> Any:
+        with backend.recorder.quiet():
+            return original(*args, **kwargs)
+
+    save_module.save_and_return_nodes = save_and_return_nodes
+
+
+def _export_unguarded(backend: HookHost) -> None:
+    """Keras' export archive (``model.export``, the TF Lite converter) may trace its
+    endpoints before ``tf.saved_model.save``: those traces get no guards either."""
+    try:
+        from keras.src.export.saved_model_export_archive import SavedModelExportArchive
+    except ImportError:  # another Keras layout: tf.saved_model.save is still covered
+        return
+    for method in ("add_endpoint", "track_and_add_endpoint", "write_out"):
+        original = getattr(SavedModelExportArchive, method, None)
+        if original is None:
+            continue
+
+        def unguarded(archive: Any, *args: Any, _original: Any = original,
+                      **kwargs: Any) -> Any:
+            with backend.recorder.quiet():
+                return _original(archive, *args, **kwargs)
+
+        setattr(SavedModelExportArchive, method, functools.wraps(original)(unguarded))
 
 
 def keras_backend_name() -> str:
@@ -200,6 +243,8 @@ def install_keras(backend: HookHost) -> None:
 
     BaseOptimizer.apply = apply
     _mark_evaluation(backend)
+    _note_steps_per_execution(backend)
+    _export_unguarded(backend)
 
 
 DISTRIBUTE_NOTE = (
@@ -227,6 +272,32 @@ def _mark_evaluation(backend: HookHost) -> None:
                 backend.evaluating = outer
 
         setattr(TensorFlowTrainer, method, functools.wraps(original)(not_training))
+
+
+def _note_steps_per_execution(backend: HookHost) -> None:
+    """While Keras ``fit``/``train_on_batch`` runs, the model's ``steps_per_execution``: a
+    traced call that makes several updates is then worded by its cause (``TFBackend.
+    after_function``): a GAN's ``train_step`` applying two optimizers makes several updates
+    per call with ``steps_per_execution=1``, where "compile with steps_per_execution=1" is
+    no advice."""
+    try:
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    except ImportError:  # another Keras layout: the note names both causes
+        return
+    for method in ("fit", "train_on_batch"):
+        original = getattr(TensorFlowTrainer, method)
+
+        def training(model: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            outer = backend.fit_steps_per_execution
+            with backend.guarded():
+                backend.fit_steps_per_execution = int(getattr(model, "steps_per_execution", 1)
+                                                      or 1)
+            try:
+                return _original(model, *args, **kwargs)
+            finally:
+                backend.fit_steps_per_execution = outer
+
+        setattr(TensorFlowTrainer, method, functools.wraps(original)(training))
 
 
 def _layer_id(backend: HookHost, layer: Any) -> int:

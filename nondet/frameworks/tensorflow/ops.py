@@ -115,10 +115,12 @@ class TFOpRecorder(GraphRecorder):
         if not outs_t:
             return
         name = self.session.intern(op_type)
-        if op_type in DATA_OPS:
-            # A batch read eagerly past the Python iterator hook (a distributed iterator's
-            # get_next_as_optional, as MirroredStrategy's fit uses): data entering, at the
-            # stage that let it vary when there is one, as in a graph.
+        # A batch read eagerly past the Python iterator hook (a distributed iterator's
+        # get_next_as_optional, as MirroredStrategy's fit uses), or decoded from the
+        # iterator's variant output (a ragged or sparse batch: RaggedTensorFromVariant):
+        # data entering, at the stage that let it vary when there is one, as in a graph.
+        batch = op_type in DATA_OPS or (phase == Phase.DATA and _reads_variant(inputs))
+        if batch:
             kind, phase = Kind.ENTRY, int(Phase.DATA)
             name = self.session.intern(f"tf_data:{op_type}")
             if self.reordering_stage >= 0:
@@ -126,6 +128,12 @@ class TFOpRecorder(GraphRecorder):
         elif op_type in ENTRY_KINDS_OF:
             kind = Kind.ENTRY
             name = self.session.intern(f"{ENTRY_KINDS_OF[op_type]}:{entry_label(op_type)}")
+        elif _reads_variant(inputs):
+            # A variant input (an encoded list, optional or dataset element) cannot be
+            # hashed, so "its inputs matched" would be vacuous: a differing output is a
+            # value entering, never an op creating the difference.
+            kind = Kind.ENTRY
+            name = self.session.intern(f"external:{op_type}")
         else:
             kind = Kind.OP
         if op_type in DERIVED_OPS and kind == Kind.OP:
@@ -214,6 +222,10 @@ class TFOpRecorder(GraphRecorder):
         ]
         self.records = []
         return np.array(rows, dtype=OP_DTYPE) if rows else np.zeros(0, dtype=OP_DTYPE)
+
+
+def _reads_variant(inputs: Any) -> bool:
+    return any(getattr(t, "dtype", None) == tf.variant for t in inputs or ())
 
 
 def _read_contents(contents: list[Any]) -> list[int]:

@@ -64,6 +64,7 @@ def main() -> int:
     offset = clock.offset_for(config.label)
     clock.shift(offset)  # run b's wall clock runs ahead: a seed read from it differs
     session.send_facts({clock.CLOCK_FACT: offset})
+    clock.watch_reads(session.sources.user_file)  # a seed read from it is named (seeding)
     pyhooks.install(session)
     exit_place.install(session)
     loop_end.install(session)

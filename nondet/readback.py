@@ -10,9 +10,16 @@ such file once, as a ``capture_note`` fact the report shows (``analysis.capture_
 The test, per open for reading of a path under the working directory: its mtime lies
 between the invocation's start (``NONDET_INVOCATION_STARTED``, real time, set by the
 parent) and this run's start. Files written before nondet started (the data) are older;
-files this run writes itself are newer. A file the twin run rewrites while this one runs
-is not caught (telling it from the script's own writes made in C, as torch.save's, would
-risk a false alarm). Overhead: one ``os.stat`` per open for reading, nothing per step.
+files this run writes itself are newer. Overhead: one ``os.stat`` per open for reading,
+nothing per step.
+
+The pair's race (both runs at once: the first builds ``cache.npy`` if missing, the other
+loads it): a file newer than this run's start that this run had not opened for writing is
+listed (``FRESH_FACT``), and so is every path it opens for writing (``WROTE_FACT``). The
+parent names a file one run read and the twin opened for writing (``pair_notes``). A file
+newer than the run may also be its own, written in C (torch.save, safetensors, h5py never
+call ``open``): it is named only when the twin's ``open`` wrote it, which the same script
+in the reading run would have done through ``open`` too, so never a false note.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ LOOP_FACT = "script.loop_ended"
 #: Nested Python calls traced per step before the watch gives up for that step (bounds its
 #: cost when the loop runs a lot of Python between steps without a model call).
 MAX_CALLS = 5000
+#: Step ends in a row at one line of a frame that ran nothing in between: a library's loop.
+_STILL_STEPS = 3
 #: Frames walked up from the step end to find the loop (hooks, optimizer, helpers).
 _MAX_DEPTH = 64
 
@@ -138,6 +140,10 @@ class Watch:
         self.paused = False
         self.exit: dict[str, str] | None = None  # the exit seen after the last step
         self.disabled = False
+        self.moved = False  # the frame ran a line of its own since it was armed
+        self.armed_at: tuple[int, int] | None = None
+        self.still = 0  # step ends in a row at the same frame and line without moving
+        self.not_loops: set[tuple[CodeType, int]] = set()
 
     # step end: arm on the loop's frame
     def step_ended(self, step: int) -> None:
@@ -147,10 +153,10 @@ class Watch:
             self._stop()
             self.exit = None
             frame = self._driving_frame()
-            if frame is None or sys.gettrace() is not None:
+            if frame is None or sys.gettrace() is not None or self._library_driven(frame):
                 self.loop = None  # unknown loop (or the script traces itself): say nothing
                 return
-            self.frame, self.loop = frame, _loop_of(frame)
+            self.frame, self.loop, self.moved = frame, _loop_of(frame), False
             self.filename = frame.f_code.co_filename
             self.last_inside, self.calls, self.paused = frame.f_lineno, 0, False
             self.thread = threading.get_ident()
@@ -159,6 +165,20 @@ class Watch:
             sys.settrace(self._global)
         except Exception:
             self._failed()
+
+    def _library_driven(self, frame: FrameType) -> bool:
+        """The frame ran no line of its own between step ends, several times over: its line
+        calls a library's loop (``model.fit``, ``trainer.train()`` inside a sweep), which
+        drives the steps; that loop is not watched (it would only cost)."""
+        key = (frame.f_code, frame.f_lineno)
+        if key in self.not_loops:
+            return True
+        armed, self.armed_at = self.armed_at, (id(frame), frame.f_lineno)
+        self.still = self.still + 1 if armed == self.armed_at and not self.moved else 0
+        if self.still >= _STILL_STEPS:  # (two optimizers stepped on one line: once still)
+            self.not_loops.add(key)
+            return True
+        return False
 
     def _driving_frame(self) -> FrameType | None:
         sources = self.session.sources
@@ -185,6 +205,7 @@ class Watch:
                 return None
             if event == "line":
                 line = frame.f_lineno
+                self.moved = True
                 if loop.inside(line):
                     self.last_inside = line
                     return self._local

@@ -195,3 +195,18 @@ def test_a_run_that_breaks_out_early_names_the_break(tmp_path: Path) -> None:
     assert div["kind"] == "structure" and div["source"] == "train.py:18", div
     assert "ended after 2 steps at the break in train.py:18 (the loop at train.py:14)" \
         in result.stdout, result.stdout
+
+
+def test_a_line_that_calls_a_librarys_loop_is_not_watched(session: _Session) -> None:
+    """``for lr in lrs: model.fit(...)``: the user's loop is not the one driving the steps;
+    after a few step ends without a line of its own the frame is left alone."""
+    def fit(steps: int) -> None:  # a library's training loop
+        for step in range(steps):
+            _step_end(session, step)
+
+    fit.__code__ = fit.__code__.replace(co_filename="<library>")
+    for _ in range(2):
+        fit(6)
+    loop_end.send(session)  # type: ignore[arg-type]
+    assert loop_end.LOOP_FACT not in session.facts  # its loop is unknown: nothing said
+    assert loop_end._WATCH is not None and len(loop_end._WATCH.not_loops) == 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import builtins
 import io
 import os
+import stat
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -112,11 +113,13 @@ def install(session: Session, run_started: float | None = None) -> None:
             shown = real[len(cwd):]
             if shown.split(os.sep, 1)[0] == _OWN_DIR:
                 return
-            mtime = os.stat(real).st_mtime
+            st = os.stat(real)
+            mtime = st.st_mtime
             if invocation - _SLACK <= mtime < started:
                 seen.add(real)
                 session.send_facts({f"capture_note.{FACT}:{shown}": note_text(shown)})
-            elif mtime >= started and shown not in wrote and len(fresh) < MAX_PAIR_FILES:
+            elif mtime >= started and shown not in wrote and len(fresh) < MAX_PAIR_FILES \
+                    and stat.S_ISREG(st.st_mode):  # a directory listed (rmtree) is no read
                 # written while this run went, not by its own opens: the twin's, or a C
                 # writer's of its own (torch.save); pair_notes asks the twin which
                 fresh.append(shown)

@@ -92,7 +92,9 @@ def test_a_file_written_by_another_while_the_run_went_is_listed(tmp_path: Path) 
     _written(tmp_path / "features.pkl", now + 2)  # the twin wrote it after this run started
     code = ("pickle.load(open('features.pkl', 'rb'))\n"
             "with open('own.pkl', 'wb') as f: pickle.dump(1, f)\n"
-            "pickle.load(open('own.pkl', 'rb'))")  # its own: never "fresh"
+            "pickle.load(open('own.pkl', 'rb'))\n"  # its own: never "fresh"
+            "os.makedirs('ckpt-1')\n"
+            "os.close(os.open('ckpt-1', os.O_RDONLY))")  # a directory listed (rmtree)
     facts = _run(tmp_path, code, run_started=now, invocation=now - 20)
     assert facts == {readback.FRESH_FACT: ["features.pkl"], readback.WROTE_FACT: ["own.pkl"]}
 

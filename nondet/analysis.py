@@ -12,7 +12,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nondet import channel, child_captures, compare, end_state, environment, recipe, seed_diff
+from nondet import (
+    channel,
+    child_captures,
+    compare,
+    end_state,
+    environment,
+    readback,
+    recipe,
+    seed_diff,
+)
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.finding import from_step_rows, localize, with_notes
@@ -93,7 +102,8 @@ def compare_captures(a: Capture, b: Capture, *, command: str = "", notes: Sequen
 def compare_pair(a: Capture, b: Capture) -> Comparison:
     """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
     env_diff = environment.differences(a.env, b.env)
-    notes = [*capture_notes(a, b), *seed_diff.unseeded_script_notes(a)]
+    notes = [*capture_notes(a, b), *readback.pair_notes(a, b),
+             *seed_diff.unseeded_script_notes(a)]
     both_ended = _extra_steps_count(a, b)
     step_div = compare.first_step_divergence(a.steps, b.steps, count_extra_steps=both_ended)
     common_op_steps = sorted(set(a.op_steps()) & set(b.op_steps()))

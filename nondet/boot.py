@@ -22,6 +22,7 @@ from nondet import (
     exit_place,
     frameworks,
     interventions,
+    loop_end,
     pyhooks,
     readback,
 )
@@ -63,8 +64,10 @@ def main() -> int:
     offset = clock.offset_for(config.label)
     clock.shift(offset)  # run b's wall clock runs ahead: a seed read from it differs
     session.send_facts({clock.CLOCK_FACT: offset})
+    clock.watch_reads(session.sources.user_file)  # a seed read from it is named (seeding)
     pyhooks.install(session)
     exit_place.install(session)
+    loop_end.install(session)
     frameworks.install_import_hooks(session)
     _quiet_stop_in_threads()
     interventions.apply_requested(config.seed)  # --apply / verification: before the script
@@ -81,6 +84,7 @@ def main() -> int:
             sys.argv = [script, *config.args]
             sys.path.insert(0, os.path.dirname(script))
             runpy.run_path(script, run_name="__main__")
+        loop_end.send(session)  # ended on its own: how its step loop ended, if known
     except StopRun:
         status = "stopped"
     except SystemExit as exc:

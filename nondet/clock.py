@@ -25,8 +25,12 @@ run a, so the two runs differ in the clock's value only, never in which class th
 from __future__ import annotations
 
 import datetime
+import math
 import re
+import sys
 import time
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from nondet import standin
@@ -51,10 +55,16 @@ def shift(offset: float) -> None:
     offset_ns = int(offset * 1e9)
 
     def shifted_time() -> float:
-        return real_time() + offset
+        value = real_time() + offset
+        if _is_user is not None:
+            _note(value, None)
+        return value
 
     def shifted_time_ns() -> int:
-        return real_time_ns() + offset_ns
+        value = real_time_ns() + offset_ns
+        if _is_user is not None:
+            _note(value / 1e9, value)
+        return value
 
     shifted_time.__doc__, shifted_time_ns.__doc__ = real_time.__doc__, real_time_ns.__doc__
     time.time, time.time_ns = shifted_time, shifted_time_ns
@@ -102,3 +112,66 @@ def _shifted_datetime() -> type:
     # a heap type's repr uses __name__: keep "datetime.datetime(2026, ...)" as it was
     ShiftedDatetime.__name__ = f"{base.__module__}.{base.__name__}"
     return ShiftedDatetime
+
+
+# -- where a clock seed came from ---------------------------------------------------------------
+#: The user's lines that read the clock, with the last value each read: (seconds, ns or None).
+_READS: dict[tuple[str, int], tuple[float, int | None]] = {}
+_MAX_READS = 64
+_is_user: Callable[[str], bool] | None = None
+
+
+def watch_reads(is_user: Callable[[str], bool]) -> None:
+    """Remember the clock readings the user's own lines make (``origin_of``)."""
+    global _is_user
+    _is_user = is_user
+
+
+def _note(seconds: float, ns: int | None) -> None:
+    """One reading: kept when the user's line made it (through ``datetime.now()`` too)."""
+    try:
+        frame: FrameType | None = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename == __file__:
+            frame = frame.f_back  # datetime.now(), localtime(): the line that called them
+        if frame is None or _is_user is None or not _is_user(frame.f_code.co_filename):
+            return
+        key = (frame.f_code.co_filename, frame.f_lineno)
+        if key not in _READS and len(_READS) >= _MAX_READS:
+            del _READS[next(iter(_READS))]  # the oldest line
+        _READS[key] = (seconds, ns)
+    except Exception:  # a clock reading must never fail because nondet looked at it
+        pass
+
+
+#: Units a seed is read from the clock in, and the moduli scripts fold it with. Moduli under
+#: 10**6 are left out: a small seed would match some reading by chance too often.
+_SCALES = ((1, "s"), (10**3, "ms"), (10**6, "us"), (10**9, "ns"))
+_MODULI = (None, 2**32, 2**31, 2**31 - 1, 2**32 - 1, 2**63, 2**64, 10**6, 10**7, 10**8, 10**9)
+
+
+def origin_of(value: Any) -> tuple[str, int, str] | None:
+    """(file, line, derivation) of the user's clock reading this seed equals, if any:
+    ``int(time.time())``, ``int(time.time() * 1000) % 2**32``, ``time.time_ns()``, ...
+    Only plain numbers; None when no reading matches."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _READS:
+        return None
+    for (filename, line), (seconds, ns) in reversed(_READS.items()):
+        how = _derivation(value, seconds, ns)
+        if how is not None:
+            return filename, line, how
+    return None
+
+
+def _derivation(value: int | float, seconds: float, ns: int | None) -> str | None:
+    if isinstance(value, float):
+        return "seconds" if value == seconds else None
+    for scale, unit in _SCALES:
+        exact = ns // (10**9 // scale) if ns is not None else None
+        scaled = seconds * scale
+        for candidate in {exact, math.floor(scaled), round(scaled)}:
+            if candidate is None:
+                continue
+            for modulus in _MODULI:
+                if value == (candidate if modulus is None else candidate % modulus):
+                    return unit if modulus is None else f"{unit} % {modulus}"
+    return None

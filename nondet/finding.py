@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import compare, exit_place
+from nondet import compare, exit_place, loop_end
 from nondet.records import (
     ENTRY_KINDS,
     INIT_STEP,
@@ -128,8 +128,10 @@ def _step_level_divergence(step_div: compare.StepDivergence, a: Capture,
         shorter, longer = (a, b) if a.n_steps < b.n_steps else (b, a)
         went_on = (f"after {longer.n_steps}" if longer.status == "complete" else
                    f"went on to {longer.n_steps} (then nondet stopped it)")
-        ended = exit_place.ended_at(shorter)
-        at = f" at {ended[1]}() in {ended[0]}" if ended else ""
+        exited = exit_place.ended_at(shorter)
+        ended = (exited[0], f"at {exited[1]}() in {exited[0]}") if exited \
+            else loop_end.ended_at(shorter)
+        at = f" {ended[1]}" if ended else ""
         return Divergence(kind="structure", step=step_div.step, phase="other", localized=False,
                           source=ended[0] if ended else None,
                           source_text=source_text(shorter, ended[0] if ended else None),

@@ -10,9 +10,16 @@ such file once, as a ``capture_note`` fact the report shows (``analysis.capture_
 The test, per open for reading of a path under the working directory: its mtime lies
 between the invocation's start (``NONDET_INVOCATION_STARTED``, real time, set by the
 parent) and this run's start. Files written before nondet started (the data) are older;
-files this run writes itself are newer. A file the twin run rewrites while this one runs
-is not caught (telling it from the script's own writes made in C, as torch.save's, would
-risk a false alarm). Overhead: one ``os.stat`` per open for reading, nothing per step.
+files this run writes itself are newer. Overhead: one ``os.stat`` per open for reading,
+nothing per step.
+
+The pair's race (both runs at once: the first builds ``cache.npy`` if missing, the other
+loads it): a file newer than this run's start that this run had not opened for writing is
+listed (``FRESH_FACT``), and so is every path it opens for writing (``WROTE_FACT``). The
+parent names a file one run read and the twin opened for writing (``pair_notes``). A file
+newer than the run may also be its own, written in C (torch.save, safetensors, h5py never
+call ``open``): it is named only when the twin's ``open`` wrote it, which the same script
+in the reading run would have done through ``open`` too, so never a false note.
 """
 
 from __future__ import annotations
@@ -20,11 +27,15 @@ from __future__ import annotations
 import builtins
 import io
 import os
+import stat
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nondet import session as session_module
 from nondet.session import Session
+
+if TYPE_CHECKING:
+    from nondet.store import Capture
 
 #: Environment variable: the wall-clock time (``time.time()``) the nondet invocation began.
 STARTED_ENV = "NONDET_INVOCATION_STARTED"
@@ -32,6 +43,11 @@ STARTED_ENV = "NONDET_INVOCATION_STARTED"
 FACT = "read_earlier_run_output"
 #: Files named at most (a script reading a whole directory back is named by its first ones).
 MAX_FILES = 8
+#: Facts for the pair's race (``pair_notes``): paths under the cwd this run opened for
+#: writing, and paths it read that were written while it ran, by others than its own opens.
+WROTE_FACT = "readback.wrote"
+FRESH_FACT = "readback.read_fresh"
+MAX_PAIR_FILES = 64
 #: nondet's own output directory (the captures): never the script's state.
 _OWN_DIR = ".nondet"
 # mtime granularity: a file written in the second the invocation started still counts
@@ -63,9 +79,25 @@ def install(session: Session, run_started: float | None = None) -> None:
     cwd = os.path.abspath(os.getcwd()) + os.sep
     seen: set[str] = set()
     checked: set[str] = set()
+    wrote: list[str] = []  # the twin's race (pair_notes): what this run opened for writing
+    fresh: list[str] = []  # and what it read that someone else wrote while it ran
+
+    def note_write(file: Any) -> None:
+        if len(wrote) >= MAX_PAIR_FILES or session_module.current() is not session:
+            return
+        try:
+            shown = _shown(file, cwd)
+            if shown is not None and shown not in wrote:
+                wrote.append(shown)
+                session.send_facts({WROTE_FACT: list(wrote)})
+        except Exception:
+            pass  # a hook never raises into the script
 
     def check(file: Any, reading: bool) -> None:
-        if not reading or len(seen) >= MAX_FILES or session_module.current() is not session:
+        if not reading:
+            note_write(file)
+            return
+        if len(seen) >= MAX_FILES or session_module.current() is not session:
             return
         try:
             if isinstance(file, int) or not isinstance(file, (str, bytes, os.PathLike)):
@@ -81,10 +113,17 @@ def install(session: Session, run_started: float | None = None) -> None:
             shown = real[len(cwd):]
             if shown.split(os.sep, 1)[0] == _OWN_DIR:
                 return
-            mtime = os.stat(real).st_mtime
+            st = os.stat(real)
+            mtime = st.st_mtime
             if invocation - _SLACK <= mtime < started:
                 seen.add(real)
                 session.send_facts({f"capture_note.{FACT}:{shown}": note_text(shown)})
+            elif mtime >= started and shown not in wrote and len(fresh) < MAX_PAIR_FILES \
+                    and stat.S_ISREG(st.st_mode):  # a directory listed (rmtree) is no read
+                # written while this run went, not by its own opens: the twin's, or a C
+                # writer's of its own (torch.save); pair_notes asks the twin which
+                fresh.append(shown)
+                session.send_facts({FRESH_FACT: list(fresh)})
         except Exception:
             pass  # a hook never raises into the script; an unreadable path is the script's
 
@@ -107,7 +146,41 @@ def install(session: Session, run_started: float | None = None) -> None:
     os.open = os_open
 
 
+def _shown(file: Any, cwd: str) -> str | None:
+    """A path under the working directory as the report shows it (None: elsewhere, a file
+    descriptor, or nondet's own directory)."""
+    if isinstance(file, int) or not isinstance(file, (str, bytes, os.PathLike)):
+        return None
+    real = os.path.abspath(os.fsdecode(file))
+    if not real.startswith(cwd):
+        return None
+    shown = real[len(cwd):]
+    return None if shown.split(os.sep, 1)[0] == _OWN_DIR else shown
+
+
 # -- parent side ---------------------------------------------------------------------------
+def pair_notes(a: Capture, b: Capture) -> list[str]:
+    """A file one run of the pair read that the other run opened for writing while they both
+    went (a cache built if missing, a checkpoint): the runs did not compute the same thing.
+    Only files the reading run had not opened for writing itself before the read, and only
+    writes made through ``open``/``os.open`` (a file both runs write in C is never named)."""
+    notes = []
+    for x, y in ((a, b), (b, a)):
+        read, written = _paths(x.facts.get(FRESH_FACT)), _paths(y.facts.get(WROTE_FACT))
+        for path in (p for p in read if p in written):
+            notes.append(
+                f"run {x.label} read {path}, which run {y.label} wrote while both ran: the "
+                "runs share the working directory and one read what the other made (a cache "
+                "built if missing, a checkpoint), so they did not compute the same thing and "
+                "the verdict may hide a difference in how that file is made; delete it and "
+                "build it before running nondet, or give each run a file of its own")
+    return notes
+
+
+def _paths(value: Any) -> list[str]:
+    return [p for p in value if isinstance(p, str)] if isinstance(value, list) else []
+
+
 def report_notes(capture_paths: list[str]) -> list[str]:
     """The read-back notes of the later runs' captures (narrowing, verification: the first
     pair's reach the report through ``analysis.capture_notes``), once each, and a warning

@@ -91,6 +91,14 @@ def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergenc
                          "and draws no random numbers: a cause of its own")
         return None
     notes = [f"{diff.api} received {values}: the seed itself differs between the runs"]
+    origin = clock_origin(a, diff), clock_origin(b, diff)
+    if origin[0] is not None and origin[0] == origin[1]:
+        site, unit = origin[0]
+        text = a.source_text(site)
+        notes.append(f"the seed was read from the clock at {site}"
+                     + (f" ({text})" if text else "")
+                     + f": both runs' seeds equal that line's reading of the wall clock "
+                     f"(in {unit}); take the seed from a constant or the command line there")
     if diff.library:
         notes.append(f"the call is made by {diff.library}, called from {diff.site or '?'}")
     offset = b.facts.get(CLOCK_FACT)
@@ -102,6 +110,22 @@ def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergenc
         source=diff.site or None, notes=notes)
     found.source_text = a.source_text(diff.site) if diff.site else ""
     return found
+
+
+def clock_origin(capture: Capture, diff: SeedDifference) -> tuple[str, str] | None:
+    """(line, unit) of the clock reading the run's seed at ``diff``'s call site equalled
+    (``seeding`` notes it in the child), if it did."""
+    for key, value in capture.facts.items():
+        if not key.startswith(SEED_FACT_PREFIX) or not isinstance(value, dict):
+            continue
+        if (value.get("api"), value.get("site"), value.get("library")) != \
+                (diff.api, diff.site, diff.library):
+            continue
+        origin = value.get("clock")
+        if isinstance(origin, dict) and isinstance(origin.get("site"), str) \
+                and isinstance(origin.get("how"), str) and origin["site"]:
+            return origin["site"], origin["how"]
+    return None
 
 
 def _independent(div: Divergence) -> bool:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
-from nondet import channel
+from nondet import channel, clock
 from nondet import session as session_module
 from nondet.frameworks.base import Session
 
@@ -182,9 +182,20 @@ class SeedLog:
                 return
             self._seq += 1
             data["calls"].append([self._seq, int(self._session.step), seed_value(value)])
+            if "clock" not in data:
+                self._note_clock(data, value)
             self._session.send_facts({fact: data})
         except Exception:
             self.failed()
+
+    def _note_clock(self, data: dict[str, Any], value: Any) -> None:
+        """The seed equals a reading of the clock the user's code made: name that line
+        (``{"site": "train.py:5", "how": "ms % 4294967296"}``)."""
+        origin = clock.origin_of(value)
+        if origin is not None:
+            filename, line, how = origin
+            sid = self._session.sources.intern_location(filename, line)  # its text goes too
+            data["clock"] = {"site": self._session.string(sid), "how": how}
 
     def failed(self) -> None:
         """nondet's own error: reported once as a nondet bug (exit 3); recording stops and

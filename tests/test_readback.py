@@ -12,9 +12,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from nondet import readback
-from tests.conftest import step_rows, write_capture
+from nondet.store import open_capture
+from tests.conftest import run_cli, step_rows, write_capture
 
 _HARNESS = textwrap.dedent("""
     import json, os, pickle, sys, time
@@ -33,12 +37,12 @@ _HARNESS = textwrap.dedent("""
 """)
 
 
-def _run(cwd: Path, code: str, run_started: float, invocation: float) -> dict[str, str]:
+def _run(cwd: Path, code: str, run_started: float, invocation: float) -> dict[str, Any]:
     env = {**os.environ, readback.STARTED_ENV: str(invocation),
            "PYTHONPATH": str(Path(readback.__file__).parent.parent)}
     out = subprocess.run([sys.executable, "-c", _HARNESS, str(run_started), code], cwd=cwd,
                          env=env, capture_output=True, text=True, timeout=60, check=True)
-    facts: dict[str, str] = json.loads(out.stdout.strip().splitlines()[-1])
+    facts: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return facts
 
 
@@ -78,7 +82,39 @@ def test_data_older_than_the_invocation_and_own_writes_stay_quiet(tmp_path: Path
             "with open('mine.log', 'w') as f: f.write('x')\n"
             "open('mine.log').read()\n"  # written by this run itself: newer than its start
             "os.close(os.open('fd.bin', os.O_WRONLY | os.O_CREAT))")
-    assert _run(tmp_path, code, run_started=now, invocation=now - 20) == {}
+    facts = _run(tmp_path, code, run_started=now, invocation=now - 20)
+    # no note, and nothing read that another wrote; the writes are listed for pair_notes
+    assert facts == {readback.WROTE_FACT: ["old_ckpt.pkl", "mine.log", "fd.bin"]}, facts
+
+
+def test_a_file_written_by_another_while_the_run_went_is_listed(tmp_path: Path) -> None:
+    now = time.time()
+    _written(tmp_path / "features.pkl", now + 2)  # the twin wrote it after this run started
+    code = ("pickle.load(open('features.pkl', 'rb'))\n"
+            "with open('own.pkl', 'wb') as f: pickle.dump(1, f)\n"
+            "pickle.load(open('own.pkl', 'rb'))\n"  # its own: never "fresh"
+            "os.makedirs('ckpt-1')\n"
+            "os.close(os.open('ckpt-1', os.O_RDONLY))")  # a directory listed (rmtree)
+    facts = _run(tmp_path, code, run_started=now, invocation=now - 20)
+    assert facts == {readback.FRESH_FACT: ["features.pkl"], readback.WROTE_FACT: ["own.pkl"]}
+
+
+def test_pair_notes_name_a_file_one_run_read_and_the_other_wrote(tmp_path: Path) -> None:
+    steps = step_rows({"step": 0})
+
+    def pair(fresh_a: list[str], wrote_b: list[str]) -> list[str]:
+        a = write_capture(tmp_path / "run-a.h5", steps, facts={readback.FRESH_FACT: fresh_a},
+                          attrs={"label": "a"})
+        b = write_capture(tmp_path / "run-b.h5", steps, facts={readback.WROTE_FACT: wrote_b},
+                          attrs={"label": "b"})
+        return readback.pair_notes(open_capture(a), open_capture(b))
+
+    notes = pair(["cache/features.npy"], ["log.txt", "cache/features.npy"])
+    assert len(notes) == 1 and notes[0].startswith(
+        "run a read cache/features.npy, which run b wrote while both ran"), notes
+    # a file the other run did not open for writing (its own torch.save in C, say): quiet
+    assert pair(["ckpt.pt"], ["log.txt"]) == []
+    assert pair([], ["ckpt.pt"]) == []
 
 
 def test_the_scripts_own_errors_stay_its_own(tmp_path: Path) -> None:
@@ -113,3 +149,40 @@ def test_report_notes_name_the_file_once_and_doubt_a_verified_fix(tmp_path: Path
     assert notes[0] == readback.note_text("ckpt.pt") and len(notes) == 2
     assert "verified" in notes[1]
     assert readback.report_notes([quiet]) == []
+
+
+_CACHE_IF_MISSING = """
+import os
+import numpy as np
+import torch
+torch.manual_seed(0)
+if not os.path.exists("features.npy"):
+    feats = np.random.default_rng().normal(size=(64, 8)).astype(np.float32)  # unseeded
+    np.save("features.npy", feats)
+else:
+    feats = np.load("features.npy")
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    loss = model(torch.from_numpy(feats)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.e2e
+def test_a_cache_one_run_of_the_pair_builds_and_the_other_reads_is_named(
+        tmp_path: Path) -> None:
+    """The pair's race: whichever run gets there first builds the cache (from an unseeded
+    generator), the other loads it, and both train on the same data. The verdict cannot
+    show the cause; the note names the file (nothing was said before)."""
+    (tmp_path / "train.py").write_text(_CACHE_IF_MISSING)
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", "train.py",
+                     cwd=tmp_path, timeout=240)
+    report = json.loads((tmp_path / "r.json").read_text())
+    race = [n for n in report["notes"] if "features.npy, which run" in n]
+    if report["verdict"] == "nondeterministic":
+        # both runs found no cache and built their own (they checked within microseconds
+        # of each other): then the differing data is found and nothing was read back
+        assert not race, report["notes"]
+        return
+    assert len(race) == 1 and "wrote while both ran" in race[0], (result.stdout, report)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
+from nondet import loop_end
 from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.torch import children, comm, compiled, cuda
@@ -153,8 +154,11 @@ class TorchBackend(StepLifecycle):
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.module_stack and not self.disabled and not self.paused:
             self.module_stack.pop()
+            if not self.module_stack:
+                loop_end.resume()
 
     def _root_call(self, module: torch.nn.Module) -> None:
+        loop_end.pause()  # the model's own Python is not the step loop's (loop_end.py)
         if self.update_pending:
             self.boundary()
         if id(module) not in self.module_ids:
@@ -185,6 +189,7 @@ class TorchBackend(StepLifecycle):
                 self.param_names.setdefault(id(obj), path)
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        loop_end.pause()
         if self.disabled or self.paused or cuda.capturing():  # Note [CUDA graphs]
             return
         self.phase = Phase.OPTIMIZER
@@ -199,6 +204,7 @@ class TorchBackend(StepLifecycle):
             self.boundary()
 
     def _before_backward(self, tensors: Any) -> None:
+        loop_end.pause()
         if self.update_pending:
             self.boundary()
         if not self.started:
@@ -218,6 +224,7 @@ class TorchBackend(StepLifecycle):
         self.phase = Phase.BACKWARD
 
     def _after_backward(self) -> None:
+        loop_end.resume()
         self.recorder.merge_threads()  # Note [Autograd worker threads] in threads.py
         if self.recorder.window:
             self.recorder.collectives.backward_done()  # DDP waited for its buckets

@@ -95,6 +95,18 @@ class DataEntries:
 
         dataloader._BaseDataLoaderIter.__next__ = loader_next  # type: ignore[method-assign,assignment]
 
+        # torch.device(...) contexts and set_default_device recognise the constructors they
+        # place by identity, in a set built once from the torch.* attributes: built after the
+        # wrappers below, torch.tensor/as_tensor would stay on the CPU inside
+        # `with torch.device("meta")` (HF from_pretrained then never initializes non-persistent
+        # buffers: garbage position_ids). Build it now, from the originals, which the wrappers
+        # call.
+        try:
+            from torch.utils._device import _device_constructors
+
+            _device_constructors()
+        except (ImportError, AttributeError):  # another torch: nothing cached to build
+            pass
         for name, kind in CREATION_FUNCTIONS:
             setattr(torch, name, self._creation_wrapper(getattr(torch, name), name, kind))
 

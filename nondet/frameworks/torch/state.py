@@ -26,10 +26,14 @@ def named_state(roots: list[torch.nn.Module],
     params: dict[int, tuple[str, torch.Tensor]] = {}
     buffers: dict[int, tuple[str, torch.Tensor]] = {}
     for root in roots:
+        # A tensor on the meta device holds no values (torch.func's functional_call template
+        # of an ensemble, a model built empty): never training state.
         for p in root.parameters():
-            params.setdefault(id(p), (param_names.get(id(p), "?"), p))
+            if not p.is_meta:
+                params.setdefault(id(p), (param_names.get(id(p), "?"), p))
         for b in root.buffers():
-            buffers.setdefault(id(b), (param_names.get(id(b), "?"), b))
+            if not b.is_meta:
+                buffers.setdefault(id(b), (param_names.get(id(b), "?"), b))
     optim: Named = []
     for oi, ref in enumerate(optimizers):
         opt = ref()

@@ -89,6 +89,7 @@ class Session:
         self.step = INIT_STEP
         self.started = time.perf_counter()
         self.writer = channel.FrameWriter(config.channel_fd)
+        channel.claim(config.control_fd)  # the script may close or replace it (channel.ours)
         self._strings: dict[str, int] = {}
         self._string_list: list[str] = []
         self._new_strings: list[str] = []

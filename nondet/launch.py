@@ -34,6 +34,9 @@ from nondet.stream import RunStream, ensure_space, write_failure
 #: seconds a run whose pipe closed without an END may take to exit before nondet decides
 #: the script closed the pipe (``CapturedRun._check_channel_kept``)
 CHANNEL_GRACE = 5.0
+#: seconds without output, after the run's process has ended, that end its output (a
+#: process it started may hold the pipe open for good)
+OUTPUT_QUIET = 1.0
 
 
 class CapturedRun(RunStream):
@@ -256,17 +259,44 @@ class CapturedRun(RunStream):
     # -- threads ---------------------------------------------------------------------------------
     def _pump_output(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        pending = b""  # a line not yet ended, for the echo's prefix
+        quiet_since: float | None = None
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    break
+                quiet_since = None
+                self._store_output(data)
+                if self.echo:
+                    *lines, pending = (pending + data).split(b"\n")
+                    self._echo(b"".join(line + b"\n" for line in lines))
+                continue
+            # A process the script started (a server, a daemon) may outlive it with the
+            # pipe open, so EOF may never come: once the run's own process has ended and
+            # the pipe is quiet, its output is complete.
+            if self._proc.poll() is not None:
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since > OUTPUT_QUIET:
+                    break
+        if self.echo and pending:
+            self._echo(pending + b"\n")
+
+    def _store_output(self, data: bytes) -> None:
+        if self._log is not None and not self.write_error:
+            try:
+                self._log.write(data)
+                self._log.flush()
+            except OSError as exc:
+                self._write_failed(exc, self.log_path)
+
+    def _echo(self, lines: bytes) -> None:
         prefix = f"[{self.plan.label}] ".encode()
-        for line in iter(self._proc.stdout.readline, b""):
-            if self._log is not None and not self.write_error:
-                try:
-                    self._log.write(line)
-                    self._log.flush()
-                except OSError as exc:
-                    self._write_failed(exc, self.log_path)
-            if self.echo:
-                sys.stderr.buffer.write(prefix + line)
-                sys.stderr.flush()
+        for line in lines.splitlines(keepends=True):
+            sys.stderr.buffer.write(prefix + line)
+        sys.stderr.flush()
 
     def _pump_frames(self, fd: int) -> None:
         try:

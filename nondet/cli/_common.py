@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from nondet import __version__
+from nondet import __version__, errors
 from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import ExitCode
 
@@ -36,6 +36,7 @@ def handle_errors() -> Iterator[None]:
     143 for SIGTERM."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     _terminate_on_sigterm()
+    errors.watch_sigint()
     try:
         yield
     except Terminated:

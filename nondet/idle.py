@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from nondet import settings
+
 #: Seconds without a frame and without CPU use before a run counts as idle
 #: (``NONDET_IDLE_AFTER`` overrides it: a shorter value for tests, a longer for scripts
 #: that legitimately wait, e.g. for a slow network file system).
-IDLE_AFTER = 600.0
+IDLE_AFTER = settings.DURATIONS["NONDET_IDLE_AFTER"]
 #: Below this fraction of one core over the window, a process tree is not computing.
 BUSY_FRACTION = 0.02
 
@@ -32,11 +34,7 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def idle_after() -> float:
     """The idle limit in seconds (``NONDET_IDLE_AFTER``, else ``IDLE_AFTER``)."""
-    try:
-        value = float(os.environ.get("NONDET_IDLE_AFTER", IDLE_AFTER))
-    except ValueError:
-        return IDLE_AFTER
-    return value if value > 0 else IDLE_AFTER
+    return settings.seconds("NONDET_IDLE_AFTER")
 
 
 def tree_cpu_seconds(pid: int) -> float | None:

@@ -14,10 +14,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 
+from nondet import channel
+
 
 def install(fds: Iterable[int]) -> None:
-    """Make ``os.close`` and ``os.closerange`` in this process leave ``fds`` open (forked
-    children close them as they like: their copies are not the run's channel)."""
+    """Make ``os.close`` and ``os.closerange`` in this process leave ``fds`` open while
+    they name what ``channel.claim`` recorded (forked children close them as they like:
+    their copies are not the run's channel)."""
     kept = frozenset(fd for fd in fds if fd >= 0)
     if not kept:
         return
@@ -25,8 +28,13 @@ def install(fds: Iterable[int]) -> None:
     real_close: Callable[[int], None] = os.close
     real_closerange: Callable[[int, int], None] = os.closerange
 
+    def guarded(fd: int) -> bool:
+        # still the pipe nondet was given: a number the script has dup2'ed its own file
+        # onto is the script's to close
+        return fd in kept and os.getpid() == pid and channel.ours(fd)
+
     def close(fd: int) -> None:
-        if fd in kept and os.getpid() == pid:
+        if guarded(fd):
             return  # as if it had been closed: the script never opened it
         real_close(fd)
 
@@ -36,7 +44,7 @@ def install(fds: Iterable[int]) -> None:
             return
         start = fd_low
         for fd in sorted(kept):  # close around ours, in as few calls as possible
-            if fd_low <= fd < fd_high:
+            if fd_low <= fd < fd_high and guarded(fd):
                 real_closerange(start, fd)
                 start = fd + 1
         real_closerange(start, fd_high)

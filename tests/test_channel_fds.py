@@ -75,6 +75,8 @@ def _restore_os(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("_restore_os")
 def test_closing_every_inherited_descriptor_leaves_nondets_open() -> None:
     fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(5)]
+    for fd in (fds[1], fds[3]):
+        channel.claim(fd)
     fdguard.install((fds[1], fds[3]))
     os.closerange(fds[0], fds[-1] + 1)
     os.close(fds[1])
@@ -89,3 +91,17 @@ def test_closing_every_inherited_descriptor_leaves_nondets_open() -> None:
     assert [is_open(fd) for fd in fds] == [False, True, False, True, False]
     for fd in (fds[1], fds[3]):
         os.close.__wrapped__(fd)  # type: ignore[attr-defined]
+
+
+@pytest.mark.usefixtures("_restore_os")
+def test_a_file_the_script_put_at_nondets_number_is_the_scripts_to_close(
+        tmp_path: Path) -> None:
+    # else a pipe to a process of the script's would never see end-of-file: a hang
+    read_end, write_end = os.pipe()
+    channel.claim(write_end)
+    fdguard.install((write_end,))
+    _replace_with_file(write_end, tmp_path / "user.txt")
+    os.close(write_end)
+    with pytest.raises(OSError):
+        os.fstat(write_end)
+    os.close(read_end)

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from nondet import fdguard
+
 # -- frame kinds, child -> parent ----------------------------------------------------------------
 META = b"M"  # JSON: root attributes and environment entries (may repeat; later keys win)
 STRINGS = b"S"  # JSON list of new strings, ids continue from the previous message
@@ -94,37 +96,6 @@ DUMP_REQUEST = b"dump"  # lockstep: "dump STEP INDEX\n": send that record's kept
 _HEADER = struct.Struct("<cI")
 
 
-# -- whose descriptor is it? ---------------------------------------------------------------------
-# The script may close every inherited descriptor (``os.closerange(3, ...)``, daemon code) or
-# ``dup2`` over ours, and then open files of its own that get the same numbers. Writing a
-# frame or reading the control pipe through such a number would write into (or read from)
-# the user's file, so every use first checks that the number still names the pipe (or file)
-# nondet was given: its device and inode, recorded when it was claimed (one fstat per write).
-_CLAIMED: dict[int, tuple[int, int]] = {}
-
-
-def claim(fd: int) -> None:
-    """Remember what ``fd`` names now, so that ``ours`` can tell if the script replaced it."""
-    identity = _identity(fd)
-    if identity is not None:
-        _CLAIMED[fd] = identity
-
-
-def ours(fd: int) -> bool:
-    """``fd`` is open and still names what it named when claimed (True if never claimed:
-    nothing to compare with)."""
-    claimed = _CLAIMED.get(fd)
-    return claimed is None or _identity(fd) == claimed
-
-
-def _identity(fd: int) -> tuple[int, int] | None:
-    try:
-        stat = os.fstat(fd)
-    except (OSError, ValueError):
-        return None
-    return stat.st_dev, stat.st_ino
-
-
 class FrameWriter:
     """Child side. Buffered; ``flush`` at step ends and before exiting, or ``flush_later``
     inside a lockstep grant (the frames of several steps in one write). The buffer is
@@ -138,7 +109,7 @@ class FrameWriter:
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
-        claim(fd)
+        fdguard.claim(fd)
         self._pid = os.getpid()
         self._buffer = bytearray()
         self._broken = False  # the reader is gone (or the descriptor closed)
@@ -197,7 +168,7 @@ class FrameWriter:
 
     def _write(self) -> None:
         """Write the buffer out (the lock is held)."""
-        if not self._broken and not ours(self._fd):
+        if not self._broken and not fdguard.ours(self._fd):
             self._broken = True  # the script closed or replaced it: never write there
         if self._broken:
             self._buffer.clear()  # nobody left to tell
@@ -219,13 +190,13 @@ class FrameWriter:
         with self._lock:
             self._deadline = None
             self._write()
-            if self._fd >= 0 and ours(self._fd):  # never close a file of the script's
+            if self._fd >= 0 and fdguard.ours(self._fd):  # never close a file of the script's
                 try:
                     # the real close: fdguard makes the script's os.close skip this one
                     getattr(os.close, "__wrapped__", os.close)(self._fd)
                 except OSError:
                     pass
-            _CLAIMED.pop(self._fd, None)  # the number may be reused for anything now
+            fdguard.release(self._fd)  # the number may be reused for anything now
             self._fd = -1
             self._broken = True
             self._wake.set()  # the flusher thread ends
@@ -272,7 +243,7 @@ def connect(path: str, hello: dict[str, Any], timeout: float = 60.0) -> tuple[in
 
 def stop_requested(fd: int) -> bool:
     """Child side: has the parent asked us to stop? Never blocks."""
-    if not ours(fd):
+    if not fdguard.ours(fd):
         return False  # the script closed or replaced the pipe: never read its file
     try:
         ready, _, _ = select.select([fd], [], [], 0)
@@ -308,7 +279,7 @@ def wait_for_grant(fd: int, on_dump: Callable[[int, int], None],
     pending = b""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        if not ours(fd):
+        if not fdguard.ours(fd):
             return FREE, 0  # the script closed or replaced the pipe: never read its file
         try:
             if deadline is not None:

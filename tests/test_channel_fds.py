@@ -16,7 +16,7 @@ from nondet import channel, fdguard
 @pytest.fixture(autouse=True)
 def _fresh_claims(monkeypatch: pytest.MonkeyPatch) -> None:
     # numbers claimed here are closed and reused by later tests: forget them afterwards
-    monkeypatch.setattr(channel, "_CLAIMED", {})
+    monkeypatch.setattr(fdguard, "_CLAIMED", {})
 
 
 def _replace_with_file(fd: int, path: Path, text: bytes = b"") -> int:
@@ -48,7 +48,7 @@ def test_frames_are_never_written_into_a_file_that_took_the_pipes_number(
 def test_the_control_pipe_is_never_read_through_a_file_that_took_its_number(
         tmp_path: Path) -> None:
     read_end, write_end = os.pipe()
-    channel.claim(read_end)
+    fdguard.claim(read_end)
     os.close(write_end)
     _replace_with_file(read_end, tmp_path / "user.txt", b"stop\nstop\n")
     assert not channel.stop_requested(read_end)
@@ -76,7 +76,7 @@ def _restore_os(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_closing_every_inherited_descriptor_leaves_nondets_open() -> None:
     fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(5)]
     for fd in (fds[1], fds[3]):
-        channel.claim(fd)
+        fdguard.claim(fd)
     fdguard.install((fds[1], fds[3]))
     os.closerange(fds[0], fds[-1] + 1)
     os.close(fds[1])
@@ -98,7 +98,7 @@ def test_a_file_the_script_put_at_nondets_number_is_the_scripts_to_close(
         tmp_path: Path) -> None:
     # else a pipe to a process of the script's would never see end-of-file: a hang
     read_end, write_end = os.pipe()
-    channel.claim(write_end)
+    fdguard.claim(write_end)
     fdguard.install((write_end,))
     _replace_with_file(write_end, tmp_path / "user.txt")
     os.close(write_end)

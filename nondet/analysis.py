@@ -101,6 +101,7 @@ def compare_captures(a: Capture, b: Capture, *, command: str = "", notes: Sequen
 
 def compare_pair(a: Capture, b: Capture) -> Comparison:
     """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
+    _check_same_framework(a, b)
     env_diff = environment.differences(a.env, b.env)
     notes = [*capture_notes(a, b), *readback.pair_notes(a, b),
              *seed_diff.unseeded_script_notes(a)]
@@ -145,6 +146,7 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         if div is None and final_differs:
             div = end_state.divergence(a, b)
         if div is None:
+            _check_steps_compared(a, b, both_ended)
             return deterministic
     else:
         window = [s for s in common_op_steps if s <= step_div.step]
@@ -162,6 +164,7 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         div = kids.divergence  # what differs in this process never reached training
     div = seed_diff.seed_divergence(a, b, div) or div  # a differing seed is the cause
     if not main_differs and kids.divergence is None:
+        _check_steps_compared(a, b, both_ended)
         # The verdict follows the training state: a difference that never reached loss,
         # parameters, gradients, optimizer state or data (a logged metric, a discarded
         # tensor, an RNG nobody drew from again) is a note, not nondeterminism.
@@ -182,6 +185,32 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
 
 #: Step-row fields that make up the training state: the verdict follows these.
 TRAINING_STATE = ("data_fp", "loss_fp", "grads_fp", "params_fp", "buffers_fp", "optim_fp")
+
+
+def _check_same_framework(a: Capture, b: Capture) -> None:
+    """A capture of a torch run and one of a TensorFlow run have no op, step or state in
+    common: comparing them would report every difference as nondeterminism (exit 2)."""
+    def frameworks(capture: Capture) -> set[str]:
+        return {name for name in ("torch", "tensorflow") if f"{name}_version" in capture.env}
+
+    made_a, made_b = frameworks(a), frameworks(b)
+    if made_a and made_b and not made_a & made_b:
+        raise NondetError(
+            f"{a.path} was recorded with {', '.join(sorted(made_a))} and {b.path} with "
+            f"{', '.join(sorted(made_b))}: nothing in them can be compared; give two captures "
+            "of the same script")
+
+
+def _check_steps_compared(a: Capture, b: Capture, both_ended: bool) -> None:
+    """Before a "deterministic" verdict: a capture with no training step that is compared
+    over the steps both have (it was interrupted or stopped before its first: ``diff`` of
+    such a capture, a baseline) compared no step at all, which is no evidence (exit 2)."""
+    empty = [c for c in (a, b) if c.n_steps == 0]
+    if empty and not both_ended and len(empty) < 2:
+        raise NondetError(
+            f"{empty[0].path} holds no training step (the run "
+            f"was {empty[0].status}), so no step was compared; give a capture of a run that "
+            "got past its first step")
 
 
 def _extra_steps_count(a: Capture, b: Capture) -> bool:

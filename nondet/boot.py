@@ -20,6 +20,7 @@ from nondet import (
     clock,
     environment,
     exit_place,
+    fdguard,
     frameworks,
     interventions,
     loop_end,
@@ -51,6 +52,7 @@ def main() -> int:
         config.channel_fd, config.control_fd = channel.connect(config.socket, _rank_hello())
     session = Session(config)
     session_module._CURRENT = session
+    fdguard.install((config.channel_fd, config.control_fd))  # daemon-style closerange
     os.register_at_fork(after_in_child=_forget_session)
 
     random.seed(config.seed)

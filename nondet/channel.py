@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from nondet import fdguard
+
 # -- frame kinds, child -> parent ----------------------------------------------------------------
 META = b"M"  # JSON: root attributes and environment entries (may repeat; later keys win)
 STRINGS = b"S"  # JSON list of new strings, ids continue from the previous message
@@ -107,6 +109,7 @@ class FrameWriter:
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
+        fdguard.claim(fd)
         self._pid = os.getpid()
         self._buffer = bytearray()
         self._broken = False  # the reader is gone (or the descriptor closed)
@@ -165,6 +168,8 @@ class FrameWriter:
 
     def _write(self) -> None:
         """Write the buffer out (the lock is held)."""
+        if not self._broken and not fdguard.ours(self._fd):
+            self._broken = True  # the script closed or replaced it: never write there
         if self._broken:
             self._buffer.clear()  # nobody left to tell
             return
@@ -185,12 +190,14 @@ class FrameWriter:
         with self._lock:
             self._deadline = None
             self._write()
-            if self._fd >= 0:
+            if self._fd >= 0 and fdguard.ours(self._fd):  # never close a file of the script's
                 try:
-                    os.close(self._fd)
+                    # the real close: fdguard makes the script's os.close skip this one
+                    getattr(os.close, "__wrapped__", os.close)(self._fd)
                 except OSError:
                     pass
-                self._fd = -1
+            fdguard.release(self._fd)  # the number may be reused for anything now
+            self._fd = -1
             self._broken = True
             self._wake.set()  # the flusher thread ends
 
@@ -236,6 +243,8 @@ def connect(path: str, hello: dict[str, Any], timeout: float = 60.0) -> tuple[in
 
 def stop_requested(fd: int) -> bool:
     """Child side: has the parent asked us to stop? Never blocks."""
+    if not fdguard.ours(fd):
+        return False  # the script closed or replaced the pipe: never read its file
     try:
         ready, _, _ = select.select([fd], [], [], 0)
     except (OSError, ValueError):
@@ -270,6 +279,8 @@ def wait_for_grant(fd: int, on_dump: Callable[[int, int], None],
     pending = b""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        if not fdguard.ours(fd):
+            return FREE, 0  # the script closed or replaced the pipe: never read its file
         try:
             if deadline is not None:
                 ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+from types import FrameType
+
 from nondet.exitcodes import ExitCode
 
 
@@ -23,3 +26,30 @@ class Terminated(BaseException):
     """nondet got SIGTERM (CI cancel, ``timeout``, ``docker stop``): end like Ctrl-C (exit
     143), but the children did not get the signal, so it is forwarded to them. Not a
     KeyboardInterrupt: click would turn that into its own Abort."""
+
+
+# -- was nondet itself interrupted? ----------------------------------------------------------
+# A run that ends with KeyboardInterrupt was either interrupted with nondet (Ctrl-C reaches
+# the whole process group) or raised it on its own (``raise KeyboardInterrupt``, a SIGINT
+# sent to that process only): the first is exit 130, the second the script's own failure.
+_sigint = {"watched": False, "seen": False}
+
+
+def watch_sigint() -> None:
+    """Note when nondet gets SIGINT, raising KeyboardInterrupt as Python's own handler does
+    (left alone when SIGINT is ignored, or outside the main thread)."""
+    def handler(signum: int, frame: FrameType | None) -> None:
+        _sigint["seen"] = True
+        raise KeyboardInterrupt
+
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, handler)
+            _sigint["watched"] = True
+    except ValueError:
+        pass  # not the main thread (nondet used as a library)
+
+
+def interrupted_here() -> bool:
+    """nondet got SIGINT (True too when nobody watched: nothing to tell it by)."""
+    return _sigint["seen"] or not _sigint["watched"]

@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from nondet import settings
+
 #: Seconds without a frame and without CPU use before a run counts as idle
 #: (``NONDET_IDLE_AFTER`` overrides it: a shorter value for tests, a longer for scripts
 #: that legitimately wait, e.g. for a slow network file system).
-IDLE_AFTER = 600.0
+IDLE_AFTER = settings.DURATIONS["NONDET_IDLE_AFTER"]
 #: Below this fraction of one core over the window, a process tree is not computing.
 BUSY_FRACTION = 0.02
 
@@ -32,18 +34,14 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def idle_after() -> float:
     """The idle limit in seconds (``NONDET_IDLE_AFTER``, else ``IDLE_AFTER``)."""
-    try:
-        value = float(os.environ.get("NONDET_IDLE_AFTER", IDLE_AFTER))
-    except ValueError:
-        return IDLE_AFTER
-    return value if value > 0 else IDLE_AFTER
+    return settings.seconds("NONDET_IDLE_AFTER")
 
 
-def tree_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of ``pid`` and all its living descendants, or None when
+def _tree(pid: int) -> list[tuple[float, str]] | None:
+    """(CPU seconds, state letter) of ``pid`` and each living descendant, or None when
     ``/proc`` cannot tell (not Linux, or the process is gone)."""
     parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
+    rows: dict[int, tuple[float, str]] = {}
     try:
         entries = [e for e in os.listdir(_PROC) if e.isdigit()]
     except OSError:
@@ -57,21 +55,35 @@ def tree_cpu_seconds(pid: int) -> float | None:
         fields = text[text.rfind(")") + 2:].split()
         try:
             parents[int(entry)] = int(fields[1])
-            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICKS
+            rows[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICKS, fields[0]
         except (IndexError, ValueError):
             continue
-    if pid not in cpu:
+    if pid not in rows:
         return None
-    total, frontier = 0.0, [pid]
+    tree, frontier = [], [pid]
     seen: set[int] = set()
     while frontier:
         current = frontier.pop()
         if current in seen:
             continue
         seen.add(current)
-        total += cpu.get(current, 0.0)
+        if current in rows:
+            tree.append(rows[current])
         frontier.extend(child for child, parent in parents.items() if parent == current)
-    return total
+    return tree
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` and all its living descendants, or None when
+    ``/proc`` cannot tell (not Linux, or the process is gone)."""
+    tree = _tree(pid)
+    return None if tree is None else sum(cpu for cpu, _ in tree)
+
+
+def tree_runnable(pid: int) -> bool:
+    """Some process of the tree is running or waiting for a CPU (state R): on a machine
+    loaded enough it may get under ``BUSY_FRACTION`` of a core, yet it is not idle."""
+    return any(state == "R" for _, state in _tree(pid) or [])
 
 
 class IdleWatch:
@@ -82,10 +94,12 @@ class IdleWatch:
 
     def __init__(self, pid: int, after: float,
                  cpu: Callable[[int], float | None] = tree_cpu_seconds,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 runnable: Callable[[int], bool] = tree_runnable) -> None:
         self.pid = pid
         self.after = after
         self._cpu = cpu
+        self._runnable = runnable
         self._clock = clock
         self._sample = min(5.0, after / 4)
         now = clock()
@@ -108,7 +122,8 @@ class IdleWatch:
         if self._cpu_since is None:
             self._since, self._cpu_since = min(self._since, now), used
             return False
-        if used - self._cpu_since > BUSY_FRACTION * max(now - self._since, self._sample):
-            self._since, self._cpu_since = now, used  # it computes: a new window
+        if used - self._cpu_since > BUSY_FRACTION * max(now - self._since, self._sample) \
+                or self._runnable(self.pid):
+            self._since, self._cpu_since = now, used  # it computes (or would): a new window
             return False
         return now - self._since >= self.after

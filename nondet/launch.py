@@ -31,6 +31,13 @@ from nondet.runspec import capture_attrs, child_config, child_env
 from nondet.store import CaptureWriter
 from nondet.stream import RunStream, ensure_space, write_failure
 
+#: seconds a run whose pipe closed without an END may take to exit before nondet decides
+#: the script closed the pipe (``CapturedRun._check_channel_kept``)
+CHANNEL_GRACE = 5.0
+#: seconds without output, after the run's process has ended, that end its output (a
+#: process it started may hold the pipe open for good)
+OUTPUT_QUIET = 1.0
+
 
 class CapturedRun(RunStream):
     """One child process, and the threads that store its stream (``RunStream``) and its
@@ -60,6 +67,7 @@ class CapturedRun(RunStream):
         self._log: BinaryIO | None = None
         self._idle: idle.IdleWatch | None = None
         self._idle_ended = 0.0
+        self._child_fds = (-1, -1)  # the channel's descriptor numbers in the child
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -77,6 +85,7 @@ class CapturedRun(RunStream):
         data_r, data_w = os.pipe()
         ctrl_r, ctrl_w = os.pipe()
         config.channel_fd, config.control_fd = data_w, ctrl_r
+        self._child_fds = (data_w, ctrl_r)  # pass_fds keeps the numbers
         env = child_env(config, self.extra_env)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "nondet.boot"],
@@ -250,17 +259,44 @@ class CapturedRun(RunStream):
     # -- threads ---------------------------------------------------------------------------------
     def _pump_output(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        pending = b""  # a line not yet ended, for the echo's prefix
+        quiet_since: float | None = None
+        while True:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    break
+                quiet_since = None
+                self._store_output(data)
+                if self.echo:
+                    *lines, pending = (pending + data).split(b"\n")
+                    self._echo(b"".join(line + b"\n" for line in lines))
+                continue
+            # A process the script started (a server, a daemon) may outlive it with the
+            # pipe open, so EOF may never come: once the run's own process has ended and
+            # the pipe is quiet, its output is complete.
+            if self._proc.poll() is not None:
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since > OUTPUT_QUIET:
+                    break
+        if self.echo and pending:
+            self._echo(pending + b"\n")
+
+    def _store_output(self, data: bytes) -> None:
+        if self._log is not None and not self.write_error:
+            try:
+                self._log.write(data)
+                self._log.flush()
+            except OSError as exc:
+                self._write_failed(exc, self.log_path)
+
+    def _echo(self, lines: bytes) -> None:
         prefix = f"[{self.plan.label}] ".encode()
-        for line in iter(self._proc.stdout.readline, b""):
-            if self._log is not None and not self.write_error:
-                try:
-                    self._log.write(line)
-                    self._log.flush()
-                except OSError as exc:
-                    self._write_failed(exc, self.log_path)
-            if self.echo:
-                sys.stderr.buffer.write(prefix + line)
-                sys.stderr.flush()
+        for line in lines.splitlines(keepends=True):
+            sys.stderr.buffer.write(prefix + line)
+        sys.stderr.flush()
 
     def _pump_frames(self, fd: int) -> None:
         try:
@@ -272,6 +308,22 @@ class CapturedRun(RunStream):
                 self._dumps_done.notify_all()
             self._ended()
 
+    def _check_channel_kept(self) -> None:
+        """The pipe closed without an END: the run died (it exits now), or the script
+        closed nondet's descriptor and runs on unrecorded, which must not pass for a script
+        that never trained. A dying process exits within moments of its descriptors
+        closing; one still running after that closed it."""
+        if self.end is not None or self._proc is None:
+            return
+        try:
+            self._proc.wait(timeout=CHANNEL_GRACE)
+        except subprocess.TimeoutExpired:
+            data_fd, control_fd = self._child_fds
+            self.unsupported = self.unsupported or (
+                f"the script closed file descriptor {data_fd}, nondet's pipe from the run "
+                f"(os.closerange, os.close or os.dup2 over it), so it could not be recorded; "
+                f"leave descriptors {data_fd} and {control_fd} open")
+
     def _read_frames(self, fd: int) -> None:
         parser = channel.FrameParser()
         idle_since: float | None = None
@@ -280,6 +332,7 @@ class CapturedRun(RunStream):
             if ready:
                 data = os.read(fd, 1 << 16)
                 if not data:
+                    self._check_channel_kept()
                     return
                 idle_since = None
                 if self._idle is not None:

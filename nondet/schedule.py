@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import channel
+from nondet import channel, errors
 from nondet.errors import NondetError, ScriptFailed, Terminated
 from nondet.runspec import Plan, RunResult
 from nondet.turns import MAX_GRANT, TURN_SECONDS, Turns
@@ -247,7 +247,12 @@ def check_result(result: RunResult) -> RunResult:
         raise NondetError(f"run {result.label}: {result.unsupported}; its output is in "
                           f"{result.log_path}")
     if result.status == channel.INTERRUPTED:
-        raise KeyboardInterrupt
+        if errors.interrupted_here():
+            raise KeyboardInterrupt
+        raise ScriptFailed(  # nobody pressed Ctrl-C: the script ended itself that way
+            f"the script ended with KeyboardInterrupt in run {result.label} though nondet "
+            f"was not interrupted (it raised it, or its process alone got SIGINT); its "
+            f"output is in {result.log_path}", details=result.log_tail())
     if result.status in (channel.FAILED, channel.CRASHED):
         last = _last_line(result.error) or _last_line(result.log_tail())
         how = f"exit code {result.exit_code}" if result.exit_code >= 0 else \

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import channel
+from nondet import channel, fdguard
 from nondet.frameworks.base import Backend, StopRun
 from nondet.records import COMM_DTYPE, INIT_STEP, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 
@@ -89,6 +89,7 @@ class Session:
         self.step = INIT_STEP
         self.started = time.perf_counter()
         self.writer = channel.FrameWriter(config.channel_fd)
+        fdguard.claim(config.control_fd)  # the script may close or replace it (fdguard.ours)
         self._strings: dict[str, int] = {}
         self._string_list: list[str] = []
         self._new_strings: list[str] = []

@@ -334,3 +334,16 @@ def test_a_script_named_like_an_option_runs_after_double_dash(tmp_path: Path) ->
     assert refused.returncode == 2 and "no such option: -x.py" in refused.stderr
     result = run_cli("run", "-q", "--", "-x.py", "--steps", "1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_a_script_named_like_an_option_holding_an_h_is_not_a_help_request(
+        tmp_path: Path, command: str) -> None:
+    # click read the h of "-dash.py" as -h: help and exit 0 (a CI pass for `check`)
+    (tmp_path / "-dash.py").write_text((REPO / "tests/data/scripts/steps.py").read_text())
+    refused = run_cli(command, "-dash.py", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stdout
+    assert "no such option: -dash.py" in refused.stderr
+    for asked in (["-h"], ["--help"], ["--seed", "3", "-h"]):
+        helped = run_cli(command, *asked, cwd=tmp_path)
+        assert helped.returncode == 0 and helped.stdout.startswith("Usage:"), helped.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nondet.idle import IdleWatch, tree_cpu_seconds
+from nondet.idle import IdleWatch, tree_cpu_seconds, tree_runnable
 from tests.conftest import run_cli
 
 BOUND = 240  # seconds; the CLI cases take ~30 s on a loaded 2-core machine
@@ -39,6 +39,10 @@ def test_cpu_of_a_process_tree_counts_its_children() -> None:
     assert tree_cpu_seconds(parent.pid) is None  # gone: cannot tell
 
 
+def _NEVER_RUNNABLE(pid: int) -> bool:
+    return False
+
+
 class _Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -50,7 +54,8 @@ class _Clock:
 @pytest.mark.parametrize("cpu_per_second,idle", [(0.0, True), (0.5, False)])
 def test_idle_only_without_frames_and_without_cpu(cpu_per_second: float, idle: bool) -> None:
     clock = _Clock()
-    watch = IdleWatch(1, after=60.0, cpu=lambda pid: cpu_per_second * clock.now, clock=clock)
+    watch = IdleWatch(1, after=60.0, cpu=lambda pid: cpu_per_second * clock.now, clock=clock,
+                      runnable=_NEVER_RUNNABLE)
     seen = []
     for _ in range(30):  # 150 s, sampled every 5 s
         clock.now += 5.0
@@ -61,7 +66,8 @@ def test_idle_only_without_frames_and_without_cpu(cpu_per_second: float, idle: b
 
 def test_a_frame_starts_a_new_window() -> None:
     clock = _Clock()
-    watch = IdleWatch(1, after=60.0, cpu=lambda pid: 0.0, clock=clock)
+    watch = IdleWatch(1, after=60.0, cpu=lambda pid: 0.0, clock=clock,
+                      runnable=_NEVER_RUNNABLE)
     for _ in range(30):
         clock.now += 5.0
         if clock.now % 50 == 0:
@@ -71,10 +77,39 @@ def test_a_frame_starts_a_new_window() -> None:
 
 def test_unknown_cpu_is_never_idle() -> None:
     clock = _Clock()
-    watch = IdleWatch(1, after=10.0, cpu=lambda pid: None, clock=clock)
+    watch = IdleWatch(1, after=10.0, cpu=lambda pid: None, clock=clock,
+                      runnable=_NEVER_RUNNABLE)
     for _ in range(20):
         clock.now += 5.0
         assert not watch.idle()
+
+
+def test_a_tree_waiting_for_a_cpu_is_never_idle() -> None:
+    # At load 14 a run under `nice` got under 2% of a core for NONDET_IDLE_AFTER=4 s and was
+    # ended as idle before its first step ("no training step was observed").
+    clock = _Clock()
+    watch = IdleWatch(1, after=10.0, cpu=lambda pid: 0.0, clock=clock,
+                      runnable=lambda pid: True)
+    for _ in range(20):
+        clock.now += 5.0
+        assert not watch.idle()
+
+
+def test_a_computing_process_is_runnable_and_a_sleeping_one_is_not() -> None:
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    nap = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while not tree_runnable(spin.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # sampled: on a loaded machine it may be between its turns
+        assert tree_runnable(spin.pid)
+        while tree_runnable(nap.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # still starting up
+        assert not tree_runnable(nap.pid)
+    finally:
+        for process in (spin, nap):
+            process.kill()
+            process.wait(10)
 
 
 SLEEPS_AFTER_TRAINING = """

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from nondet import __version__
+from nondet import __version__, errors, settings
 from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import ExitCode
 
@@ -36,7 +36,9 @@ def handle_errors() -> Iterator[None]:
     143 for SIGTERM."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     _terminate_on_sigterm()
+    errors.watch_sigint()
     try:
+        settings.check()  # before anything runs: a mistyped NONDET_* value is one line
         yield
     except Terminated:
         err.print("nondet: terminated (SIGTERM); runs stopped, captures written so far "

@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from nondet import settings
 from nondet.errors import NondetError
 
-#: Seconds a probe may take before the file is called unreadable (plus 1 s per 20 MB).
-PROBE_SECONDS = float(os.environ.get("NONDET_PROBE_SECONDS") or 20)
+#: Seconds a probe may take before the file is called unreadable (plus 1 s per 20 MB);
+#: None: ``NONDET_PROBE_SECONDS`` (nondet.settings), read when a file is probed
+PROBE_SECONDS: float | None = None
 
 _WRITTEN: dict[str, tuple[int, int, int]] = {}  # path -> (inode, size, mtime) at close
 
@@ -53,7 +55,7 @@ def probe(path: Path, read: Callable[[Path], None]) -> bool:
     here: the caller's own read will raise it again, with its traceback.
     """
     size = path.stat().st_size
-    seconds = PROBE_SECONDS + size / 20e6
+    seconds = (PROBE_SECONDS or settings.seconds("NONDET_PROBE_SECONDS")) + size / 20e6
     if not hasattr(os, "fork") or threading.active_count() > 1:
         # Another thread might hold a lock the child needs (h5py's): a fresh interpreter.
         return _probe_in_new_process(path, seconds)

@@ -1,0 +1,61 @@
+"""A real recorded run (``CapturedRun`` with its child process) against scripts that do odd
+things with their process: start a process that outlives them, close nondet's pipe. No
+framework is imported, so each takes a second or two plus what the script waits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+from nondet.launch import CapturedRun, Plan, Target
+
+
+def _run_script(tmp_path: Path, text: str) -> tuple[CapturedRun, float]:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(text))
+    run = CapturedRun(Target(str(script), None), Plan("a", []), 0, tmp_path)
+    started = time.monotonic()
+    run.start()
+    run.wait(timeout=120)
+    return run, time.monotonic() - started
+
+
+def test_a_process_that_outlives_the_script_holding_its_output_does_not_hold_the_run(
+        tmp_path: Path) -> None:
+    # A server or logger daemon the script starts keeps the run's stdout open: the output
+    # never reaches end-of-file. Before, the run's end waited 30 s for it (per run).
+    run, seconds = _run_script(tmp_path, """
+        import subprocess, sys
+        daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print("daemon", daemon.pid, flush=True)
+        print("trained")
+    """)
+    log = run.log_path.read_text()
+    try:
+        assert "trained" in log, log
+        assert seconds < 15, seconds  # it ends within launch.OUTPUT_QUIET of the script
+    finally:
+        os.kill(int(log.split()[1]), signal.SIGKILL)
+
+
+def test_a_script_that_replaces_nondets_pipe_is_told_apart_from_one_that_never_trained(
+        tmp_path: Path) -> None:
+    # dup2 over every low descriptor (a redirect gone wide): the run goes on unrecorded,
+    # which must be named, not reported as "no training step was observed".
+    run, _ = _run_script(tmp_path, f"""
+        import os, time
+        log = os.open({str(tmp_path / "own.log")!r}, os.O_WRONLY | os.O_CREAT)
+        for fd in range(3, 256):
+            if fd != log:
+                try:
+                    os.dup2(log, fd)
+                except OSError:
+                    pass
+        time.sleep(8)  # longer than launch.CHANNEL_GRACE: still running when it is judged
+    """)
+    result = run.wait()
+    assert "the script closed file descriptor" in result.unsupported
+    assert (tmp_path / "own.log").read_bytes() == b""  # no frame went into the script's file

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nondet import channel
+from nondet import channel, errors
 from nondet.errors import ScriptFailed
 from nondet.launch import CapturedRun, Plan, RunResult, Target
 from nondet.records import OP_DTYPE, TENSOR_DTYPE
@@ -315,7 +315,10 @@ def test_a_failing_hold_callback_still_ends_both_runs(tmp_path: Path) -> None:
     assert {run.interrupt().status for run in pair.runs.values()} <= {"stopped", "interrupted"}
 
 
-def test_an_interrupted_run_raises_keyboard_interrupt(tmp_path: Path) -> None:
+def test_an_interrupted_run_raises_keyboard_interrupt(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # nondet itself got SIGINT (another test may have left errors.watch_sigint's state set)
+    monkeypatch.setitem(errors._sigint, "seen", True)
     pair = Pair(tmp_path, Script(steps=20, step_time=0.05), Script(steps=20, step_time=0.05))
     schedule = pair.lockstep()
     timer = threading.Timer(0.5, lambda: pair.runs["a"]._interrupt_flag.set())

@@ -37,7 +37,6 @@ from nondet.fingerprint import combine
 from nondet.frameworks.fp import Fp
 
 if TYPE_CHECKING:
-    from nondet.frameworks.torch.cache import FingerprintCache
     from nondet.frameworks.torch.optable import OpInfo
 
 #: Marks a fingerprint folded from a value before and a value after an op.
@@ -52,7 +51,8 @@ def in_shared_memory(t: torch.Tensor) -> bool:
         return False
 
 
-def reread_inputs(rec: FingerprintCache, info: OpInfo, args: tuple[Any, ...],
+def reread_inputs(rec: Any,  # a FingerprintCache (cache.py imports this module)
+                  info: OpInfo, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> None:
     """After an op in a process whose shared memory is volatile: hash the shared tensors
     it read again, and fold a change into the entry it read (Note [Writes during an op]).
@@ -64,7 +64,7 @@ def reread_inputs(rec: FingerprintCache, info: OpInfo, args: tuple[Any, ...],
         rec.backend.hook_failed()
 
 
-def _reread(rec: FingerprintCache, info: OpInfo, args: tuple[Any, ...],
+def _reread(rec: Any, info: OpInfo, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> None:
     seen: set[int] = set()
     # memory the op writes itself changes by its own doing (a read alias of a written

@@ -59,21 +59,13 @@ from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.cache import FingerprintCache
 from nondet.frameworks.torch.compiled import in_region
 from nondet.frameworks.torch.optable import OpInfo, aux_tensors, op_info
+from nondet.frameworks.torch.shared import tensors_in
 from nondet.frameworks.torch.steprecords import TorchHost
 from nondet.frameworks.torch.tensors import StorageState
 from nondet.records import Flag, Kind, Phase
 
 __all__ = ["CaptureMode", "OpRecorder", "TorchHost", "tensors_in"]
 
-
-def tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """Tensors in an op's return value or argument: a tensor, or a list/tuple of them."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            if isinstance(item, torch.Tensor):
-                yield item
 
 
 class OpRecorder(FingerprintCache):

@@ -110,15 +110,20 @@ def _written(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> lis
         kwargs[k] for k in info.mutated_kwargs if k in kwargs]
 
 
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an op's return value or argument: a tensor, or a list/tuple of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
 def _tensors(values: list[Any]) -> Iterator[torch.Tensor]:
-    """Tensors among op arguments: a tensor, or a list/tuple of them."""
+    """Tensors among op arguments."""
     for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
+        yield from tensors_in(value)
 
 
 def _memory(t: torch.Tensor) -> int | None:

@@ -111,7 +111,7 @@ class StepRecords:
 # remembered by the scalars' own fingerprints (a step passes the same few: learning rate,
 # betas, ``alpha=1``; an integer's fingerprint by the integer), and the structured array is
 # filled column by column instead of from one tuple per row. Measured in one process
-# (1 thread): 951 -> see docs/benchmarks.md, "Fifth round".
+# (1 thread): 0.9 -> 0.5 ms per step of the narrow model (docs/benchmarks.md, "Fifth round").
 _blake2b = hashlib.blake2b
 _PAIR = struct.Struct("<2Q")
 #: scalar_value of Python ints (exactly ``int``: a bool is not one) by value, and the

@@ -154,3 +154,36 @@ def test_the_parameter_sum_is_the_same_float_with_and_without_statistics() -> No
     with_bf16 = [state_fps.step_state(params, [], [], [], None, detailed)[0].params_sum
                  for detailed in (False, True)]
     assert with_bf16[0] == with_bf16[1]
+
+
+def test_statistics_of_many_arrays_are_those_of_each_alone() -> None:
+    """``stats_many`` computes the small float16/float32 arrays' statistics together
+    (one float64 array, ``reduceat``): the very floats ``stats`` gives each one alone
+    (a step end's values must not depend on which other tensors it holds), with empty
+    arrays, NaN, infinities and -0.0 among them and float64 and large arrays left apart."""
+    import numpy as np
+
+    from nondet.frameworks.torch import hoststats
+
+    rng = np.random.default_rng(0)
+    dtypes = [np.float16, np.float32, np.float64]
+    for _ in range(20):
+        arrays = []
+        for _ in range(30):
+            n = int(rng.choice([0, 1, 2, 7, int(rng.integers(1, 8192)), 8192, 20_000]))
+            dtype = dtypes[int(rng.integers(0, 3))]
+            scale = 10.0 ** int(rng.integers(-3, 4))
+            a = (rng.standard_normal(n) * scale).astype(dtype)
+            if n and rng.random() < 0.2:
+                special = [np.nan, np.inf, -np.inf, -0.0][int(rng.integers(0, 4))]
+                a[int(rng.integers(0, n))] = special
+            arrays.append(a)
+        with np.errstate(invalid="ignore", over="ignore"):
+            got = hoststats.stats_many(arrays)
+            want = [hoststats.stats(a) for a in arrays]
+        assert len(got) == len(want)
+        for a, pair, expected in zip(arrays, got, want, strict=True):
+            same = [x == y or (math.isnan(x) and math.isnan(y))
+                    for x, y in zip(pair, expected, strict=True)]
+            assert all(same), f"{a.dtype} of {a.size}: {pair} != {expected}"
+            assert [math.copysign(1, x) for x in pair] == [math.copysign(1, y) for y in expected]

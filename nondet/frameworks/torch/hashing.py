@@ -157,10 +157,11 @@ class TorchHasher:
         Adam state."""
         out: list[tuple[Stat, Stat] | None] = [None] * len(tensors)
         groups: dict[tuple[Any, Any], list[tuple[int, torch.Tensor]]] = {}
+        host: list[tuple[int, np.ndarray]] = []
         for i, tensor in enumerate(tensors):
             reals = hoststats.host_reals(tensor)
             if reals is not None:
-                out[i] = hoststats.stats(reals)
+                host.append((i, reals))
                 continue
             t = _stat_input(tensor)
             if t is None:
@@ -170,6 +171,8 @@ class TorchHasher:
                 out[i] = zero, zero
             else:
                 groups.setdefault((t.device, t.dtype), []).append((i, t))
+        for (i, _), pair in zip(host, hoststats.stats_many([r for _, r in host]), strict=True):
+            out[i] = pair
         for members in groups.values():
             parts = [t for _, t in members]
             maxabs = torch.stack(torch._foreach_norm(parts, math.inf)).to(torch.float64)

@@ -68,3 +68,45 @@ def test_repeated_reads_reuse_the_earlier_fingerprint(tmp_path: Path) -> None:
         reads = [r["out"] for r in records(c, step) if r["name"] == "variable:variable read"]
         before, after = base + step, base + step + 1
         assert reads == [_fp(before), _fp(before), _fp(after), _fp(after), _fp(after)]
+
+
+BESIDE = """
+import json
+import nondet
+
+v = tf.Variable(tf.range(6, dtype=tf.float32), name="v")
+
+@tf.function
+def g():
+    y = v.read_value() * 2.0
+    v.assign_add(tf.ones([6]))  # right after the read: its hash must see the value before
+    return y
+
+for _ in range(2):
+    g()
+    nondet.step()
+
+graph = g.get_concrete_function().graph
+reads = [op for op in graph.get_operations() if op.type == "ReadVariableOp"]
+handle = reads[0].inputs[0]
+guards = [op for op in graph.get_operations()
+          if op.type == "If" and any(i is handle for i in op.inputs)]
+with open(__file__ + ".json", "w") as f:
+    json.dump({"consumers": [[c.type, [i.type for i in c.control_inputs]]
+                             for c in reads[0].outputs[0].consumers()],
+               "guards": len(guards)}, f)
+"""
+
+
+def test_a_variable_read_is_hashed_beside_it_not_before_its_consumers(tmp_path: Path) -> None:
+    # Note [A variable read hashed beside it]: the script's consumers read the variable
+    # read itself, not an identity that waits for the guarded hash; a guard of its own
+    # takes the variable's handle; the values are those read (the write right after the
+    # read waits for the guard)
+    c = capture(tmp_path, BESIDE, op_steps=None)
+    graph = json.loads((tmp_path / "train.py.json").read_text())
+    assert graph == {"consumers": [["Identity", []]], "guards": 1}  # read_value's own
+    base = np.arange(6, dtype=np.float32)
+    for step in (0, 1):
+        reads = [r["out"] for r in records(c, step) if r["name"] == "variable:variable read"]
+        assert reads == [_fp(base + step)]

@@ -190,8 +190,7 @@ class RecorderVariables:
             self.loss_hash.assign(tf.zeros([], tf.int64))
         return values
 
-    def guard(self, dtype: Any, plan: Plan | None,
-              of_variable: bool = False) -> tuple[Any, Any]:
+    def guard(self, dtype: Any, plan: Plan | None) -> tuple[Any, Any]:
         """The two branches of the guard for tensors of ``dtype`` whose static shape gave
         ``plan`` (word size, chunked: ``hashing.static_plan``; None: decided when the graph
         runs), traced once per key (a ``tf.cond`` per op would trace two small graphs per
@@ -199,16 +198,12 @@ class RecorderVariables:
         branch held a ``tf.cond`` per word size and one on the size, a dozen functions
         for TensorFlow to optimize and instantiate): ``then`` hashes its tensor into the
         given slot, ``otherwise`` does nothing; both take the tensor, the slot and
-        ``then``'s captured variables, as an ``If`` op requires. ``of_variable``: they take
-        a variable's handle instead of the tensor, and ``then`` reads it itself
-        (``reads.hash_beside``)."""
-        key = (dtype, plan, of_variable)
+        ``then``'s captured variables, as an ``If`` op requires."""
+        key = (dtype, plan)
         if key not in self._guards:
             hasher, buffer = self.hasher, self.buffer
 
             def write(t: tf.Tensor, slot: tf.Tensor) -> tf.Tensor:
-                if of_variable:  # ``t`` is the variable's handle: read it here (reads.py)
-                    t = tf.raw_ops.ReadVariableOp(resource=t, dtype=dtype)
                 content = hasher.content(t) if plan is None \
                     else hasher.content_planned(t, plan)
                 # a scalar update at a scalar index: no index or update packing in the graph
@@ -219,8 +214,7 @@ class RecorderVariables:
             def skip(t: tf.Tensor, slot: tf.Tensor, *captured: tf.Tensor) -> tf.Tensor:
                 return tf.constant(False)
 
-            specs = (tf.TensorSpec(None, tf.resource if of_variable else dtype),
-                     tf.TensorSpec([], tf.int32))
+            specs = (tf.TensorSpec(None, dtype), tf.TensorSpec([], tf.int32))
             with tf.init_scope():
                 then = tf.function(write, autograph=False).get_concrete_function(*specs)
                 captured = [tf.TensorSpec(c.shape, c.dtype) for c in then.captured_inputs]

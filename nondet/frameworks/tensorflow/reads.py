@@ -21,22 +21,6 @@ possible write through any other resource tensor (a handle made or passed on ins
 graph) forgets every read of that graph. Writes from
 outside the graph while it runs (another thread's function) are not seen; nondet refuses
 scripts that train in two threads at once.
-
-Note [A variable read hashed beside it]
-Any other hashed graph output is replaced, for its consumers, by an identity that waits for
-its guarded hash (traced.py, Note [Graph instrumentation]): the guard must have let go of
-the tensor before a consumer may reuse its buffer. That puts every hash on the step's
-critical path, each ``If`` a function call of its own between an op and its consumers. A
-variable read (121 of the ~180 hashed outputs per step of the narrow benchmark model, 89
-after the repeats above) is hashed instead by a guard that takes the variable's *handle*
-and reads it itself (``hash_beside``), and the script's read is left as it is: nothing
-waits for the hash but later writes to that variable. It hashes the same value: automatic
-control dependencies order an op taking a resource after the writes to it before it in
-program order and before those after it (the ``If`` carries no read-only mark, so it is
-ordered as a write: later reads of the variable wait for it too), and the guard is made
-right after the script's read, before any later op is traced. Buffer reuse is not
-changed: the guard's read holds the variable's own buffer, which the variable holds
-anyway until a write replaces it, and that write waits for the guard.
 """
 
 from __future__ import annotations
@@ -45,7 +29,6 @@ import weakref
 from typing import Any
 
 import tensorflow as tf
-from tensorflow.python.ops import gen_functional_ops
 
 READ = "ReadVariableOp"
 
@@ -109,21 +92,6 @@ class RepeatReads:
         reads = self._reads(graph)
         if reads is not None:
             reads[handle.name] = (index, meta)
-
-
-def hash_beside(flag: Any, handle: Any, slot: int, then: Any, otherwise: Any) -> Any:
-    """The guarded hash of the variable behind ``handle`` into ``slot``: an ``If`` on
-    ``flag`` over the guard functions made for variable handles (``RecorderVariables.guard``
-    with ``of_variable``), beside the script's read (Note [A variable read hashed beside
-    it]). Stateful, so a ``tf.function`` always runs it."""
-    inputs = [handle, tf.constant(slot, tf.int32), *then.captured_inputs]
-    return gen_functional_ops._if(flag, inputs, [tf.bool], then_branch=then,
-                                  else_branch=otherwise)[0]
-
-
-def read_handle(inputs: Any) -> Any:
-    """The resource handle a ``ReadVariableOp`` reads (None: not a single handle)."""
-    return _handle(inputs)
 
 
 def _handle(inputs: Any) -> Any:

@@ -80,7 +80,7 @@ from nondet.frameworks.tensorflow.graph import (
     xla_compiled,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, static_plan
-from nondet.frameworks.tensorflow.reads import READ, RepeatReads, hash_beside, read_handle
+from nondet.frameworks.tensorflow.reads import READ, RepeatReads
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
 
 
@@ -188,8 +188,6 @@ class GraphRecorder:
             op.alias = self.repeats.earlier(inputs, graph, op.meta)
             if op.alias is None:
                 self.repeats.remember(inputs, graph, index, op.meta)
-                if not late and self._hash_variable(inputs, numeric, op):
-                    return None  # consumers keep the read itself (reads.hash_beside)
         if (op.derived or op.alias is not None) and not late:
             return None
         replaced = []
@@ -208,19 +206,6 @@ class GraphRecorder:
                 position += 1
             replaced.append(t)
         return replaced
-
-    def _hash_variable(self, inputs: Any, numeric: list[Any], op: GraphOp) -> bool:
-        """A variable read's fingerprint from a guarded read of its own, beside the script's
-        (``reads.hash_beside``); False when the read is not one of a variable handle."""
-        handle = read_handle(inputs)
-        if handle is None or len(numeric) != 1:
-            return False
-        t = numeric[0]
-        slot = self._slot()
-        then, otherwise = self.vars.guard(t.dtype, static_plan(t), of_variable=True)
-        hash_beside(self.vars.window_flag, handle, slot, then, otherwise)
-        op.slots.append(slot)
-        return True
 
     def _producer(self, gid: int, t: Any, late: list[Any]) -> tuple[int, int]:
         """Where an input comes from; the outputs of LATE_OPS are recorded here, the first

@@ -145,6 +145,7 @@ class RecorderVariables:
             # guarded op of every step.
             with tf.device(HOST):
                 self.window_flag = tf.Variable(window, trainable=False, name="nondet_window")
+            self.window = window  # the flag's value: only nondet assigns it (``set_window``)
             self.updates = tf.Variable(tf.zeros([], tf.int64), trainable=False,
                                        name="nondet_updates")
             # the loss of a traced step (see carry_loss): its content hash + 1, and its value

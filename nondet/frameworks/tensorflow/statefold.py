@@ -119,7 +119,7 @@ class FoldedGroup:
     def content(self, values: Sequence[tf.Tensor]) -> tf.Tensor:
         """The group's content (int64 scalar) from its members' values (in the order the
         members were given; those not initialized are not read)."""
-        keys = self.keys.read_value()
+        keys = self.keys.value()
         total = tf.constant(0, tf.int64)
         for (kind, ks), (start, size) in zip(self.pieces, self.bounds, strict=True):
             if kind.startswith("pairs:"):

@@ -142,7 +142,7 @@ class StateHasher:
 
         def compute(*everyone: Any) -> tf.Tensor:
             # each variable read once (a read is an op, and the float sum reads parameters too)
-            values = [v.read_value() if initialized[i] else None
+            values = [v.value() if initialized[i] else None
                       for i, v in enumerate(everyone)]
 
             def value(i: int) -> tf.Tensor:

@@ -1,0 +1,161 @@
+"""Hostile environments no other test covers: nondet's pipe closed from C, output written
+by a process the script left running after it ended. Each case is a real run
+(``CapturedRun`` and its child process; no framework imported unless the test says so)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from nondet.launch import CapturedRun, Plan, Target
+from tests.conftest import run_cli
+
+# A library that closes every inherited descriptor from C (before an exec, say): fdguard's
+# os.close/os.closerange wrappers never see it.
+_CLOSE_FROM_C = """
+import ctypes
+libc = ctypes.CDLL(None)
+for fd in range(3, 256):
+    libc.close(fd)
+"""
+
+
+def _run_script(tmp_path: Path, text: str) -> tuple[CapturedRun, float]:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(text))
+    run = CapturedRun(Target(str(script), None), Plan("a", []), 0, tmp_path)
+    started = time.monotonic()
+    run.start()
+    run.wait(timeout=120)
+    return run, time.monotonic() - started
+
+
+def test_a_pipe_closed_from_c_is_opened_again_and_the_run_ends_recorded(
+        tmp_path: Path) -> None:
+    # Before: the END never arrived (the run ended "complete" with nothing said); a short
+    # run was then "no training step was observed", a long one lost after 5 s.
+    run, _ = _run_script(tmp_path, _CLOSE_FROM_C + """
+import time
+print("closed", flush=True)
+time.sleep(1.5)  # the parent sees the pipe lose its writer while the run goes on
+""")
+    result = run.wait()
+    assert run.end is not None and run.end.status == "complete", run.log_path.read_text()
+    assert result.unsupported == ""
+    assert result.status == "complete"
+
+
+def test_a_pipe_closed_from_c_that_cannot_be_opened_again_is_named_in_one_line(
+        tmp_path: Path) -> None:
+    # As where /proc cannot be opened (hidepid, another user): the run ends soon after
+    # (before: within launch's 5 s grace it passed for a run that never trained)
+    run, _ = _run_script(tmp_path, """
+from nondet import fdguard
+getattr(fdguard, "_REOPEN", {}).clear()  # no way back to the pipe
+""" + _CLOSE_FROM_C + """
+import time
+time.sleep(1.0)
+""")
+    result = run.wait()
+    assert "the script closed file descriptor" in result.unsupported, result
+    assert "from C" in result.unsupported
+
+
+@pytest.mark.e2e
+def test_a_training_script_that_closes_the_pipe_from_c_is_compared_over_every_step(
+        tmp_path: Path) -> None:
+    # The trial: every step after the close was lost, then "no training step was observed"
+    # or the run's first steps only
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import ctypes, torch\n"
+        "libc = ctypes.CDLL(None)\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Linear(8, 2)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(4):\n"
+        "    if step == 1:\n"
+        "        for fd in range(3, 256):\n"
+        "            libc.close(fd)\n"
+        "    loss = model(torch.ones(4, 8)).pow(2).mean()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n")
+    result = run_cli("run", "-q", "--json", "r.json", str(script), cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [r["steps"] for r in runs] == [4, 4], runs
+
+
+# The script starts a process that outlives it holding the run's output, and writes its
+# pid to DIR/daemon.pid (the test ends it). {body} is that process's code.
+_LEFT_RUNNING = """
+import subprocess, sys
+daemon = subprocess.Popen([sys.executable, "-c", {body!r}])
+open({pid!r}, "w").write(str(daemon.pid))
+print("script done", flush=True)
+"""
+
+_PRINTS_LATE = """
+import sys, time
+time.sleep(1.6)  # the run is over and its pipe has been quiet: nondet stopped reading
+for i in range(8):
+    sys.stdout.write("block %d " % i + "x" * 32768 + "\\n")
+    sys.stdout.flush()
+open({marker!r}, "w").close()
+time.sleep(60)
+"""
+
+
+def test_a_process_left_printing_after_the_run_never_blocks_and_its_output_is_kept(
+        tmp_path: Path) -> None:
+    # Before: once the pipe was quiet after the run's end nobody read it, so the process
+    # blocked for good after 64 KiB (and its output was lost) while nondet went on
+    marker = tmp_path / "daemon-finished"
+    body = _PRINTS_LATE.format(marker=str(marker))
+    run, _ = _run_script(tmp_path, _LEFT_RUNNING.format(body=body,
+                                                        pid=str(tmp_path / "daemon.pid")))
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), "the process the script left running blocked on its output"
+        time.sleep(0.5)
+        log = run.log_path.read_text()
+        assert "script done" in log and "block 7 " in log, log[-300:]
+    finally:
+        _kill_daemon(tmp_path)
+
+
+_PRINTS_FOR_GOOD = """
+import time
+for i in range(600):
+    print("tick", i, flush=True)
+    time.sleep(0.1)
+"""
+
+
+def test_a_process_left_printing_for_good_does_not_hold_the_runs_end(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # Before: never quiet, so the output thread read on and the run's end waited 30 s for
+    # it, then closed the log under it (a thread traceback on nondet's stderr)
+    run, seconds = _run_script(tmp_path, _LEFT_RUNNING.format(
+        body=_PRINTS_FOR_GOOD, pid=str(tmp_path / "daemon.pid")))
+    try:
+        assert seconds < 20, seconds
+        time.sleep(1.0)
+        assert "Traceback" not in capfd.readouterr().err
+        assert "script done" in run.log_path.read_text()
+    finally:
+        _kill_daemon(tmp_path)
+
+
+def _kill_daemon(tmp_path: Path) -> None:
+    try:
+        os.kill(int((tmp_path / "daemon.pid").read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass

@@ -159,3 +159,21 @@ def _kill_daemon(tmp_path: Path) -> None:
         os.kill(int((tmp_path / "daemon.pid").read_text()), signal.SIGKILL)
     except (OSError, ValueError):
         pass
+
+
+def test_a_script_that_execs_another_program_says_what_was_not_recorded(
+        tmp_path: Path) -> None:
+    # Trial: os.execv(sys.executable, [..., "stage2"]) trained on in the exec'd program
+    # and the report said "deterministic" over the first stage alone, with nothing said
+    from nondet.store import open_capture
+
+    run, _ = _run_script(tmp_path, """
+import os, sys
+if sys.argv[1:] != ["stage2"]:
+    os.execv(sys.executable, [sys.executable, __file__, "stage2"])  # line 4
+print("stage2 ran", flush=True)
+""")
+    assert "stage2 ran" in run.log_path.read_text()
+    facts = open_capture(run.path).facts
+    assert "os.execv at " in str(facts.get("capture_note.exec")), facts
+    assert facts["script.ended_at"]["source"].endswith("train.py:4"), facts

@@ -177,3 +177,24 @@ print("stage2 ran", flush=True)
     facts = open_capture(run.path).facts
     assert "os.execv at " in str(facts.get("capture_note.exec")), facts
     assert facts["script.ended_at"]["source"].endswith("train.py:4"), facts
+
+
+def test_nondet_out_of_descriptors_is_the_limit_named_in_one_line(tmp_path: Path) -> None:
+    # Trial: `ulimit -n 20` (16 here, for a script that imports nothing; it runs alone) was
+    # "internal error: OSError: [Errno 24] Too many open files", exit 3, a bug log
+    import resource
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text("print('hello')\n")
+
+    def few_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (16, 16))
+
+    done = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", "train.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          preexec_fn=few_files, env={**os.environ, "NO_COLOR": "1"})
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "`ulimit -n` is 16" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import NoReturn
 
 import click
 from rich.console import Console
@@ -63,15 +64,48 @@ def handle_errors() -> Iterator[None]:
         sys.exit(ExitCode.INTERRUPTED)
     except SystemExit:
         raise
+    except (OSError, MemoryError) as exc:
+        limit = resource_limit(exc)
+        if limit is None:
+            _internal_error(err, exc)
+        err.print(f"[bold red]nondet: error:[/] {_escape(limit)}")
+        sys.exit(ExitCode.USAGE)
     except BaseException as exc:  # a bug in nondet
-        if os.environ.get("NONDET_DEBUG") == "1":
-            raise
-        details = getattr(exc, "child_traceback", "")
-        log = write_bug_log(traceback.format_exc(), details)
-        err.print(f"[bold red]nondet: internal error:[/] {_escape(type(exc).__name__)}: "
-                  f"{_escape(str(exc).splitlines()[0] if str(exc) else '')}")
-        err.print(f"  a log with versions and the traceback is at {log}; please report it")
-        sys.exit(ExitCode.INTERNAL)
+        _internal_error(err, exc)
+
+
+def _internal_error(err: Console, exc: BaseException) -> NoReturn:
+    """A bug in nondet (called while handling ``exc``): exit 3, with a log holding versions
+    and the traceback."""
+    if os.environ.get("NONDET_DEBUG") == "1":
+        raise exc
+    details = getattr(exc, "child_traceback", "")
+    log = write_bug_log(traceback.format_exc(), details)
+    err.print(f"[bold red]nondet: internal error:[/] {_escape(type(exc).__name__)}: "
+              f"{_escape(str(exc).splitlines()[0] if str(exc) else '')}")
+    err.print(f"  a log with versions and the traceback is at {log}; please report it")
+    sys.exit(ExitCode.INTERNAL)
+
+
+def resource_limit(exc: BaseException) -> str | None:
+    """The one line for nondet itself running out of descriptors or memory (``ulimit -n``,
+    ``ulimit -v``: the machine's limits, not a bug), or None for any other error."""
+    import errno
+    import resource
+
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        what, limit, option = "open files", resource.RLIMIT_NOFILE, "-n"
+    elif isinstance(exc, MemoryError) or (isinstance(exc, OSError)
+                                          and exc.errno == errno.ENOMEM):
+        what, limit, option = "memory", resource.RLIMIT_AS, "-v"
+    else:
+        return None
+    soft, _ = resource.getrlimit(limit)
+    shown = "unlimited" if soft == resource.RLIM_INFINITY else (
+        str(soft) if option == "-n" else f"{soft // 1024} KiB")
+    return (f"nondet ran out of {what} ({type(exc).__name__}: {exc}); `ulimit {option}` "
+            f"is {shown}: nondet runs the script twice and needs more than one run of it "
+            f"alone, so raise the limit (or free {what}) and run again")
 
 
 def _terminate_on_sigterm() -> None:

@@ -10,11 +10,12 @@ import signal
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nondet.launch import CapturedRun, Plan, Target
-from tests.conftest import run_cli
+from tests.conftest import run_cli, step_rows, write_capture
 
 # A library that closes every inherited descriptor from C (before an exec, say): fdguard's
 # os.close/os.closerange wrappers never see it.
@@ -198,3 +199,27 @@ def test_nondet_out_of_descriptors_is_the_limit_named_in_one_line(tmp_path: Path
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "`ulimit -n` is 16" in lines[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+_STEPS: list[dict[str, Any]] = [
+    {"step": -1, "params_fp": 1},
+    {"step": 0, "loss": 0.5, "loss_fp": 7, "grads_fp": 2, "params_fp": 3}]
+
+
+def test_a_reader_that_goes_away_does_not_turn_the_verdict_into_nondeterministic(
+        tmp_path: Path) -> None:
+    # Trial: `nondet check train.py | true` (or `| head -1`) on a deterministic script
+    # exited 1, "nondeterminism found": click makes a broken pipe exit 1, silently
+    import subprocess
+    import sys
+
+    a = write_capture(tmp_path / "a.h5", step_rows(*_STEPS))
+    b = write_capture(tmp_path / "b.h5", step_rows(*_STEPS))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before nondet writes its verdict
+    done = subprocess.run([sys.executable, "-m", "nondet", "diff", str(a), str(b)],
+                          stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+                          env={**os.environ, "NO_COLOR": "1"})
+    os.close(write_end)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, TextIO
 
 import click
 from rich.console import Console
@@ -153,3 +153,45 @@ def _escape(text: str) -> str:
     from rich.markup import escape
 
     return escape(_printable(text))
+
+
+class ReaderMayGo:
+    """``sys.stdout`` whose reader may go away (``nondet check train.py | head -1``): what
+    is written after that is dropped, never an error. Without it click turned the broken
+    pipe into exit 1, "nondeterminism found", for a deterministic run; the exit code stays
+    the verdict's."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._reader_gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        self.gone = True
+        # the text still buffered, and the interpreter's last flush, go nowhere quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+        try:
+            self._stream.flush()
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

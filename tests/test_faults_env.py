@@ -223,3 +223,14 @@ def test_a_reader_that_goes_away_does_not_turn_the_verdict_into_nondeterministic
     os.close(write_end)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+
+
+def test_a_capture_compared_with_itself_is_refused_not_called_deterministic(
+        tmp_path: Path) -> None:
+    # Trial: `nondet diff a.h5 a.h5` (a typo for run-b.h5) said "deterministic", exit 0
+    a = write_capture(tmp_path / "a.h5", step_rows(*_STEPS))
+    (tmp_path / "link.h5").symlink_to(a)
+    result = run_cli("diff", str(a), "link.h5", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "are the same file" in lines[0], result.stderr

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 
 from nondet.cli._common import App
 from nondet.cli._options import check_html_file, write_html
+from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG
 
 
@@ -31,6 +33,12 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
     from nondet.store import open_capture
 
     check_html_file(html_path)
+    if _same_file(capture_a, capture_b):
+        # a capture compared with itself is always "identical": exit 0 for a typo
+        what = "directory" if capture_a.is_dir() else "file"
+        raise NondetError(f"{capture_a} and {capture_b} are the same {what}: give the "
+                          "captures of two runs (run-a.h5 and run-b.h5 of one invocation, "
+                          "or of two machines)")
     if capture_a.is_dir() or capture_b.is_dir():
         if not (capture_a.is_dir() and capture_b.is_dir()):
             raise click.UsageError("give two capture files or two run directories, not one "
@@ -62,3 +70,10 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
     text.render(report, app.out)
     write_html(html_path, report, Path.cwd())
     return int(report.exit_code)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False  # a missing or unreadable file is said so when it is opened

@@ -234,3 +234,23 @@ def test_a_capture_compared_with_itself_is_refused_not_called_deterministic(
     assert result.returncode == 2, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "are the same file" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("module", ["numpy.py", "h5py/__init__.py"])
+@pytest.mark.parametrize("body", ["raise ImportError('broken on purpose')\n", ""])
+def test_a_dependency_shadowed_on_pythonpath_is_named_in_one_line(
+        tmp_path: Path, module: str, body: str) -> None:
+    # Trial: PYTHONPATH with a broken numpy.py or h5py/ before the installed one was
+    # "internal error" (exit 3, a bug log): the machine's trouble, not nondet's
+    shadow = tmp_path / "shadow" / module
+    shadow.parent.mkdir(parents=True)
+    shadow.write_text(body)
+    pythonpath = os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(tmp_path / "shadow")])
+    (tmp_path / "train.py").write_text("print(1)\n")
+    result = run_cli("run", "-q", "train.py", cwd=tmp_path, env={"PYTHONPATH": pythonpath},
+                     timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    package = module.split(".")[0].split("/")[0]
+    assert len(lines) == 1 and f"importing {package} from {shadow}" in lines[0], lines
+    assert f"PYTHONPATH entry {tmp_path / 'shadow'}" in lines[0]

@@ -64,14 +64,14 @@ def handle_errors() -> Iterator[None]:
         sys.exit(ExitCode.INTERRUPTED)
     except SystemExit:
         raise
-    except (OSError, MemoryError) as exc:
-        limit = resource_limit(exc)
-        if limit is None:
+    except BaseException as exc:  # a bug in nondet, unless the machine is the trouble
+        from nondet.cli import _trouble
+
+        trouble = _trouble.explain(exc)
+        if trouble is None:
             _internal_error(err, exc)
-        err.print(f"[bold red]nondet: error:[/] {_escape(limit)}")
+        err.print(f"[bold red]nondet: error:[/] {_escape(trouble)}")
         sys.exit(ExitCode.USAGE)
-    except BaseException as exc:  # a bug in nondet
-        _internal_error(err, exc)
 
 
 def _internal_error(err: Console, exc: BaseException) -> NoReturn:
@@ -85,27 +85,6 @@ def _internal_error(err: Console, exc: BaseException) -> NoReturn:
               f"{_escape(str(exc).splitlines()[0] if str(exc) else '')}")
     err.print(f"  a log with versions and the traceback is at {log}; please report it")
     sys.exit(ExitCode.INTERNAL)
-
-
-def resource_limit(exc: BaseException) -> str | None:
-    """The one line for nondet itself running out of descriptors or memory (``ulimit -n``,
-    ``ulimit -v``: the machine's limits, not a bug), or None for any other error."""
-    import errno
-    import resource
-
-    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
-        what, limit, option = "open files", resource.RLIMIT_NOFILE, "-n"
-    elif isinstance(exc, MemoryError) or (isinstance(exc, OSError)
-                                          and exc.errno == errno.ENOMEM):
-        what, limit, option = "memory", resource.RLIMIT_AS, "-v"
-    else:
-        return None
-    soft, _ = resource.getrlimit(limit)
-    shown = "unlimited" if soft == resource.RLIM_INFINITY else (
-        str(soft) if option == "-n" else f"{soft // 1024} KiB")
-    return (f"nondet ran out of {what} ({type(exc).__name__}: {exc}); `ulimit {option}` "
-            f"is {shown}: nondet runs the script twice and needs more than one run of it "
-            f"alone, so raise the limit (or free {what}) and run again")
 
 
 def _terminate_on_sigterm() -> None:

@@ -33,16 +33,11 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
     from nondet.store import open_capture
 
     check_html_file(html_path)
-    if _same_file(capture_a, capture_b):
-        # a capture compared with itself is always "identical": exit 0 for a typo
-        what = "directory" if capture_a.is_dir() else "file"
-        raise NondetError(f"{capture_a} and {capture_b} are the same {what}: give the "
-                          "captures of two runs (run-a.h5 and run-b.h5 of one invocation, "
-                          "or of two machines)")
     if capture_a.is_dir() or capture_b.is_dir():
         if not (capture_a.is_dir() and capture_b.is_dir()):
             raise click.UsageError("give two capture files or two run directories, not one "
                                    "of each")
+        _refuse_same(capture_a, capture_b, "directory")
         from nondet import jobs
 
         report = jobs.diff_dirs(capture_a, capture_b)
@@ -54,6 +49,7 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
     a, b = open_capture(capture_a), open_capture(capture_b)
     a.verify()  # damage anywhere is exit 2, never a verdict (checksums checked as read)
     b.verify()
+    _refuse_same(capture_a, capture_b, "file")
     notes: list[str] = []
     if a.attrs.get("script_sha256") != b.attrs.get("script_sha256"):
         what = (f"{a.attrs.get('script') or a.attrs.get('module')} vs "
@@ -72,8 +68,12 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
     return int(report.exit_code)
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def _refuse_same(a: Path, b: Path, what: str) -> None:
+    """A capture compared with itself is always "identical": exit 0 for a typo."""
     try:
-        return os.path.samefile(a, b)
+        same = os.path.samefile(a, b)
     except OSError:
-        return False  # a missing or unreadable file is said so when it is opened
+        return  # a missing or unreadable file is said so when it is opened
+    if same:
+        raise NondetError(f"{a} and {b} are the same {what}: give the captures of two runs "
+                          "(run-a.h5 and run-b.h5 of one invocation, or of two machines)")

@@ -334,8 +334,10 @@ class CapturedRun(RunStream):
                     if lost_since is None:
                         return  # the run ended (or died)
                     if self._proc is not None and self._proc.poll() is not None:
-                        if time.monotonic() - lost_since > 0.3:
-                            self._channel_lost()  # it ended without opening it again
+                        # it ended without opening it again (a run that failed or died is
+                        # told as such: its exit says more than the pipe)
+                        if time.monotonic() - lost_since > 0.3 and self._proc.returncode == 0:
+                            self._channel_lost()
                         return
                     if time.monotonic() - lost_since > CHANNEL_GRACE:
                         self._channel_lost()  # it runs on unrecorded: the schedule ends it

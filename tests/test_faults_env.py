@@ -258,3 +258,18 @@ def test_a_dependency_shadowed_on_pythonpath_is_named_in_one_line(
     package = module.split(".")[0].split("/")[0]
     assert len(lines) == 1 and f"importing {package} from {shadow}" in lines[0], lines
     assert f"PYTHONPATH entry {tmp_path / 'shadow'}" in lines[0]
+
+
+def test_a_run_that_dies_after_closing_the_pipe_is_told_as_dying(tmp_path: Path) -> None:
+    # Control (passed before too): its death says more than the closed pipe
+    run, _ = _run_script(tmp_path, """
+from nondet import fdguard
+getattr(fdguard, "_REOPEN", {}).clear()
+""" + _CLOSE_FROM_C + """
+import os, signal, time
+time.sleep(1.0)
+os.kill(os.getpid(), signal.SIGKILL)
+""")
+    result = run.wait()
+    assert result.unsupported == "" and result.status == "crashed", result
+    assert result.exit_code == -signal.SIGKILL

@@ -53,6 +53,7 @@ def main() -> int:
     session = Session(config)
     session_module._CURRENT = session
     fdguard.install((config.channel_fd, config.control_fd))  # daemon-style closerange
+    fdguard.watch((config.channel_fd, config.control_fd))  # ... and closes from C
     os.register_at_fork(after_in_child=_forget_session)
 
     random.seed(config.seed)

@@ -10,6 +10,7 @@ raw NumPy bytes (dtypes in ``records``) for rows.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
@@ -168,15 +169,26 @@ class FrameWriter:
 
     def _write(self) -> None:
         """Write the buffer out (the lock is held)."""
-        if not self._broken and not fdguard.ours(self._fd):
-            self._broken = True  # the script closed or replaced it: never write there
         if self._broken:
             self._buffer.clear()  # nobody left to tell
             return
         view = memoryview(self._buffer)
+        retries = 3  # closed under our feet again and again: give up rather than spin
         try:
             while view:
-                view = view[os.write(self._fd, view):]
+                # the script may close or replace ours (from C) at any moment: write only
+                # through the number that still names the pipe, reopened if need be
+                fd = fdguard.live(self._fd)
+                if fd < 0:
+                    self._broken = True  # closed or replaced, and not reopened: never write
+                    break
+                try:
+                    view = view[os.write(fd, view):]
+                except OSError as exc:
+                    if exc.errno != errno.EBADF or retries == 0:
+                        raise
+                    retries -= 1
+                    # closed between the check and the write: the check reopens it
         except OSError:  # BrokenPipeError: the parent is gone; nothing left to tell it
             self._broken = True
         finally:
@@ -190,10 +202,11 @@ class FrameWriter:
         with self._lock:
             self._deadline = None
             self._write()
-            if self._fd >= 0 and fdguard.ours(self._fd):  # never close a file of the script's
+            fd = fdguard.live(self._fd) if self._fd >= 0 else -1
+            if fd >= 0:  # never a number the script reused for a file of its own
                 try:
                     # the real close: fdguard makes the script's os.close skip this one
-                    getattr(os.close, "__wrapped__", os.close)(self._fd)
+                    getattr(os.close, "__wrapped__", os.close)(fd)
                 except OSError:
                     pass
             fdguard.release(self._fd)  # the number may be reused for anything now
@@ -243,7 +256,8 @@ def connect(path: str, hello: dict[str, Any], timeout: float = 60.0) -> tuple[in
 
 def stop_requested(fd: int) -> bool:
     """Child side: has the parent asked us to stop? Never blocks."""
-    if not fdguard.ours(fd):
+    fd = fdguard.live(fd)
+    if fd < 0:
         return False  # the script closed or replaced the pipe: never read its file
     try:
         ready, _, _ = select.select([fd], [], [], 0)
@@ -278,14 +292,20 @@ def wait_for_grant(fd: int, on_dump: Callable[[int, int], None],
     """``wait_for_turn``, and how many steps a GO grants (1 unless "go N"; 0 otherwise)."""
     pending = b""
     deadline = None if timeout is None else time.monotonic() + timeout
+    claimed = fd
     while True:
-        if not fdguard.ours(fd):
+        fd = fdguard.live(claimed)
+        if fd < 0:
             return FREE, 0  # the script closed or replaced the pipe: never read its file
         try:
-            if deadline is not None:
-                ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-                if not ready:
+            # a bounded wait even without a deadline: the script may close the pipe (from
+            # C) while we wait, and the next turn reads it where it was reopened
+            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            ready, _, _ = select.select([fd], [], [], wait)
+            if not ready:
+                if deadline is not None and time.monotonic() >= deadline:
                     return FREE, 0
+                continue
             data = os.read(fd, 256)
         except (OSError, ValueError):
             return FREE, 0

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
-from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from nondet.session import Session
@@ -67,6 +68,49 @@ def install(session: Session) -> None:
 
     _exit.__wrapped__ = real_exit  # type: ignore[attr-defined]
     os._exit = _exit  # type: ignore[assignment]
+    for name in ("execv", "execve"):  # every os.exec* function ends in one of these
+        setattr(os, name, _noting_exec(session, getattr(os, name), name))
+
+
+#: the note on a capture whose script replaced its process (``os.exec*``)
+EXEC_NOTE = ("the script replaced its process with another program ({how} at {source}): "
+             "what that program did is not recorded, so only the steps before it are "
+             "compared")
+
+
+def _noting_exec(session: Session, real: Callable[..., NoReturn], name: str
+                 ) -> Callable[..., NoReturn]:
+    """``os.execv``/``os.execve`` ends the run's Python without SystemExit or END: the
+    line that called it is sent (and flushed) first, with a note that nothing after it is
+    recorded (the exec'd program inherits no hooks)."""
+    from nondet import session as session_module
+
+    def exec_(*args: Any, **kwargs: Any) -> NoReturn:
+        try:
+            place = _user_caller(session)
+            if session_module.current() is session and place is not None:
+                how = f"os.{name}"
+                _send(session, place, how)
+                session.send_facts({"capture_note.exec": EXEC_NOTE.format(
+                    how=how, source=session.sources.display(*place))})
+                session._send_strings()
+                session.writer.flush()
+        except BaseException:  # the exec must happen whatever failed
+            pass
+        real(*args, **kwargs)
+
+    exec_.__wrapped__ = real  # type: ignore[attr-defined]
+    return exec_
+
+
+def _user_caller(session: Session) -> tuple[str, int] | None:
+    """The innermost frame of the user's files calling in (os.execl goes through os.py)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if session.sources.user_file(frame.f_code.co_filename):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
 
 
 def ended_at(capture: Capture) -> tuple[str, str] | None:

@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from nondet import channel, child_captures, idle
+from nondet import channel, child_captures, idle, output
 from nondet.errors import NondetError, Terminated
 from nondet.runspec import Plan as Plan  # re-exported: tests and callers name runs here
 from nondet.runspec import RunResult as RunResult
@@ -31,12 +31,9 @@ from nondet.runspec import capture_attrs, child_config, child_env
 from nondet.store import CaptureWriter
 from nondet.stream import RunStream, ensure_space, write_failure
 
-#: seconds a run whose pipe closed without an END may take to exit before nondet decides
-#: the script closed the pipe (``CapturedRun._check_channel_kept``)
-CHANNEL_GRACE = 5.0
-#: seconds without output, after the run's process has ended, that end its output (a
-#: process it started may hold the pipe open for good)
-OUTPUT_QUIET = 1.0
+#: seconds a run that closed nondet's pipe (from C: ``fdguard``) may take to open it again
+#: (its watcher does within half a second) before nondet gives up on recording it
+CHANNEL_GRACE = 10.0
 
 
 class CapturedRun(RunStream):
@@ -63,6 +60,7 @@ class CapturedRun(RunStream):
         self._threads: list[threading.Thread] = []
         self._result_cache: RunResult | None = None
         self._ctrl_w = -1  # parent end of the control pipe, once started
+        self._ctrl_r = -1  # and the run's end of it, kept (see start)
         self._ctrl_lock = threading.Lock()
         self._log: BinaryIO | None = None
         self._idle: idle.IdleWatch | None = None
@@ -85,6 +83,9 @@ class CapturedRun(RunStream):
         data_r, data_w = os.pipe()
         ctrl_r, ctrl_w = os.pipe()
         config.channel_fd, config.control_fd = data_w, ctrl_r
+        # where the run opens the pipes again if the script closes its ends (fdguard.live)
+        config.channel_path = f"/proc/{os.getpid()}/fd/{data_r}"
+        config.control_path = f"/proc/{os.getpid()}/fd/{ctrl_w}"
         self._child_fds = (data_w, ctrl_r)  # pass_fds keeps the numbers
         env = child_env(config, self.extra_env)
         self._proc = subprocess.Popen(
@@ -93,7 +94,11 @@ class CapturedRun(RunStream):
             pass_fds=(data_w, ctrl_r),
         )
         os.close(data_w)
-        os.close(ctrl_r)
+        # ctrl_r stays open here: a word sent while the script has closed the run's end
+        # (before the run reopens it) waits in the pipe instead of being lost (EPIPE); and
+        # a write never blocks, whatever the run does not read
+        self._ctrl_r = ctrl_r
+        os.set_blocking(ctrl_w, False)
         self._ctrl_w = ctrl_w
         self._idle = idle.IdleWatch(self._proc.pid, idle.idle_after())
         self._threads = [
@@ -124,12 +129,13 @@ class CapturedRun(RunStream):
 
     def _close_control(self) -> None:
         with self._ctrl_lock:
-            if self._ctrl_w >= 0:
-                try:
-                    os.close(self._ctrl_w)
-                except OSError:
-                    pass
-                self._ctrl_w = -1
+            for fd in (self._ctrl_w, self._ctrl_r):
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            self._ctrl_w = self._ctrl_r = -1
 
     def request_kept(self, step: int, index: int, timeout: float = 120.0
                      ) -> list[np.ndarray] | None:
@@ -259,30 +265,9 @@ class CapturedRun(RunStream):
     # -- threads ---------------------------------------------------------------------------------
     def _pump_output(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
-        fd = self._proc.stdout.fileno()
-        pending = b""  # a line not yet ended, for the echo's prefix
-        quiet_since: float | None = None
-        while True:
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                data = os.read(fd, 1 << 16)
-                if not data:
-                    break
-                quiet_since = None
-                self._store_output(data)
-                if self.echo:
-                    *lines, pending = (pending + data).split(b"\n")
-                    self._echo(b"".join(line + b"\n" for line in lines))
-                continue
-            # A process the script started (a server, a daemon) may outlive it with the
-            # pipe open, so EOF may never come: once the run's own process has ended and
-            # the pipe is quiet, its output is complete.
-            if self._proc.poll() is not None:
-                quiet_since = quiet_since or time.monotonic()
-                if time.monotonic() - quiet_since > OUTPUT_QUIET:
-                    break
-        if self.echo and pending:
-            self._echo(pending + b"\n")
+        proc, stream = self._proc, self._proc.stdout
+        output.pump(stream, lambda: proc.poll() is not None, self._store_output,
+                    self._echo if self.echo else None, self.log_path)
 
     def _store_output(self, data: bytes) -> None:
         if self._log is not None and not self.write_error:
@@ -308,37 +293,64 @@ class CapturedRun(RunStream):
                 self._dumps_done.notify_all()
             self._ended()
 
-    def _check_channel_kept(self) -> None:
-        """The pipe closed without an END: the run died (it exits now), or the script
-        closed nondet's descriptor and runs on unrecorded, which must not pass for a script
-        that never trained. A dying process exits within moments of its descriptors
-        closing; one still running after that closed it."""
-        if self.end is not None or self._proc is None:
-            return
+    def _dropped_by_script(self, fd: int) -> bool:
+        """The pipe lost its writer while the run's process goes on without it: the script
+        closed (or replaced) nondet's descriptor. A dying process loses it too, at exit:
+        that one is a zombie, or gone, by now (or within moments: ``_read_frames``)."""
+        if self._proc is None or self.end is not None or self._proc.poll() is not None:
+            return False
+        pid, number = self._proc.pid, self._child_fds[0]
         try:
-            self._proc.wait(timeout=CHANNEL_GRACE)
-        except subprocess.TimeoutExpired:
-            data_fd, control_fd = self._child_fds
-            self.unsupported = self.unsupported or (
-                f"the script closed file descriptor {data_fd}, nondet's pipe from the run "
-                f"(os.closerange, os.close or os.dup2 over it), so it could not be recorded; "
-                f"leave descriptors {data_fd} and {control_fd} open")
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                state = stat.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        if state in (b"Z", b"X"):
+            return False
+        try:
+            return os.readlink(f"/proc/{pid}/fd/{number}") != f"pipe:[{os.fstat(fd).st_ino}]"
+        except OSError:
+            return True  # no such descriptor in a live process
+
+    def _channel_lost(self) -> None:
+        data_fd, control_fd = self._child_fds
+        self.unsupported = self.unsupported or (
+            f"the script closed file descriptor {data_fd}, nondet's pipe from the run "
+            f"(os.closerange, os.close or os.dup2 over it, or a library closing every "
+            f"inherited descriptor from C), and it could not be opened again, so the run "
+            f"could not be recorded; leave descriptors {data_fd} and {control_fd} open")
 
     def _read_frames(self, fd: int) -> None:
         parser = channel.FrameParser()
         idle_since: float | None = None
+        lost_since: float | None = None  # the script closed the run's end of the pipe
         while True:
             ready, _, _ = select.select([fd], [], [], 0.2)
             if ready:
                 data = os.read(fd, 1 << 16)
-                if not data:
-                    self._check_channel_kept()
-                    return
+                if not data:  # no writer left
+                    if lost_since is None and self._dropped_by_script(fd):
+                        lost_since = time.monotonic()
+                    if lost_since is None:
+                        return  # the run ended (or died)
+                    if self._proc is not None and self._proc.poll() is not None:
+                        # it ended without opening it again (a run that failed or died is
+                        # told as such: its exit says more than the pipe)
+                        if time.monotonic() - lost_since > 0.3 and self._proc.returncode == 0:
+                            self._channel_lost()
+                        return
+                    if time.monotonic() - lost_since > CHANNEL_GRACE:
+                        self._channel_lost()  # it runs on unrecorded: the schedule ends it
+                        return
+                    time.sleep(0.1)  # the run opens the pipe again (fdguard.watch)
+                    continue
+                lost_since = None
                 idle_since = None
                 if self._idle is not None:
                     self._idle.activity()
                 self._handle_frames(parser.feed(data))
                 continue
+            lost_since = None  # a writer again: the run opened the pipe again
             # The child may have exited while a forked grandchild (a DataLoader worker)
             # still holds the pipe open: stop once it ended and the pipe is quiet.
             if self._proc is not None and self._proc.poll() is not None:

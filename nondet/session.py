@@ -62,6 +62,9 @@ class ChildConfig:
     keep_bytes: int = 0  # lockstep: keep op outputs of op-captured steps up to this many bytes
     children_dir: str | None = None  # where recorded child processes write their frames
     socket: str | None = None  # distributed job: each rank connects here (channel.connect)
+    # where the pipes can be opened again if the script closes ours (fdguard.reachable)
+    channel_path: str | None = None
+    control_path: str | None = None
     # op_steps is only the first pair's default: a backend whose op-level capture would cost
     # the rest of the run may record no ops (``decline_op_steps``); the pipeline then finds
     # the op by re-running the differing step, as it does for later steps
@@ -90,6 +93,8 @@ class Session:
         self.started = time.perf_counter()
         self.writer = channel.FrameWriter(config.channel_fd)
         fdguard.claim(config.control_fd)  # the script may close or replace it (fdguard.ours)
+        fdguard.reachable(config.channel_fd, config.channel_path, os.O_WRONLY)
+        fdguard.reachable(config.control_fd, config.control_path, os.O_RDONLY)
         self._strings: dict[str, int] = {}
         self._string_list: list[str] = []
         self._new_strings: list[str] = []

@@ -11,7 +11,7 @@ import sys
 import click
 
 from nondet import __version__
-from nondet.cli._common import App, handle_errors
+from nondet.cli._common import App, ReaderMayGo, handle_errors
 from nondet.exitcodes import EPILOG
 
 
@@ -51,6 +51,10 @@ _register()
 
 def main() -> None:
     """Console-script entry point: exit codes as the README lists them."""
+    if not isinstance(sys.stdout, ReaderMayGo):  # `nondet check ... | head -1`
+        sys.stdout = ReaderMayGo(sys.stdout)
+    if not isinstance(sys.stderr, ReaderMayGo):  # `... 2>&1 | head -1`: progress lines
+        sys.stderr = ReaderMayGo(sys.stderr)
     with handle_errors():
         code = cli.main(standalone_mode=False)
         sys.exit(int(code or 0))

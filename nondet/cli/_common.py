@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import Any, NoReturn, TextIO
 
 import click
 from rich.console import Console
@@ -63,15 +64,27 @@ def handle_errors() -> Iterator[None]:
         sys.exit(ExitCode.INTERRUPTED)
     except SystemExit:
         raise
-    except BaseException as exc:  # a bug in nondet
-        if os.environ.get("NONDET_DEBUG") == "1":
-            raise
-        details = getattr(exc, "child_traceback", "")
-        log = write_bug_log(traceback.format_exc(), details)
-        err.print(f"[bold red]nondet: internal error:[/] {_escape(type(exc).__name__)}: "
-                  f"{_escape(str(exc).splitlines()[0] if str(exc) else '')}")
-        err.print(f"  a log with versions and the traceback is at {log}; please report it")
-        sys.exit(ExitCode.INTERNAL)
+    except BaseException as exc:  # a bug in nondet, unless the machine is the trouble
+        from nondet.cli import _trouble
+
+        trouble = _trouble.explain(exc)
+        if trouble is None:
+            _internal_error(err, exc)
+        err.print(f"[bold red]nondet: error:[/] {_escape(trouble)}")
+        sys.exit(ExitCode.USAGE)
+
+
+def _internal_error(err: Console, exc: BaseException) -> NoReturn:
+    """A bug in nondet (called while handling ``exc``): exit 3, with a log holding versions
+    and the traceback."""
+    if os.environ.get("NONDET_DEBUG") == "1":
+        raise exc
+    details = getattr(exc, "child_traceback", "")
+    log = write_bug_log(traceback.format_exc(), details)
+    err.print(f"[bold red]nondet: internal error:[/] {_escape(type(exc).__name__)}: "
+              f"{_escape(str(exc).splitlines()[0] if str(exc) else '')}")
+    err.print(f"  a log with versions and the traceback is at {log}; please report it")
+    sys.exit(ExitCode.INTERNAL)
 
 
 def _terminate_on_sigterm() -> None:
@@ -119,3 +132,45 @@ def _escape(text: str) -> str:
     from rich.markup import escape
 
     return escape(_printable(text))
+
+
+class ReaderMayGo:
+    """``sys.stdout`` whose reader may go away (``nondet check train.py | head -1``): what
+    is written after that is dropped, never an error. Without it click turned the broken
+    pipe into exit 1, "nondeterminism found", for a deterministic run; the exit code stays
+    the verdict's."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._reader_gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        self.gone = True
+        # the text still buffered, and the interpreter's last flush, go nowhere quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+        try:
+            self._stream.flush()
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 
 from nondet.cli._common import App
 from nondet.cli._options import check_html_file, write_html
+from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG
 
 
@@ -35,6 +37,7 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
         if not (capture_a.is_dir() and capture_b.is_dir()):
             raise click.UsageError("give two capture files or two run directories, not one "
                                    "of each")
+        _refuse_same(capture_a, capture_b, "directory")
         from nondet import jobs
 
         report = jobs.diff_dirs(capture_a, capture_b)
@@ -46,6 +49,7 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
     a, b = open_capture(capture_a), open_capture(capture_b)
     a.verify()  # damage anywhere is exit 2, never a verdict (checksums checked as read)
     b.verify()
+    _refuse_same(capture_a, capture_b, "file")
     notes: list[str] = []
     if a.attrs.get("script_sha256") != b.attrs.get("script_sha256"):
         what = (f"{a.attrs.get('script') or a.attrs.get('module')} vs "
@@ -62,3 +66,14 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
     text.render(report, app.out)
     write_html(html_path, report, Path.cwd())
     return int(report.exit_code)
+
+
+def _refuse_same(a: Path, b: Path, what: str) -> None:
+    """A capture compared with itself is always "identical": exit 0 for a typo."""
+    try:
+        same = os.path.samefile(a, b)
+    except OSError:
+        return  # a missing or unreadable file is said so when it is opened
+    if same:
+        raise NondetError(f"{a} and {b} are the same {what}: give the captures of two runs "
+                          "(run-a.h5 and run-b.h5 of one invocation, or of two machines)")

@@ -149,15 +149,17 @@ def test_trouble_re_reading_is_nondets_and_the_op_result_still_reaches_the_scrip
 # -- a sibling's write while an op writes the shared tensor itself (index_add_, a sparse add_)
 
 
-def _index_add_run(write: Callable[[np.ndarray], None] | None,
-                   volatile: bool = True) -> tuple[np.ndarray, list[str], torch.Tensor]:
+def _index_add_run(write: Callable[[np.ndarray], None] | None, volatile: bool = True,
+                   at_hash: int = 1) -> tuple[np.ndarray, list[str], torch.Tensor]:
     """One "run": ``table.index_add_`` on a shared table (Hogwild embedding updates); the
     "sibling" writes a row the op does not touch right after nondet hashed the table as the
-    op's input, so the write lands before the op has finished."""
+    op's input (``at_hash=1``), so the write lands before the op has finished; or just
+    before its output is hashed (``at_hash=2``): after the op, before nondet read it."""
     table = torch.zeros(8, 3)
     table.share_memory_()  # type: ignore[no-untyped-call]
     idx, src = torch.tensor([0, 1, 1, 2]), torch.ones(4, 3)
     pending = [write]
+    hashes = [0]
     with recording() as recorder:
         recorder.shared_is_volatile = volatile
         recorder.backend.tensor_name = (  # type: ignore[method-assign]
@@ -165,9 +167,14 @@ def _index_add_run(write: Callable[[np.ndarray], None] | None,
         content = recorder.hasher.content
 
         def hash_then_sibling(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+            if t is table:
+                hashes[0] += 1
+            sibling = pending[0] if t is table and hashes[0] == at_hash else None
+            if sibling is not None and at_hash == 2:  # lands just before the output hash
+                pending[0] = None
+                sibling(table.numpy())
             out = content(t, *args, **kwargs)
-            sibling = pending[0]
-            if sibling is not None and t is table:
+            if sibling is not None and at_hash == 1:  # lands just after the input hash
                 pending[0] = None
                 sibling(table.numpy())
             return out
@@ -183,8 +190,11 @@ def _bump_last_row(words: np.ndarray) -> None:
     words[7] += 1.0
 
 
-def test_a_sibling_write_during_an_in_place_op_is_the_entry_not_the_op() -> None:
-    a, strings_a, table_a = _index_add_run(_bump_last_row)
+@pytest.mark.parametrize("at_hash", [1, 2])
+def test_a_sibling_write_during_an_in_place_op_is_the_entry_not_the_op(at_hash: int) -> None:
+    """Landing after the input's hash, or after the op and before its output's hash:
+    either way not the op's doing."""
+    a, strings_a, table_a = _index_add_run(_bump_last_row, at_hash=at_hash)
     b, strings_b, table_b = _index_add_run(None)
     assert not torch.equal(table_a, table_b)  # the sibling's write did land in run a
     found = first_op_divergence(a, b, strings_a, strings_b)

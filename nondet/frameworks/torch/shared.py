@@ -25,10 +25,13 @@ An op that writes the shared tensor itself (Hogwild's ``p.add_``, ``index_add_``
 ``add_`` into a shared embedding table) cannot be re-read that way: its value afterwards is
 its own output. Its evidence is the op itself: the written tensors are copied just before
 their entry is hashed (``snapshot``), and after the op the op is run again, twice, on copies
-of those copies (``_own_result``). When both re-runs agree with each other and not with
-what the shared tensor holds, the op cannot have made that difference: another process
-wrote the tensor between the copy and the end of the op, and the change is folded into the
-entry of the written tensor as above. When the re-runs disagree with each other the op is
+of those copies (``_own_result``), once its output has been hashed (``check_own_write``).
+When both re-runs agree with each other and not with what the shared tensor holds, the op
+cannot have made that difference: another process wrote the tensor between the copy and
+the output's hash, and the change is folded into the entry of the written tensor as above.
+(Checked before the output hash, a write landing between the check and the hash, which the
+check itself makes longer, was still blamed on the op: 2 of 3 runs of a Hogwild table.)
+When the re-runs disagree with each other the op is
 nondeterministic on its own and stays the finding. Only ATen ops that draw no random
 numbers are re-run (a re-run of a Python custom op or of ``bernoulli_`` would have effects
 of its own), and none whose read arguments share memory with a written one.
@@ -65,8 +68,12 @@ def in_shared_memory(t: torch.Tensor) -> bool:
         return False
 
 
-#: (shared tensor the op writes, its value just before the op) for each one.
-Snapshot = list[tuple[torch.Tensor, torch.Tensor]]
+class Snapshot(list[tuple[torch.Tensor, torch.Tensor]]):
+    """(shared tensor the op writes, its value just before the op) for each one; and the
+    entry fingerprints the op's reads of them made (``reread_inputs`` keeps them before
+    the op's outputs take their place in the cache)."""
+
+    entries: dict[int, Fp]
 
 
 def snapshot(rec: Any, func: Any, info: OpInfo, args: tuple[Any, ...],
@@ -85,7 +92,9 @@ def snapshot(rec: Any, func: Any, info: OpInfo, args: tuple[Any, ...],
         memory = {_memory(t) for t in written}
         if any(_memory(t) in memory for t in _tensors(_read(info, args, kwargs))):
             return None  # reads what it writes (``w.add_(w)``): a re-run reads its output
-        return [(t, t.clone()) for t in written]
+        snap = Snapshot((t, t.clone()) for t in written)
+        snap.entries = {}
+        return snap
     except Exception:
         rec.backend.hook_failed()
         return None
@@ -93,34 +102,48 @@ def snapshot(rec: Any, func: Any, info: OpInfo, args: tuple[Any, ...],
 
 def reread_inputs(rec: Any,  # a FingerprintCache (cache.py imports this module)
                   info: OpInfo, args: tuple[Any, ...],
-                  kwargs: dict[str, Any], func: Any = None,
-                  snap: Snapshot | None = None) -> None:
+                  kwargs: dict[str, Any], snap: Snapshot | None = None) -> None:
     """After an op in a process whose shared memory is volatile: hash the shared tensors
     it read again, and fold a change into the entry it read (Note [Writes during an op]);
-    for the shared tensors it wrote, the op's own result from ``snap`` (Note [A sibling's
-    write during an in-place op]). Never raises: the op has run and its result goes back
-    to the script whatever happens here (trouble is nondet's bug: reported, capture
-    stops)."""
+    keep the entries of the tensors in ``snap`` for ``check_own_write``.
+    Never raises: the op has run and its result goes back to the script whatever happens
+    here (trouble is nondet's bug: reported, capture stops)."""
     try:
-        if snap:
-            _check_own_write(rec, func, info, args, kwargs, snap)
+        for t, _ in snap or ():
+            entry = rec.entry(t)  # the one ``lookup`` made for the op's read of it
+            if entry is not None:
+                snap.entries[id(t)] = entry[4]  # type: ignore[union-attr]
         _reread(rec, info, args, kwargs)
+    except Exception:
+        rec.backend.hook_failed()
+
+
+def check_own_write(rec: Any, func: Any, info: OpInfo, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], snap: Snapshot) -> None:
+    """After an in-place op's outputs were hashed: for each shared tensor it wrote, fold a
+    change the op did not make into the entry it read (Note [A sibling's write during an
+    in-place op]). Never raises (as ``reread_inputs``)."""
+    try:
+        _check_own_write(rec, func, info, args, kwargs, snap)
     except Exception:
         rec.backend.hook_failed()
 
 
 def _check_own_write(rec: Any, func: Any, info: OpInfo, args: tuple[Any, ...],
                      kwargs: dict[str, Any], snap: Snapshot) -> None:
-    now = [t.clone() for t, _ in snap]  # what the shared memory holds after the op
+    # What the shared memory holds now, after the op's output hash: a write that landed
+    # any time from the copy to that hash shows here (a later one folds too: it is a
+    # sibling's all the same).
+    now = [t.clone() for t, _ in snap]
     first, second = _own_result(func, info, args, kwargs, snap), \
         _own_result(func, info, args, kwargs, snap)
     for (t, _), held, mine, again in zip(snap, now, first, second, strict=True):
         if not in_shared_memory(t) or _same_bits(held, mine) or not _same_bits(mine, again):
             continue  # the op's own result; or an op that does not repeat itself: its own
-        entry = rec.entry(t)  # the one ``lookup`` made for the op's read of it
-        if entry is None or entry[4].uninit or entry[4].lazy:
+        before = snap.entries.get(id(t))
+        if before is None or before.uninit or before.lazy:
             continue
-        before, after = entry[4], rec.fingerprint(held)
+        after = rec.fingerprint(held)
         if before.value is not None and after.value is not None:
             _fold(before, after)
         else:

@@ -281,7 +281,7 @@ def collect_workers(session: Session) -> None:
     if log is None or log._session is not session or log.disabled:
         return
     try:
-        facts = worker_seeds.collect(session, log._seq)
+        facts = worker_seeds.collect(session, log._seq, SEED_FACT_PREFIX)
         if facts:
             session.send_facts(facts)
     except Exception:

@@ -24,13 +24,22 @@ import json
 import os
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nondet import clock
 
 if TYPE_CHECKING:
     from nondet.frameworks.base import Session
-    from nondet.seeding import SeedLog
+
+
+class SeedLog(Protocol):
+    """What this module asks of ``seeding.SeedLog`` (which imports this module)."""
+
+    def is_users(self, frame: FrameType) -> bool: ...
+
+    def library_frame(self, frame: FrameType, package: str) -> str: ...
+
+    def step(self) -> int: ...
 
 #: Longest line a worker writes: one atomic ``O_APPEND`` write.
 _MAX_LINE = 3000
@@ -78,11 +87,9 @@ def note(log: SeedLog, path: str, api: str, value: Any, frame: FrameType,
         pass
 
 
-def collect(session: Session, first_seq: int) -> dict[str, Any]:
-    """The workers' seeding calls of this run as ``seed#`` facts (sent by the caller), and
-    the file removed. Lines that do not parse are left out."""
-    from nondet.seeding import SEED_FACT_PREFIX
-
+def collect(session: Session, first_seq: int, prefix: str) -> dict[str, Any]:
+    """The workers' seeding calls of this run as facts named ``prefix`` + "workerN" (sent
+    by the caller), and the file removed. Lines that do not parse are left out."""
     path = path_for(session)
     if path is None or not os.path.isfile(path):
         return {}
@@ -113,7 +120,7 @@ def collect(session: Session, first_seq: int) -> dict[str, Any]:
             filename, line, how = next(iter(origins))
             csid = session.sources.intern_location(filename, line)
             data["clock"] = {"site": session.string(csid), "how": how}
-        facts[f"{SEED_FACT_PREFIX}worker{n}"] = data
+        facts[f"{prefix}worker{n}"] = data
     return facts
 
 

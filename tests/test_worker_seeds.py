@@ -74,7 +74,7 @@ def _facts_from(lines: list[dict[str, object]], folder: Path, label: str) -> dic
     fake.config.label = label  # type: ignore[attr-defined]
     Path(worker_seeds.path_for(fake) or "").write_text(  # type: ignore[arg-type]
         "".join(json.dumps(line) + "\n" for line in lines))
-    return worker_seeds.collect(fake, 0)  # type: ignore[arg-type]
+    return worker_seeds.collect(fake, 0, seeding.SEED_FACT_PREFIX)  # type: ignore[arg-type]
 
 
 def test_workers_that_seed_in_another_order_are_the_same_calls(tmp_path: Path) -> None:

@@ -39,8 +39,8 @@ def _in_worker(action: object) -> None:
 
 @pytest.fixture
 def run_dir(session: FakeSession, tmp_path: Path) -> Path:  # noqa: F811
-    session.config.children_dir = str(tmp_path)  # type: ignore[attr-defined]
-    session.config.label = "a"  # type: ignore[attr-defined]
+    session.config.children_dir = str(tmp_path)
+    session.config.label = "a"
     return tmp_path
 
 
@@ -70,8 +70,8 @@ def test_a_worker_seed_read_from_the_clock_names_the_reading_line(
 
 def _facts_from(lines: list[dict[str, object]], folder: Path, label: str) -> dict[str, object]:
     fake = FakeSession(Path(__file__))
-    fake.config.children_dir = str(folder)  # type: ignore[attr-defined]
-    fake.config.label = label  # type: ignore[attr-defined]
+    fake.config.children_dir = str(folder)
+    fake.config.label = label
     Path(worker_seeds.path_for(fake) or "").write_text(  # type: ignore[arg-type]
         "".join(json.dumps(line) + "\n" for line in lines))
     return worker_seeds.collect(fake, 0, seeding.SEED_FACT_PREFIX)  # type: ignore[arg-type]

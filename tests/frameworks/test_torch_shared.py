@@ -166,20 +166,20 @@ def _index_add_run(write: Callable[[np.ndarray], None] | None, volatile: bool = 
             lambda t: "parameter 0.weight" if t is table else None)
         content = recorder.hasher.content
 
-        def hash_then_sibling(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+        def hash_then_sibling(t: torch.Tensor, on_device: bool = False) -> object:
             if t is table:
                 hashes[0] += 1
             sibling = pending[0] if t is table and hashes[0] == at_hash else None
             if sibling is not None and at_hash == 2:  # lands just before the output hash
                 pending[0] = None
                 sibling(table.numpy())
-            out = content(t, *args, **kwargs)
+            out = content(t, on_device=on_device)
             if sibling is not None and at_hash == 1:  # lands just after the input hash
                 pending[0] = None
                 sibling(table.numpy())
             return out
 
-        recorder.hasher.content = hash_then_sibling  # type: ignore[method-assign]
+        recorder.hasher.content = hash_then_sibling  # type: ignore[method-assign,assignment]
         table.index_add_(0, idx, src)
         (table * 2).sum()
     strings: list[str] = recorder.session.strings  # type: ignore[attr-defined]  # FakeSession

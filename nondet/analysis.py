@@ -254,6 +254,7 @@ def finding_facts(div: Divergence, capture: Capture,
     )
     facts["device"] = div.device
     facts["rng_op"] = div.rng_op
+    facts["child_process"] = bool(div.process)  # found in a process the script started
     for key, value in capture.env.items():
         if key.endswith("_version"):
             facts[key] = value

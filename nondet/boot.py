@@ -26,6 +26,7 @@ from nondet import (
     loop_end,
     pyhooks,
     readback,
+    seeding,
 )
 from nondet import session as session_module
 from nondet.frameworks.base import StopRun
@@ -100,6 +101,7 @@ def main() -> int:
         error = traceback.format_exc()
         sys.stderr.write(error)
         status, code = "failed", 1
+    seeding.collect_workers(session)  # seeding calls of forked DataLoader workers
     status = frameworks.finish_all(session, status)
     session.finish(status, code, error)
     sys.stdout.flush()

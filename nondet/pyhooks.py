@@ -92,6 +92,7 @@ def install(session: Session) -> None:
     np.random.default_rng = log.wrap("np.random.default_rng", default_rng, seeding.first_arg)
     np.random.seed = log.wrap("np.random.seed", np.random.seed, seeding.first_arg)
     standin.install(np.random, "RandomState", _recording_random_state(log, note, use))
+    standin.install(np.random, "SeedSequence", _noting_seed_sequence(log, note))
 
     original_random_init = random.Random.__init__
 
@@ -204,6 +205,27 @@ def _recording_random_state(log: seeding.SeedLog, note: Any, use: GeneratorUse) 
                 use.track(self, text)
 
     return standin.finish(RandomState, base)
+
+
+def _noting_seed_sequence(log: seeding.SeedLog, note: Any) -> type:
+    """``np.random.SeedSequence`` that notes where it is made without entropy: libraries
+    build their generators from one (gymnasium's ``seeding.np_random(None)``, which every
+    action space's ``sample()`` draws from until ``space.seed(n)``). Its seeded uses are
+    not seeding calls of the script's (numpy's own ``default_rng(n)`` makes one in C)."""
+    import numpy as np
+
+    base = np.random.SeedSequence
+    meta = standin.metaclass_for(base)
+
+    class SeedSequence(base, metaclass=meta):  # type: ignore[misc,valid-type,metaclass]
+        __slots__ = ()  # the C layout of SeedSequence (standin module docstring)
+
+        def __init__(self, entropy: Any = None, **kwargs: Any) -> None:
+            if entropy is None and not log.nested():
+                note("numpy.unseeded_generator", sys._getframe(1))
+            super().__init__(entropy, **kwargs)
+
+    return standin.finish(SeedSequence, base)
 
 
 def _stdlib_prefix() -> str:

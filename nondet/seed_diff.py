@@ -101,6 +101,10 @@ def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergenc
                      f"(in {unit}); take the seed from a constant or the command line there")
     if diff.library:
         notes.append(f"the call is made by {diff.library}, called from {diff.site or '?'}")
+    if _in_worker(a, diff):
+        notes.append("the call ran in a worker process the run forked (a DataLoader "
+                     "worker's worker_init_fn, say): each worker seeds itself there, so "
+                     "every batch it makes differs")
     offset = b.facts.get(CLOCK_FACT)
     if isinstance(offset, int | float) and offset > 0:
         notes.append(CLOCK_NOTE.format(offset=offset))
@@ -112,15 +116,23 @@ def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergenc
     return found
 
 
+def _site_facts(capture: Capture, diff: SeedDifference) -> list[dict[str, Any]]:
+    """The capture's facts of ``diff``'s call site."""
+    return [value for key, value in capture.facts.items()
+            if key.startswith(SEED_FACT_PREFIX) and isinstance(value, dict)
+            and (value.get("api"), value.get("site"), value.get("library"))
+            == (diff.api, diff.site, diff.library)]
+
+
+def _in_worker(capture: Capture, diff: SeedDifference) -> bool:
+    """``diff``'s calls were made in forked worker processes (``worker_seeds``)."""
+    return any(value.get("worker") is True for value in _site_facts(capture, diff))
+
+
 def clock_origin(capture: Capture, diff: SeedDifference) -> tuple[str, str] | None:
     """(line, unit) of the clock reading the run's seed at ``diff``'s call site equalled
     (``seeding`` notes it in the child), if it did."""
-    for key, value in capture.facts.items():
-        if not key.startswith(SEED_FACT_PREFIX) or not isinstance(value, dict):
-            continue
-        if (value.get("api"), value.get("site"), value.get("library")) != \
-                (diff.api, diff.site, diff.library):
-            continue
+    for value in _site_facts(capture, diff):
         origin = value.get("clock")
         if isinstance(origin, dict) and isinstance(origin.get("site"), str) \
                 and isinstance(origin.get("how"), str) and origin["site"]:

@@ -19,8 +19,9 @@ than a miss.
 Not recorded: calls made by nondet itself (the run's own seeds), calls made by the
 frameworks' own code (a DataLoader sampler seeding its generator from the torch RNG, Keras'
 seed generators: those values follow RNG state the step records already cover), seeding
-calls nested inside another recorded one (``keras.utils.set_random_seed`` seeds four RNGs),
-and calls in forked children (DataLoader workers cannot write to the run's pipe).
+calls nested inside another recorded one (``keras.utils.set_random_seed`` seeds four RNGs).
+Calls in forked workers (DataLoader workers cannot write to the run's pipe) go to a file of
+the run's that the run reads at its end (``worker_seeds``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
-from nondet import channel, clock
+from nondet import channel, clock, worker_seeds
 from nondet import session as session_module
 from nondet.frameworks.base import Session
 
@@ -112,6 +113,7 @@ class SeedLog:
         # seed once per sample: the walk stays a few dict lookups)
         self.disabled = False
         self._pins = 0  # seeding calls pinned so far (see PINNED)
+        self._pid = os.getpid()  # another pid with no session: a forked worker
         script = getattr(session.config, "script", None)
         self._root = os.path.realpath(os.path.dirname(os.path.abspath(script)) if script
                                       else os.getcwd()) + os.sep
@@ -148,6 +150,13 @@ class SeedLog:
                 os.path.realpath(filename).startswith(self._root)
         return users
 
+    def step(self) -> int:
+        """The run's step counter (in a forked worker: as it was at the fork)."""
+        return int(self._session.step)
+
+    def library_frame(self, frame: FrameType, package: str) -> str:
+        return self._library_frame(frame, package)
+
     @staticmethod
     def _library_frame(frame: FrameType, package: str) -> str:
         """"albumentations/core/composition.py:171": the path from the package's folder."""
@@ -160,9 +169,18 @@ class SeedLog:
     # -- recording -----------------------------------------------------------------------------
     def record(self, api: str, value: Any, frame: FrameType) -> None:
         """One seeding call (``frame`` made it). Never raises into the script."""
-        if self.disabled or value is None or session_module.current() is not self._session:
-            # None: no seed (fresh entropy), noted by pyhooks as an unseeded RNG. Another
-            # session (or none): a forked child, whose frames must not go down our pipe.
+        if self.disabled or value is None:
+            return  # None: no seed (fresh entropy), noted by pyhooks as an unseeded RNG
+        current = session_module.current()
+        if current is not self._session:
+            # Another session (a recorded child's) or none: a forked child, whose frames
+            # must not go down our pipe; a worker's call goes to the run's file instead.
+            path = worker_seeds.path_for(self._session)
+            if current is None and path and os.getpid() != self._pid:
+                package = _package(frame)
+                if package not in FRAMEWORK_PACKAGES:
+                    worker_seeds.note(self, path, api, value, frame, _safe_text(value),
+                                      package)
             return
         try:
             where = self.call_site(frame)
@@ -247,6 +265,27 @@ class SeedLog:
     def nested(self) -> bool:
         """Inside a recorded seeding call (its own seeding calls are not recorded again)."""
         return bool(getattr(self._local, "depth", 0))
+
+
+def _safe_text(value: Any) -> str:
+    try:
+        return seed_value(value)
+    except Exception:
+        return f"<{type(value).__qualname__}>"
+
+
+def collect_workers(session: Session) -> None:
+    """At the run's end: the seeding calls its forked workers made, as facts (never
+    raises: trouble is nondet's, reported once)."""
+    log = _LOG
+    if log is None or log._session is not session or log.disabled:
+        return
+    try:
+        facts = worker_seeds.collect(session, log._seq, SEED_FACT_PREFIX)
+        if facts:
+            session.send_facts(facts)
+    except Exception:
+        log.failed()
 
 
 def _safe_seed(seed_of: Callable[..., Any], args: tuple[Any, ...],

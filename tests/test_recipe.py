@@ -157,3 +157,17 @@ def test_the_nccl_fixes_are_environment_for_every_rank() -> None:
     assert interventions.environment(["nccl.ring_simple"]) == {"NCCL_ALGO": "Ring",
                                                                "NCCL_PROTO": "Simple"}
     assert interventions.environment(["nccl.algo_ring"]) == {"NCCL_ALGO": "Ring"}
+
+
+def test_a_shared_table_entering_a_child_process_is_hogwild() -> None:
+    # hog_embed trial (h-realtorch3): a table updated with index_add_ by two forked workers
+    # entered child#0 changed; the first fix was "[PY-THIRDPARTY-RNG] cv2.setRNGSeed(...)"
+    ids = _ids(kind="entry", entry_kind="external", phase="optimizer",
+               op="tensor float32[500, 256]", child_process=True)
+    assert ids[0] == "PT-HOGWILD", ids
+    main = _ids(kind="entry", entry_kind="external", phase="optimizer",
+                op="tensor float32[500, 256]", child_process=False)
+    assert "PT-HOGWILD" not in main
+    loaded = _ids(kind="entry", entry_kind="external", phase="init",
+                  op="tensor from a storage (aten.set_)", child_process=True)
+    assert loaded[0] == "PT-LOADED-FILE", loaded

@@ -59,7 +59,8 @@ class FakeSession:
 def session(monkeypatch: pytest.MonkeyPatch) -> FakeSession:
     """A session whose hooks are all undone after the test (monkeypatch restores)."""
     for owner, name in ((np.random, "default_rng"), (np.random, "seed"),
-                        (np.random, "RandomState"), (random, "seed")):
+                        (np.random, "RandomState"), (np.random, "SeedSequence"),
+                        (random, "seed")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
     monkeypatch.setattr(random.Random, "__init__", random.Random.__init__)
     monkeypatch.setattr(frameworks, "_watchers", {})  # pyhooks waits for keras there
@@ -491,3 +492,18 @@ def test_pandas_imports_under_the_shifted_clock() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["1970-01-01", "00:00:00"]
+
+
+def test_a_library_generator_from_an_unseeded_seed_sequence_is_named(
+        session: FakeSession) -> None:
+    """gymnasium's ``seeding.np_random(None)`` (every action space's ``sample()`` draws
+    from one until ``space.seed(n)``): ``SeedSequence(None)`` + ``PCG64``, no
+    ``default_rng``. The gym_dqn trial (h-realtorch3) got PY-THIRDPARTY-RNG (cv2)."""
+    gym_seeding = pytest.importorskip("gymnasium.utils.seeding")
+    rng, _ = gym_seeding.np_random(None)  # made-in-gymnasium
+    gym_seeding.np_random(3)  # seeded: not named
+    sites = session.facts.get("library.unseeded_generator")
+    assert sites and len(sites) == 1 and "gymnasium" in sites[0], sites
+    assert _line_of("made-in-gymnasium") in sites[0]
+    assert isinstance(rng.bit_generator.seed_seq, np.random.SeedSequence)
+    assert np.random.SeedSequence(5).entropy == 5 and not session.meta

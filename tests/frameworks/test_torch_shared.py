@@ -144,3 +144,83 @@ def test_trouble_re_reading_is_nondets_and_the_op_result_still_reaches_the_scrip
         y = torch.ops.aten.mul.Tensor(w, 3.0)  # hashed before (once), then again: raises
     assert torch.equal(y, torch.full((4,), 1.5))
     assert failed == [1]
+
+
+# -- a sibling's write while an op writes the shared tensor itself (index_add_, a sparse add_)
+
+
+def _index_add_run(write: Callable[[np.ndarray], None] | None, volatile: bool = True,
+                   at_hash: int = 1) -> tuple[np.ndarray, list[str], torch.Tensor]:
+    """One "run": ``table.index_add_`` on a shared table (Hogwild embedding updates); the
+    "sibling" writes a row the op does not touch right after nondet hashed the table as the
+    op's input (``at_hash=1``), so the write lands before the op has finished; or just
+    before its output is hashed (``at_hash=2``): after the op, before nondet read it."""
+    table = torch.zeros(8, 3)
+    table.share_memory_()  # type: ignore[no-untyped-call]
+    idx, src = torch.tensor([0, 1, 1, 2]), torch.ones(4, 3)
+    pending = [write]
+    hashes = [0]
+    with recording() as recorder:
+        recorder.shared_is_volatile = volatile
+        recorder.backend.tensor_name = (  # type: ignore[method-assign]
+            lambda t: "parameter 0.weight" if t is table else None)
+        content = recorder.hasher.content
+
+        def hash_then_sibling(t: torch.Tensor, on_device: bool = False) -> object:
+            if t is table:
+                hashes[0] += 1
+            sibling = pending[0] if t is table and hashes[0] == at_hash else None
+            if sibling is not None and at_hash == 2:  # lands just before the output hash
+                pending[0] = None
+                sibling(table.numpy())
+            out = content(t, on_device=on_device)
+            if sibling is not None and at_hash == 1:  # lands just after the input hash
+                pending[0] = None
+                sibling(table.numpy())
+            return out
+
+        recorder.hasher.content = hash_then_sibling  # type: ignore[method-assign,assignment]
+        table.index_add_(0, idx, src)
+        (table * 2).sum()
+    strings: list[str] = recorder.session.strings  # type: ignore[attr-defined]  # FakeSession
+    return recorder.take_rows(0), strings, table
+
+
+def _bump_last_row(words: np.ndarray) -> None:
+    words[7] += 1.0
+
+
+@pytest.mark.parametrize("at_hash", [1, 2])
+def test_a_sibling_write_during_an_in_place_op_is_the_entry_not_the_op(at_hash: int) -> None:
+    """Landing after the input's hash, or after the op and before its output's hash:
+    either way not the op's doing."""
+    a, strings_a, table_a = _index_add_run(_bump_last_row, at_hash=at_hash)
+    b, strings_b, table_b = _index_add_run(None)
+    assert not torch.equal(table_a, table_b)  # the sibling's write did land in run a
+    found = first_op_divergence(a, b, strings_a, strings_b)
+    assert found is not None and found.row_a is not None
+    name = strings_a[int(found.row_a["name"])]
+    assert (found.kind, name) == ("entry", "external:parameter 0.weight"), (found.kind, name)
+    assert len(a) == len(b)  # no record added
+
+
+def test_an_in_place_op_alone_on_shared_memory_is_no_difference() -> None:
+    """The control: re-running the op on a copy repeats its result, nothing is folded."""
+    a, strings_a, table_a = _index_add_run(None)
+    b, strings_b, _ = _index_add_run(None)
+    assert first_op_divergence(a, b, strings_a, strings_b) is None
+    _, _, table_p = _index_add_run(None, volatile=False)
+    assert torch.equal(table_a, table_p)  # the script's own result is untouched
+
+
+def test_an_in_place_random_op_on_shared_memory_is_never_run_again() -> None:
+    """A re-run of ``bernoulli_`` would draw from the script's generator."""
+    def draws(volatile: bool) -> torch.Tensor:
+        w = _shared_weight()
+        torch.manual_seed(5)
+        with recording() as recorder:
+            recorder.shared_is_volatile = volatile
+            w.bernoulli_(0.5)
+            return torch.rand(4)
+
+    assert torch.equal(draws(True), draws(False))

@@ -129,6 +129,8 @@ class OpRecorder(FingerprintCache):
         known_source: StorageState | None = None
         if info.from_storage:
             known_source = self._source_storage(args, kwargs)
+        snap = shared.snapshot(self, func, info, args, kwargs) \
+            if self.shared_is_volatile and not info.comm else None  # before its entry's hash
         ins: list[Fp] = []
         taints: list[Fp] = []
         scalars: list[Any] = []
@@ -159,7 +161,7 @@ class OpRecorder(FingerprintCache):
         finally:
             self.depth -= 1
         if self.shared_is_volatile and not info.comm:  # Note [Writes during an op]
-            shared.reread_inputs(self, info, args, kwargs)
+            shared.reread_inputs(self, info, args, kwargs, snap)
 
         outputs = [out] if isinstance(out, torch.Tensor) else list(tensors_in(out))
         for position in info.mutated_args:
@@ -216,6 +218,8 @@ class OpRecorder(FingerprintCache):
                 device = first.device.type
                 flags |= Flag.CUDA if device == "cuda" else Flag.OTHER_DEVICE
         measured = info.measured and not garbage_moved
+        if snap:  # after its outputs were hashed: a write until then is not the op's
+            shared.check_own_write(self, func, info, args, kwargs, snap)
         self.add(_OP, phase, flags, info.name_id, module, source, out_fps, ins, taints,
                  tuple(scalars), numel, outputs if measured else [])
         return out

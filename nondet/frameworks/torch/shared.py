@@ -20,6 +20,22 @@ would misalign the two runs' records (a "structure" finding). A value unchanged 
 stays exactly as it was, and a change made identically in both runs folds identically:
 only a write whose timing differs between the runs shows.
 
+Note [A sibling's write during an in-place op]
+An op that writes the shared tensor itself (Hogwild's ``p.add_``, ``index_add_`` or a sparse
+``add_`` into a shared embedding table) cannot be re-read that way: its value afterwards is
+its own output. Its evidence is the op itself: the written tensors are copied just before
+their entry is hashed (``snapshot``), and after the op the op is run again, twice, on copies
+of those copies (``_own_result``), once its output has been hashed (``check_own_write``).
+When both re-runs agree with each other and not with what the shared tensor holds, the op
+cannot have made that difference: another process wrote the tensor between the copy and
+the output's hash, and the change is folded into the entry of the written tensor as above.
+(Checked before the output hash, a write landing between the check and the hash, which the
+check itself makes longer, was still blamed on the op: 2 of 3 runs of a Hogwild table.)
+When the re-runs disagree with each other the op is
+nondeterministic on its own and stays the finding. Only ATen ops that draw no random
+numbers are re-run (a re-run of a Python custom op or of ``bernoulli_`` would have effects
+of its own), and none whose read arguments share memory with a written one.
+
 On the host both hashes are final at once and compared on the spot. A fingerprint still
 on its device is compared when the step's fingerprints are resolved (``fold``); outputs
 derived from it then keep the value from before, which changes nothing found: the entry
@@ -35,6 +51,7 @@ import torch
 
 from nondet.fingerprint import combine
 from nondet.frameworks.fp import Fp
+from nondet.records import Flag
 
 if TYPE_CHECKING:
     from nondet.frameworks.torch.optable import OpInfo
@@ -51,17 +68,115 @@ def in_shared_memory(t: torch.Tensor) -> bool:
         return False
 
 
+class Snapshot(list[tuple[torch.Tensor, torch.Tensor]]):
+    """(shared tensor the op writes, its value just before the op) for each one; and the
+    entry fingerprints the op's reads of them made (``reread_inputs`` keeps them before
+    the op's outputs take their place in the cache)."""
+
+    entries: dict[int, Fp]
+
+
+def snapshot(rec: Any, func: Any, info: OpInfo, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Snapshot | None:
+    """Before an in-place op in a process whose shared memory is volatile: copies of the
+    shared tensors it writes (Note [A sibling's write during an in-place op]), or None when
+    the op is not one to re-run. Never raises (trouble is nondet's bug: reported)."""
+    try:
+        if not (info.mutated_args or info.mutated_kwargs) or info.flags & Flag.RNG \
+                or info.from_storage or getattr(func, "namespace", None) != "aten":
+            return None
+        written = list(_tensors(_written(info, args, kwargs)))
+        if not any(in_shared_memory(t) for t in written) or not all(
+                t.layout == torch.strided for t in written):
+            return None
+        memory = {_memory(t) for t in written}
+        if any(_memory(t) in memory for t in _tensors(_read(info, args, kwargs))):
+            return None  # reads what it writes (``w.add_(w)``): a re-run reads its output
+        snap = Snapshot((t, t.clone()) for t in written)
+        snap.entries = {}
+        return snap
+    except Exception:
+        rec.backend.hook_failed()
+        return None
+
+
 def reread_inputs(rec: Any,  # a FingerprintCache (cache.py imports this module)
                   info: OpInfo, args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> None:
+                  kwargs: dict[str, Any], snap: Snapshot | None = None) -> None:
     """After an op in a process whose shared memory is volatile: hash the shared tensors
-    it read again, and fold a change into the entry it read (Note [Writes during an op]).
+    it read again, and fold a change into the entry it read (Note [Writes during an op]);
+    keep the entries of the tensors in ``snap`` for ``check_own_write``.
     Never raises: the op has run and its result goes back to the script whatever happens
     here (trouble is nondet's bug: reported, capture stops)."""
     try:
+        for t, _ in snap or ():
+            entry = rec.entry(t)  # the one ``lookup`` made for the op's read of it
+            if entry is not None:
+                snap.entries[id(t)] = entry[4]  # type: ignore[union-attr]
         _reread(rec, info, args, kwargs)
     except Exception:
         rec.backend.hook_failed()
+
+
+def check_own_write(rec: Any, func: Any, info: OpInfo, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], snap: Snapshot) -> None:
+    """After an in-place op's outputs were hashed: for each shared tensor it wrote, fold a
+    change the op did not make into the entry it read (Note [A sibling's write during an
+    in-place op]). Never raises (as ``reread_inputs``)."""
+    try:
+        _check_own_write(rec, func, info, args, kwargs, snap)
+    except Exception:
+        rec.backend.hook_failed()
+
+
+def _check_own_write(rec: Any, func: Any, info: OpInfo, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], snap: Snapshot) -> None:
+    # What the shared memory holds now, after the op's output hash: a write that landed
+    # any time from the copy to that hash shows here (a later one folds too: it is a
+    # sibling's all the same).
+    now = [t.clone() for t, _ in snap]
+    first, second = _own_result(func, info, args, kwargs, snap), \
+        _own_result(func, info, args, kwargs, snap)
+    for (t, _), held, mine, again in zip(snap, now, first, second, strict=True):
+        if not in_shared_memory(t) or _same_bits(held, mine) or not _same_bits(mine, again):
+            continue  # the op's own result; or an op that does not repeat itself: its own
+        before = snap.entries.get(id(t))
+        if before is None or before.uninit or before.lazy:
+            continue
+        after = rec.fingerprint(held)
+        if before.value is not None and after.value is not None:
+            _fold(before, after)
+        else:
+            rec.rereads.append((before, after))
+
+
+def _own_result(func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any],
+                snap: Snapshot) -> list[torch.Tensor]:
+    """The op run again with each written tensor replaced by a copy of its value before:
+    the copies, in ``snap``'s order, hold what the op alone makes of them."""
+    copies = {id(t): before.clone() for t, before in snap}
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return copies[id(value)]
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) if isinstance(v, torch.Tensor) else v for v in value)
+        return value
+
+    again = [swap(v) if i in info.mutated_args else v for i, v in enumerate(args)]
+    kw = {k: swap(v) if k in info.mutated_kwargs else v for k, v in kwargs.items()}
+    func(*again, **kw)
+    return [copies[id(t)] for t, _ in snap]
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bitwise equal (NaNs included: ``torch.equal`` says a NaN differs from itself)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        return bool(torch.equal(x.reshape(-1).view(torch.uint8),
+                                y.reshape(-1).view(torch.uint8)))
+    return bool(torch.equal(x, y))
 
 
 def _reread(rec: Any, info: OpInfo, args: tuple[Any, ...],

@@ -67,3 +67,17 @@ def test_getitem_drawing_from_a_shared_generator_is_noted(
 def test_a_generator_per_index_is_not_noted(tmp_path: Path, processes: bool) -> None:
     # the dataset's own on_epoch_end still draws from self.rng (main thread): not a call's
     assert _note(tmp_path, processes, PER_INDEX) is None
+
+
+def test_a_run_that_ends_inside_its_first_epoch_is_noted(tmp_path: Path) -> None:
+    """nondet stops both runs a few steps after they part: no epoch end is ever reached."""
+    body = SCRIPT.replace("PROCESSES", "True").replace("DRAW", SHARED).replace(
+        "model.fit(Rows(), epochs=2, verbose=0)", """
+class Stop(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3:
+            raise SystemExit(0)
+
+model.fit(Rows(), epochs=2, verbose=0, callbacks=[Stop()])""")
+    c, _ = run_script(tmp_path, body)
+    assert "self.rng" in str(c.facts.get(f"capture_note.{NOTE_KEY}"))

@@ -106,6 +106,7 @@ class PipelineSettings:
         self._set_at: dict[int, tuple[weakref.ref[Any], int]] = {}
         self.draws = SharedDraws()
         self._draws_note: dict[str, Any] = {}  # the armed dataset's line, workers, kind
+        self._draws_noted = False
 
     # -- tf.data.Options -------------------------------------------------------------------
     def hook_options(self) -> None:
@@ -199,6 +200,12 @@ class PipelineSettings:
         self.backend.recorder.reordering_stage = stage
         self._draws_note = {"source": self.backend.session.string(stage),
                             "workers": workers, "kind": "processes" if processes else "threads"}
+        if not self.draws.armed:
+            # a run stopped a few steps after the pair parted never reaches an epoch's end:
+            # the page is read at every step end too (one byte)
+            listeners = getattr(self.backend.session, "step_listeners", None)
+            if isinstance(listeners, list):
+                listeners.append(self._step_ended)
         self.draws.arm()
         self.backend.session.send_facts({"keras.pydataset_workers": workers,
                                          "keras.pydataset_processes": processes})
@@ -221,7 +228,15 @@ class PipelineSettings:
 
         return hook
 
+    def _step_ended(self, _step: int) -> None:
+        if not self.backend.disabled:
+            with self.backend.guarded():
+                self._note_draws()
+
     def _note_draws(self) -> None:
+        if self._draws_noted:
+            return
         what = self.draws.seen()
         if what is not None and self._draws_note:
+            self._draws_noted = True
             self.backend.note_once(NOTE_KEY, NOTE.format(what=what, **self._draws_note))

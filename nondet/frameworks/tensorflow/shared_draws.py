@@ -13,8 +13,8 @@ FINDINGS' script), so two runs often agree and the race goes unseen.
 thread or a forked process) to compare the states of those generators before and after the
 call: a call that moved one drew from shared state. A forked worker cannot write to the
 run's pipe, so the worker marks it in a page of anonymous shared memory made before the pool
-forks; the run reads the page when an epoch ends and adds a capture note, shown with every
-report (a deterministic one too). Nothing here changes what the call returns, and nothing
+forks; the run reads the page at each step's and epoch's end and adds a capture note, shown
+with every report (a deterministic one too). Nothing here changes what the call returns, and nothing
 raises into the worker: any trouble only leaves the page unmarked.
 """
 
@@ -52,6 +52,10 @@ class SharedDraws:
         # while worker threads may still call __getitem__): a generator they move is
         # not __getitem__'s draw, so a call that overlaps one counts for nothing
         self.epoch_hooks = 0
+
+    @property
+    def armed(self) -> bool:
+        return self._page is not None
 
     def arm(self) -> None:
         """Make the shared page (a PyDataset with workers is about to be read)."""

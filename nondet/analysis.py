@@ -262,7 +262,7 @@ def finding_facts(div: Divergence, capture: Capture,
         index = div.op.rsplit("#", 1)[-1]
         facts.update(capture.facts.get(f"dataloader#{index}", {}))
     for kind in ("numpy.unseeded_generator", "python.unseeded_random",
-                 "library.unseeded_generator"):
+                 "library.unseeded_generator", "tf.image.stateful_random"):
         facts[kind] = bool(capture.facts.get(kind))
     for d in env_differences or ():
         facts[f"env_differs.{d['key'].removeprefix('env.')}"] = True

@@ -65,6 +65,9 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
                  "every DataLoader made with in_order=True"),
     Intervention("tf.data_deterministic", "patch",
                  "every tf.data Options given with_options() made deterministic=True"),
+    Intervention("tf.image_stateless", "patch",
+                 "every tf.image.random_* op made its tf.image.stateless_random_* twin, "
+                 "seeded by the element's values and the call's place in the trace"),
     Intervention("keras.pydataset_one_worker", "patch",
                  "every keras.utils.PyDataset made with workers=1"),
     Intervention("seeding.pin_seeds", "patch",
@@ -218,6 +221,12 @@ def _tf_generator_from_seed(seed: int) -> None:
     tf.random.Generator.from_non_deterministic_state = classmethod(from_non_deterministic_state)
 
 
+def _tf_image_stateless(seed: int) -> None:
+    from nondet.frameworks.tensorflow import image_random
+
+    image_random.make_stateless(seed)
+
+
 def _keras_pydataset_one_worker(_seed: int) -> None:
     import keras
 
@@ -254,4 +263,5 @@ _CHILD: dict[str, Callable[[int], None]] = {
     "tf.data_deterministic": _tf_data_deterministic,
     "numpy.seed_unseeded_generators": _numpy_seed_unseeded_generators,
     "tf.generator_from_seed": _tf_generator_from_seed,
+    "tf.image_stateless": _tf_image_stateless,
 }

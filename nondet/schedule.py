@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import channel, errors
+from nondet import channel, errors, run_collisions
 from nondet.errors import NondetError, ScriptFailed, Terminated
 from nondet.runspec import Plan, RunResult
 from nondet.turns import MAX_GRANT, TURN_SECONDS, Turns
@@ -254,6 +254,10 @@ def check_result(result: RunResult) -> RunResult:
             f"was not interrupted (it raised it, or its process alone got SIGINT); its "
             f"output is in {result.log_path}", details=result.log_tail())
     if result.status in (channel.FAILED, channel.CRASHED):
+        shared = run_collisions.collision(f"{result.error}\n{result.log_tail()}")
+        if shared is not None:  # the twin run's file, not the script: say so
+            raise NondetError(f"run {result.label} failed because {shared}; its output is in "
+                              f"{result.log_path}", details=result.log_tail())
         last = _last_line(result.error) or _last_line(result.log_tail())
         how = f"exit code {result.exit_code}" if result.exit_code >= 0 else \
             f"killed by signal {-result.exit_code}"

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from nondet import frameworks
 from nondet.frameworks.base import Session
+from nondet.frameworks.tensorflow.shared_draws import NOTE, NOTE_KEY, SharedDraws
 
 #: tf.data stages that run their function on several elements at once.
 _PARALLEL_STAGES = ("ParallelMapDataset", "ParallelInterleaveDataset", "MapAndBatchDataset",
@@ -46,6 +47,8 @@ class DataHost(Protocol):
     def disabled(self) -> bool: ...
 
     def guarded(self) -> AbstractContextManager[None]: ...
+
+    def note_once(self, key: str, text: str) -> None: ...
 
 
 STATEFUL_STAGE_NOTE = (
@@ -101,6 +104,9 @@ class PipelineSettings:
         # Options object (by id, checked by weak reference) -> line that set it to False.
         # Options compare by value and are unhashable: no WeakKeyDictionary.
         self._set_at: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self.draws = SharedDraws()
+        self._draws_note: dict[str, Any] = {}  # the armed dataset's line, workers, kind
+        self._draws_noted = False
 
     # -- tf.data.Options -------------------------------------------------------------------
     def hook_options(self) -> None:
@@ -156,11 +162,18 @@ class PipelineSettings:
     # -- Keras PyDataset -------------------------------------------------------------------
     def hook_pydataset(self) -> None:
         try:
+            from keras.src.trainers.data_adapters import py_dataset_adapter
             from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
         except ImportError:  # another Keras layout: no PyDataset to watch
             return
         watch = self
         original_init = PyDatasetAdapter.__init__
+        if hasattr(py_dataset_adapter, "get_index"):
+            py_dataset_adapter.get_index = self.draws.wrap(
+                py_dataset_adapter.get_index, lambda: py_dataset_adapter._SHARED_SEQUENCES)
+        for name in ("on_epoch_begin", "on_epoch_end"):
+            if hasattr(PyDatasetAdapter, name):
+                setattr(PyDatasetAdapter, name, self._epoch_hook(getattr(PyDatasetAdapter, name)))
 
         @functools.wraps(original_init)
         def adapter_init(adapter: Any, x: Any, *args: Any, **kwargs: Any) -> None:
@@ -183,7 +196,47 @@ class PipelineSettings:
         sources = self.backend.session.sources
         if code is None or not sources.user_file(code.co_filename):
             return  # a library's dataset: its line is not the user's to change
-        self.backend.recorder.reordering_stage = sources.intern_location(
-            code.co_filename, code.co_firstlineno)
+        stage = sources.intern_location(code.co_filename, code.co_firstlineno)
+        self.backend.recorder.reordering_stage = stage
+        self._draws_note = {"source": self.backend.session.string(stage),
+                            "workers": workers, "kind": "processes" if processes else "threads"}
+        if not self.draws.armed:
+            # a run stopped a few steps after the pair parted never reaches an epoch's end:
+            # the page is read at every step end too (one byte)
+            listeners = getattr(self.backend.session, "step_listeners", None)
+            if isinstance(listeners, list):
+                listeners.append(self._step_ended)
+        self.draws.arm()
         self.backend.session.send_facts({"keras.pydataset_workers": workers,
                                          "keras.pydataset_processes": processes})
+
+    def _epoch_hook(self, original: Any) -> Any:
+        """The adapter's ``on_epoch_begin``/``on_epoch_end``: the dataset's own epoch hooks run
+        inside (``SharedDraws.epoch_hooks``), and an epoch's end says what the calls drew."""
+        watch = self
+
+        @functools.wraps(original)
+        def hook(adapter: Any) -> Any:
+            watch.draws.epoch_hooks += 1
+            try:
+                return original(adapter)
+            finally:
+                watch.draws.epoch_hooks += 1
+                if not watch.backend.disabled:
+                    with watch.backend.guarded():
+                        watch._note_draws()
+
+        return hook
+
+    def _step_ended(self, _step: int) -> None:
+        if not self.backend.disabled:
+            with self.backend.guarded():
+                self._note_draws()
+
+    def _note_draws(self) -> None:
+        if self._draws_noted:
+            return
+        what = self.draws.seen()
+        if what is not None and self._draws_note:
+            self._draws_noted = True
+            self.backend.note_once(NOTE_KEY, NOTE.format(what=what, **self._draws_note))

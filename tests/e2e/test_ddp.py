@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import h5py
 import pytest
@@ -30,6 +32,8 @@ pytestmark = pytest.mark.e2e
 FIXTURES = REPO / "fixtures" / "ddp"
 RACE = next(c for c in cases(FIXTURES) if c.script.name == "index_put_ddp.py" and not c.args)
 CONTROL = REPO / "fixtures" / "ddp" / "linear_ddp.py"
+#: The CLI's result and JSON report (None when none was written) of one ``nondet run``.
+RaceRun = tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -46,12 +50,23 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_ddp_race_is_found_at_the_backward_op_of_rank_1(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def race_run(tmp_path_factory: pytest.TempPathFactory) -> RaceRun:
+    """One ``nondet run`` of the DDP race with fix verification, shared by the tests that
+    check its finding and its verified fix (two jobs of 2 ranks, then two more: the
+    slowest launch of this file, run once)."""
+    tmp_path = tmp_path_factory.mktemp("race")
     report_path = tmp_path / "report.json"
-    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
-                     str(report_path), "torchrun", "--nproc-per-node", "2",
-                     str(RACE.script.relative_to(REPO)), cwd=REPO)
+    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "--json", str(report_path),
+                     "torchrun", "--nproc-per-node", "2", str(RACE.script.relative_to(REPO)),
+                     cwd=REPO)
     report = json.loads(report_path.read_text()) if report_path.exists() else None
+    return result, report
+
+
+def test_ddp_race_is_found_at_the_backward_op_of_rank_1(race_run: RaceRun,
+                                                        tmp_path: Path) -> None:
+    result, report = race_run
     found = check_finding(RACE, result, report)
     assert found is not None and report is not None
     assert found["rank"] == int(RACE.expected["rank"]) and found["world_size"] == 2
@@ -74,13 +89,10 @@ def test_ddp_race_is_found_at_the_backward_op_of_rank_1(tmp_path: Path) -> None:
     assert any(line.split() == ["world_size", "2"] for line in shown.splitlines())
 
 
-def test_the_ddp_race_fix_is_verified_on_every_rank_of_two_more_jobs(tmp_path: Path) -> None:
-    report_path = tmp_path / "report.json"
-    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "--json", str(report_path),
-                     "torchrun", "--nproc-per-node", "2", str(RACE.script.relative_to(REPO)),
-                     cwd=REPO)
+def test_the_ddp_race_fix_is_verified_on_every_rank_of_two_more_jobs(race_run: RaceRun) -> None:
+    result, report = race_run
     assert result.returncode == 1, result.stdout + result.stderr
-    report = json.loads(report_path.read_text())
+    assert report is not None, result.stderr
     found = report["first_divergence"]
     assert (found["kind"], found["step"], found["rank"], found["op"]) == (
         "op", 0, 1, "aten.index_put.default"), found
@@ -293,7 +305,6 @@ def test_two_node_agents_on_one_machine_each_capture_their_own_ranks(tmp_path: P
     processes on 127.0.0.1, one rank each); each node's runs a and b rendezvous with the
     other node's, each node captures and compares its own ranks."""
     import socket
-    import subprocess
     import sys
 
     with socket.socket() as probe:

@@ -115,7 +115,7 @@ def check_finding(case: Case, result: subprocess.CompletedProcess[str],
                   report: dict[str, Any] | None) -> dict[str, Any] | None:
     """The report and exit code say exactly what the fixture declares; returns the finding."""
     assert report is not None, result.stderr
-    found = report["first_divergence"]
+    found: dict[str, Any] | None = report["first_divergence"]
     want = case.expected
     if want["kind"] == "none":
         assert result.returncode == 0, result.stdout + result.stderr

@@ -19,9 +19,14 @@ demo:
 	$(BIN)/nondet run fixtures/torch/index_put_backward.py; code=$$?; \
 	  if [ $$code -ne 1 ]; then echo "demo: expected exit code 1 (nondeterminism found), got $$code"; exit 1; fi
 
+# Two pytest workers (pytest-xdist, in the test extra), each given whole files: a file's
+# module-scoped runs are made once, and its tests run in order as without workers.
+# `make test XDIST=` runs everything in one process.
+XDIST ?= -n 2 --dist loadfile
+
 test: install lint typecheck
 	./tools/ensure-chromium
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q $(XDIST) --durations=20
 
 lint:
 	$(BIN)/ruff check nondet tests fixtures bench
@@ -30,10 +35,10 @@ typecheck:
 	$(BIN)/mypy nondet
 
 unit: install
-	$(BIN)/python -m pytest -q -m "not e2e"
+	$(BIN)/python -m pytest -q $(XDIST) -m "not e2e"
 
 e2e: install
-	$(BIN)/python -m pytest -q -m e2e
+	$(BIN)/python -m pytest -q $(XDIST) -m e2e
 
 # Rewrites tests/data/report_expected.txt after an intended change to the text report.
 goldens: install

@@ -69,7 +69,7 @@ def run_case(
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
     """``nondet run [options]`` on the fixture through the real CLI: its result and JSON
     report (None if none was written). Fix verification (two more runs per fix tried) is
-    off unless ``verify``: tests/e2e/test_verify_fixes.py covers it, within the time budget."""
+    off unless ``verify``: the fixtures in ``VERIFIED`` cover it, within the time budget."""
     report_path = tmp_path / "report.json"
     result = run_cli("run", "-q", *([] if verify else ["--no-verify"]), *options, "--out",
                      str(tmp_path / "out"), "--json", str(report_path),
@@ -78,11 +78,44 @@ def run_case(
     return result, report
 
 
+#: Fixtures (without arguments) whose declared fix ``test_fixture`` also verifies, one per
+#: kind of intervention (a switch, a torch patch, a tf.data patch, pinned seeding calls), with
+#: the words the fix's verify note must hold. Verifying in the same ``nondet run`` as the
+#: finding costs two more runs, not a second invocation of four (tests/e2e/test_verify_fixes.py).
+VERIFIED = {
+    "torch/index_put_backward.py": "torch.use_deterministic_algorithms(True)",
+    "torch/dataloader_unordered.py": "every DataLoader made with in_order=True",
+    "tensorflow/tfdata_options.py": "with_options() made deterministic=True",
+    "torch/clock_seed.py": "every seeding call (torch.manual_seed",  # pinned, not edited
+}
+
+
+def intervention_to_verify(case: Case) -> str | None:
+    """What the fix's verify note must name, for a case in ``VERIFIED``; else None."""
+    if case.args:
+        return None
+    return VERIFIED.get(case.script.relative_to(REPO / "fixtures").as_posix())
+
+
+def check_verified(intervention: str, result: subprocess.CompletedProcess[str],
+                   report: dict[str, Any] | None) -> None:
+    """The declared fix (first suggestion) was applied from outside and the runs repeated."""
+    assert report is not None, result.stderr
+    first = report["suggestions"][0]
+    assert first["verified"] is True, first["verify_note"]
+    assert intervention in first["verify_note"]
+    assert first["verified_steps"] >= 2
+    assert first["cost_ratio"] is not None and first["cost_ratio"] > 0
+    assert "verified: with" in result.stdout and "x step time" in result.stdout
+    # the verification pair's captures are listed with the others
+    assert any("run-a-fix1.h5" in c for c in report["captures"])
+
+
 def check_finding(case: Case, result: subprocess.CompletedProcess[str],
                   report: dict[str, Any] | None) -> dict[str, Any] | None:
     """The report and exit code say exactly what the fixture declares; returns the finding."""
     assert report is not None, result.stderr
-    found = report["first_divergence"]
+    found: dict[str, Any] | None = report["first_divergence"]
     want = case.expected
     if want["kind"] == "none":
         assert result.returncode == 0, result.stdout + result.stderr

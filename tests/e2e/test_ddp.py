@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import h5py
 import pytest
@@ -30,6 +32,13 @@ pytestmark = pytest.mark.e2e
 FIXTURES = REPO / "fixtures" / "ddp"
 RACE = next(c for c in cases(FIXTURES) if c.script.name == "index_put_ddp.py" and not c.args)
 CONTROL = REPO / "fixtures" / "ddp" / "linear_ddp.py"
+#: The CLI's result and JSON report (None when none was written) of one ``nondet run``.
+RaceRun = tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]
+#: The stall bound of the hang tests: longer than a rank's start-up on a loaded machine
+#: (torchrun, then torch imported by each rank: at load 14 no rank reached nondet within
+#: 5 s and the job was ended before rank 0 could show that rank 1 alone was silent), far
+#: below gloo's 30 min.
+HANG_STALL = 15.0
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -46,12 +55,23 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_ddp_race_is_found_at_the_backward_op_of_rank_1(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def race_run(tmp_path_factory: pytest.TempPathFactory) -> RaceRun:
+    """One ``nondet run`` of the DDP race with fix verification, shared by the tests that
+    check its finding and its verified fix (two jobs of 2 ranks, then two more: the
+    slowest launch of this file, run once)."""
+    tmp_path = tmp_path_factory.mktemp("race")
     report_path = tmp_path / "report.json"
-    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
-                     str(report_path), "torchrun", "--nproc-per-node", "2",
-                     str(RACE.script.relative_to(REPO)), cwd=REPO)
+    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "--json", str(report_path),
+                     "torchrun", "--nproc-per-node", "2", str(RACE.script.relative_to(REPO)),
+                     cwd=REPO)
     report = json.loads(report_path.read_text()) if report_path.exists() else None
+    return result, report
+
+
+def test_ddp_race_is_found_at_the_backward_op_of_rank_1(race_run: RaceRun,
+                                                        tmp_path: Path) -> None:
+    result, report = race_run
     found = check_finding(RACE, result, report)
     assert found is not None and report is not None
     assert found["rank"] == int(RACE.expected["rank"]) and found["world_size"] == 2
@@ -74,13 +94,10 @@ def test_ddp_race_is_found_at_the_backward_op_of_rank_1(tmp_path: Path) -> None:
     assert any(line.split() == ["world_size", "2"] for line in shown.splitlines())
 
 
-def test_the_ddp_race_fix_is_verified_on_every_rank_of_two_more_jobs(tmp_path: Path) -> None:
-    report_path = tmp_path / "report.json"
-    result = run_cli("run", "-q", "--out", str(tmp_path / "out"), "--json", str(report_path),
-                     "torchrun", "--nproc-per-node", "2", str(RACE.script.relative_to(REPO)),
-                     cwd=REPO)
+def test_the_ddp_race_fix_is_verified_on_every_rank_of_two_more_jobs(race_run: RaceRun) -> None:
+    result, report = race_run
     assert result.returncode == 1, result.stdout + result.stderr
-    report = json.loads(report_path.read_text())
+    assert report is not None, result.stderr
     found = report["first_divergence"]
     assert (found["kind"], found["step"], found["rank"], found["op"]) == (
         "op", 0, 1, "aten.index_put.default"), found
@@ -193,13 +210,13 @@ def test_a_hanging_rank_ends_the_job_in_bounded_time_and_leaves_nothing(
     target = Target(script=str(CONTROL), module=None,
                     args=("--fail-rank", "1", "--marker", str(marker), "--how", "hang"),
                     launcher=("--nproc-per-node", "2"))
-    job = distributed.Job(target, Plan("b", []), 0, tmp_path, stall_after=5.0)
+    job = distributed.Job(target, Plan("b", []), 0, tmp_path, stall_after=HANG_STALL)
     started = time.monotonic()
     result = job.run()
     elapsed = time.monotonic() - started
     with pytest.raises(JobHung, match=r"run b: ranks? .*1.* sent nothing"):
         jobrun.check_job(result)
-    assert elapsed < 90, elapsed  # start-up + 5 s of silence + the ending, never gloo's 30 min
+    assert elapsed < 90, elapsed  # start-up + HANG_STALL + the ending, never gloo's 30 min
     assert result.hung and 1 in result.hung
     assert _processes_mentioning(str(tmp_path)) == []
     assert all(not job._is_our_worker(s.pid) for s in job.ranks.values())
@@ -214,7 +231,7 @@ def test_a_job_that_hangs_while_a_fix_is_verified_is_exit_2_naming_run_and_rank(
                     args=("--fail-rank", "1", "--marker", str(marker), "--how", "hang"),
                     launcher=("--nproc-per-node", "2"))
     options = pipeline.Options(out_dir=tmp_path, verify=True)
-    steps = job_fixes.JobSteps(target, options, lambda _: None, stall_after=5.0)
+    steps = job_fixes.JobSteps(target, options, lambda _: None, stall_after=HANG_STALL)
     first = [write_capture(tmp_path / f"{x}.h5", step_rows(
         *({"step": i, "params_fp": fp, "wall": i + 1.0} for i, fp in enumerate(fps))))
         for x, fps in (("a", [1, 2, 3]), ("b", [1, 9, 9]))]
@@ -224,7 +241,7 @@ def test_a_job_that_hangs_while_a_fix_is_verified_is_exit_2_naming_run_and_rank(
     started = time.monotonic()
     with pytest.raises(JobHung, match=r"run a-fix1: ranks? .*1.* sent nothing"):
         steps.verify((), tmp_path, [fix], (open_capture(first[0]), open_capture(first[1])), 1)
-    assert time.monotonic() - started < 90  # start-up + 5 s of silence + the ending
+    assert time.monotonic() - started < 90  # start-up + HANG_STALL s of silence + the ending
     assert _processes_mentioning(str(tmp_path)) == []
 
 
@@ -293,7 +310,6 @@ def test_two_node_agents_on_one_machine_each_capture_their_own_ranks(tmp_path: P
     processes on 127.0.0.1, one rank each); each node's runs a and b rendezvous with the
     other node's, each node captures and compares its own ranks."""
     import socket
-    import subprocess
     import sys
 
     with socket.socket() as probe:

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES, REPO
-from tests.e2e.fixture_cases import Case, cases, check_declarations, check_finding, run_case
+from tests.e2e.fixture_cases import (
+    Case,
+    cases,
+    check_declarations,
+    check_finding,
+    check_verified,
+    intervention_to_verify,
+    run_case,
+)
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.e2e
@@ -25,7 +33,11 @@ def test_every_fixture_declares_its_expectation() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_fixture(case: Case, tmp_path: Path) -> None:
-    found = check_finding(case, *run_case(case, tmp_path))
+    intervention = intervention_to_verify(case)
+    result, report = run_case(case, tmp_path, verify=intervention is not None)
+    found = check_finding(case, result, report)
+    if intervention is not None:
+        check_verified(intervention, result, report)
     if found is None or found["kind"] == "seed":
         return  # a seed finding is a call, not a tensor: nothing to measure
     assert found["numel"] and found["numel"] > 0

@@ -1,8 +1,10 @@
 """Fix verification end to end: `nondet run` re-runs a nondeterministic fixture with its
 suggested fix applied from outside, and the fix the fixture declares is verified first.
 
-One fixture per kind of intervention (a switch, a torch patch, a tf.data patch); each costs
-two extra runs of a small script.
+One fixture per kind of intervention (a switch, a torch patch, a tf.data patch, pinned
+seeding calls), listed in ``fixture_cases.VERIFIED``: each fixture's ``test_fixture`` (in
+test_torch_fixtures.py, test_tf_fixtures.py) verifies in the same run that checks its
+finding, two extra runs of a small script instead of a second ``nondet run``.
 """
 
 from __future__ import annotations
@@ -12,32 +14,23 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES, REPO, run_cli
-from tests.e2e.fixture_cases import cases, check_finding, run_case
+from tests.e2e.fixture_cases import VERIFIED, cases, intervention_to_verify
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize(("script", "intervention"), [
-    ("torch/index_put_backward.py", "torch.use_deterministic_algorithms(True)"),
-    ("torch/dataloader_unordered.py", "every DataLoader made with in_order=True"),
-    ("tensorflow/tfdata_options.py", "with_options() made deterministic=True"),
-    ("torch/clock_seed.py", "every seeding call (torch.manual_seed"),  # pinned, not edited
-])
-def test_the_declared_fix_is_verified(script: str, intervention: str, tmp_path: Path) -> None:
-    pytest.importorskip("tensorflow" if script.startswith("tensorflow") else "torch")
-    path = FIXTURES / script
-    case = next(c for c in cases(path.parent) if c.script == path and not c.args)
-    result, report = run_case(case, tmp_path, verify=True)
-    check_finding(case, result, report)  # the declared finding, its fix first
-    assert report is not None
-    first = report["suggestions"][0]
-    assert first["verified"] is True, first["verify_note"]
-    assert intervention in first["verify_note"]
-    assert first["verified_steps"] >= 2
-    assert first["cost_ratio"] is not None and first["cost_ratio"] > 0
-    assert "verified: with" in result.stdout and "x step time" in result.stdout
-    # the verification pair's captures are listed with the others
-    assert any("run-a-fix1.h5" in c for c in report["captures"])
+def test_every_fixture_to_verify_is_a_case_with_a_declared_fix() -> None:
+    # test_fixture (test_torch_fixtures.py, test_tf_fixtures.py) verifies the fix of each
+    # fixture in VERIFIED in the run that checks its finding; a key naming no case would
+    # verify nothing, silently
+    for script in VERIFIED:
+        path = FIXTURES / script
+        matching = [c for c in cases(path.parent) if c.script == path and not c.args]
+        assert len(matching) == 1, script
+        assert intervention_to_verify(matching[0]) == VERIFIED[script]
+        assert matching[0].expected.get("fix"), script
+    kinds = {script.split("/")[0] for script in VERIFIED}
+    assert kinds == {"torch", "tensorflow"}
 
 
 def test_check_apply_runs_the_pair_with_the_fix(tmp_path: Path) -> None:

@@ -53,6 +53,9 @@ def test_the_handler_notes_sigint_and_raises_as_pythons_does(
     monkeypatch.setattr(errors, "_sigint", {"watched": False, "seen": False})
     previous = signal.getsignal(signal.SIGINT)
     try:
+        # as in a terminal: a test runner's worker (pytest-xdist) may ignore SIGINT, and
+        # watch_sigint leaves an ignored SIGINT alone
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         errors.watch_sigint()
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)

@@ -93,17 +93,21 @@ _THREADS = """
 import threading, torch
 torch.manual_seed(0)
 models = [torch.nn.Linear(32, 1) for _ in range(2)]
+both = threading.Barrier(2)
 def train(i):
     opt = torch.optim.SGD(models[i].parameters(), lr=0.1)
     for step in range(10):
         loss = models[i](torch.ones(64, 32) * (i + 1)).pow(2).mean()
+        {meet}
         opt.zero_grad(); loss.backward(); opt.step()
 threads = [threading.Thread(target=train, args=(i,)) for i in {order}]
 {run}
 """
-TWO_AT_ONCE = _THREADS.format(order="(0, 1)",
+# Both threads are in their first step at once (on a loaded machine the first could otherwise
+# finish its ten tiny steps before the second starts: one after the other, not at once).
+TWO_AT_ONCE = _THREADS.format(order="(0, 1)", meet="step or both.wait(timeout=60)",
                               run="[t.start() for t in threads]; [t.join() for t in threads]")
-ONE_AFTER_THE_OTHER = _THREADS.format(order="(0, 1)",
+ONE_AFTER_THE_OTHER = _THREADS.format(order="(0, 1)", meet="",
                                       run="for t in threads:\n    t.start(); t.join()")
 
 

@@ -280,37 +280,3 @@ def test_a_file_without_the_comm_table_reads_as_no_collectives(tmp_path: Path) -
     with h5py.File(path, "a") as f:  # as written before the table existed
         del f["comm"]
     assert len(open_capture(path).comm) == 0
-
-
-def _steps_with_facts(path: Path, facts: list[dict[str, object]]) -> Path:
-    """A capture of 41 step rows, ``facts`` sent one by one before the first step (as a
-    run re-sends a seeding call site's fact each time the site is called again)."""
-    from nondet.records import STEP_DTYPE
-    from nondet.store import CaptureWriter
-
-    writer = CaptureWriter(path, {"label": "a"})
-    for fact in facts:
-        writer.add_facts(fact)
-        writer.add_env({"cpu_model": "x"})  # re-sent unchanged, as a run's env is
-    for step in range(-1, 40):
-        row = np.zeros(1, dtype=STEP_DTYPE)
-        row["step"] = step
-        writer.add_step(row)
-    writer.close("complete", 0)
-    return path
-
-
-def test_a_fact_re_sent_as_it_grows_costs_its_last_value_only(tmp_path: Path) -> None:
-    # scipy's import calls np.random.default_rng ~45 times in a TensorFlow run: each call
-    # re-sent its site's growing fact, and every HDF5 attribute rewrite left the old value's
-    # space in the file (a 40-step capture: 38 -> 72 KB)
-    def fact(n: int) -> dict[str, object]:
-        return {f"seed#{n % 5}": {"api": "np.random.default_rng",
-                                  "calls": [[i, -1, "<Generator>"] for i in range(n // 5 + 1)]}}
-
-    grown = _steps_with_facts(tmp_path / "grown.h5", [fact(n) for n in range(45)])
-    once = _steps_with_facts(tmp_path / "once.h5", [fact(n) for n in range(40, 45)])
-    c = open_capture(grown)
-    assert c.facts == open_capture(once).facts  # the latest value of each
-    assert len(c.facts["seed#4"]["calls"]) == 9 and c.env["cpu_model"] == "x"
-    assert grown.stat().st_size < once.stat().st_size + 2048

@@ -83,9 +83,6 @@ class CaptureWriter:
         f = self._file
         self._strings_crc = self._stored_crc = 0
         self._entry_hashes: dict[tuple[str, str], int] = {}  # (group, key) -> entry_hash
-        # env and facts held until the next flush, and what was written (see _write_pending)
-        self._pending: dict[str, dict[str, Any]] = {}
-        self._written: dict[tuple[str, str], Any] = {}
         f.create_group("env")
         f.create_group("facts")
         f.create_group("dumps")
@@ -129,7 +126,7 @@ class CaptureWriter:
 
     def add_env(self, env: dict[str, Any]) -> None:
         with self._writing():
-            self._pending.setdefault("env", {}).update(env)
+            self._set("env", env)
 
     def set_op_steps(self, steps: list[int]) -> None:
         """The steps the run records ops at, when it says they differ from its plan."""
@@ -138,35 +135,16 @@ class CaptureWriter:
 
     def add_facts(self, facts: dict[str, Any]) -> None:
         with self._writing():
-            self._pending.setdefault("facts", {}).update(
-                {key: json.dumps(value) for key, value in facts.items()})
-
-    def _write_pending(self) -> None:
-        """Write the env and facts received since the last flush, each key's latest value
-        once, and only if it changed. A run re-sends a fact as it grows (a seeding call
-        site's list of calls: scipy's import makes ~45 of them in a TensorFlow run), and
-        every rewrite of an HDF5 attribute left its old value's space behind in the file:
-        a 40-step TensorFlow capture grew from ~38 to ~72 KB (docs/benchmarks.md). Nothing
-        is lost by holding them: the file is only complete at a flush, and every flush
-        writes them first. They are written before any table grows too: written after the
-        first step's op records, they made op-level files ~5% larger (measured)."""
-        for group, values in self._pending.items():
-            changed = {k: v for k, v in values.items() if self._written.get((group, k)) != v}
-            if changed:
-                self._set(group, changed)
-                self._written.update(((group, k), v) for k, v in changed.items())
-        self._pending = {}
+            self._set("facts", {key: json.dumps(value) for key, value in facts.items()})
 
     def add_strings(self, strings: list[str]) -> None:
         with self._writing():
-            self._write_pending()
             _append(self._tables["strings"], np.array(strings, dtype=object))
             # Stored with the next step or at close (where the file is flushed).
             self._strings_crc = strings_crc(strings, self._strings_crc)
 
     def add_step(self, row: np.ndarray) -> None:
         with self._writing():
-            self._write_pending()
             _append(self._tables["steps"], row)
             self.n_steps += int((row["step"] >= 0).sum())
             changed = {STRINGS_CRC_ATTR: self._strings_crc} \
@@ -177,14 +155,12 @@ class CaptureWriter:
 
     def add_tensors(self, rows: np.ndarray) -> None:
         with self._writing():
-            self._write_pending()
             _append(self._tables["tensors"], rows)
 
     def add_ops(self, rows: np.ndarray) -> None:
         if len(rows) == 0:
             return
         with self._writing():
-            self._write_pending()
             ops = self._tables["ops"]
             start = ops.shape[0]
             _append(ops, rows)
@@ -204,7 +180,6 @@ class CaptureWriter:
             ds = self._file["dumps"].create_dataset(name, data=array, **checked)
             for key, value in attrs.items():
                 ds.attrs[key] = _attr(value)
-            self._write_pending()
             self._file.flush()  # written while ``ds`` is open (see ``_tables``)
 
     def close(self, status: str, exit_code: int | None) -> None:
@@ -213,7 +188,6 @@ class CaptureWriter:
                 return
             self._closing = True
             try:
-                self._write_pending()
                 self._set("", {"status": status,
                                "exit_code": -1 if exit_code is None else exit_code,
                                STRINGS_CRC_ATTR: self._strings_crc})

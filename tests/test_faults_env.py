@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from nondet.launch import CapturedRun, Plan, Target
 from tests.conftest import run_cli, step_rows, write_capture
+from tests.test_run_process import _run_script
 
 # A library that closes every inherited descriptor from C (before an exec, say): fdguard's
 # os.close/os.closerange wrappers never see it.
@@ -25,16 +24,6 @@ libc = ctypes.CDLL(None)
 for fd in range(3, 256):
     libc.close(fd)
 """
-
-
-def _run_script(tmp_path: Path, text: str) -> tuple[CapturedRun, float]:
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(text))
-    run = CapturedRun(Target(str(script), None), Plan("a", []), 0, tmp_path)
-    started = time.monotonic()
-    run.start()
-    run.wait(timeout=120)
-    return run, time.monotonic() - started
 
 
 def test_a_pipe_closed_from_c_is_opened_again_and_the_run_ends_recorded(

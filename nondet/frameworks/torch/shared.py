@@ -143,11 +143,7 @@ def _check_own_write(rec: Any, func: Any, info: OpInfo, args: tuple[Any, ...],
         before = snap.entries.get(id(t))
         if before is None or before.uninit or before.lazy:
             continue
-        after = rec.fingerprint(held)
-        if before.value is not None and after.value is not None:
-            _fold(before, after)
-        else:
-            rec.rereads.append((before, after))
+        _fold_or_defer(rec, before, rec.fingerprint(held))
 
 
 def _own_result(func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -167,6 +163,15 @@ def _own_result(func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str
     kw = {k: swap(v) if k in info.mutated_kwargs else v for k, v in kwargs.items()}
     func(*again, **kw)
     return [copies[id(t)] for t, _ in snap]
+
+
+def _fold_or_defer(rec: Any, before: Fp, after: Fp) -> None:
+    """Fold ``after`` into entry ``before`` now if both are final on the host, else when the
+    step's device fingerprints are resolved (``rec.rereads``)."""
+    if before.value is not None and after.value is not None:
+        _fold(before, after)
+    else:
+        rec.rereads.append((before, after))
 
 
 def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -197,11 +202,7 @@ def _reread(rec: Any, info: OpInfo, args: tuple[Any, ...],
         before = entry[4]
         if before.uninit or before.lazy:
             continue
-        after = rec.fingerprint(t)
-        if before.value is not None and after.value is not None:
-            _fold(before, after)
-        else:
-            rec.rereads.append((before, after))
+        _fold_or_defer(rec, before, rec.fingerprint(t))
 
 
 def fold(pairs: list[tuple[Fp, Fp]]) -> None:

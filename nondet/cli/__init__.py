@@ -12,6 +12,7 @@ import click
 
 from nondet import __version__
 from nondet.cli._common import App, ReaderMayGo, handle_errors
+from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG
 
 
@@ -57,4 +58,15 @@ def main() -> None:
         sys.stderr = ReaderMayGo(sys.stderr)
     with handle_errors():
         code = cli.main(standalone_mode=False)
+        _report_reached_stdout()
         sys.exit(int(code or 0))
+
+
+def _report_reached_stdout() -> None:
+    """A report that could not be written to stdout (``> out.txt`` on a full disk) is the
+    machine's trouble: one line and exit 2, not the verdict's code for a report nobody got
+    (a reader that went away, ``| head -1``, keeps the verdict's code)."""
+    failed = getattr(sys.stdout, "failed", None)
+    if failed is not None:
+        raise NondetError(f"could not write the report to stdout ({failed.strerror or failed}): "
+                          "free space where stdout goes, or give --json PATH elsewhere")

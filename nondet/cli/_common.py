@@ -41,9 +41,9 @@ def handle_errors() -> Iterator[None]:
     try:
         settings.check()  # before anything runs: a mistyped NONDET_* value is one line
         yield
-    except Terminated:
-        err.print("nondet: terminated (SIGTERM); runs stopped, captures written so far "
-                  "closed and marked interrupted")
+    except Terminated as exc:
+        err.print(f"nondet: terminated ({signal.Signals(exc.signum).name}); runs stopped, "
+                  "captures written so far closed and marked interrupted")
         sys.exit(ExitCode.TERMINATED)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
@@ -87,16 +87,26 @@ def _internal_error(err: Console, exc: BaseException) -> NoReturn:
     sys.exit(ExitCode.INTERNAL)
 
 
+#: Signals that end nondet as SIGTERM does. SIGHUP (a closed terminal or ssh session, ``kill
+#: -HUP``) killed nondet at once: its runs went on training as orphans and the captures were
+#: left open for writing, unreadable ("file is already open for write").
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
 def _terminate_on_sigterm() -> None:
-    """SIGTERM (CI cancel, `timeout`, `docker stop`) ends nondet as Ctrl-C does: the runs are
-    interrupted and their captures closed (errors.Terminated), then exit 143."""
+    """SIGTERM (CI cancel, `timeout`, `docker stop`) or SIGHUP ends nondet as Ctrl-C does:
+    the runs are interrupted and their captures closed (errors.Terminated), then exit 143
+    (the contract's one code for "terminated", whichever of the two it was)."""
 
     def handler(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: let the clean-up finish
-        raise Terminated()
+        for sig in TERMINATING:  # once: let the clean-up finish
+            signal.signal(sig, signal.SIG_IGN)
+        raise Terminated(signum)
 
     try:
-        signal.signal(signal.SIGTERM, handler)
+        for sig in TERMINATING:
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup nondet ...` stays so
+                signal.signal(sig, handler)
     except ValueError:
         pass  # not the main thread (nondet used as a library): leave signals alone
 
@@ -138,29 +148,37 @@ class ReaderMayGo:
     """``sys.stdout`` whose reader may go away (``nondet check train.py | head -1``): what
     is written after that is dropped, never an error. Without it click turned the broken
     pipe into exit 1, "nondeterminism found", for a deterministic run; the exit code stays
-    the verdict's."""
+    the verdict's.
+
+    A stream that refuses writes otherwise (``> out.txt`` on a full disk, ``/dev/full``, a
+    terminal that hung up: EIO) is dropped the same way, so the runs and their captures
+    still end as they should, but the failure is kept (``failed``): the caller says in one
+    line that the report was lost (it was "internal error", exit 3, a bug log)."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self.gone = False
+        self.failed: OSError | None = None  # the write error, other than a reader gone
 
     def write(self, text: str) -> int:
         if not self.gone:
             try:
                 return self._stream.write(text)
-            except BrokenPipeError:
-                self._reader_gone()
+            except OSError as exc:
+                self._reader_gone(exc)
         return len(text)
 
     def flush(self) -> None:
         if not self.gone:
             try:
                 self._stream.flush()
-            except BrokenPipeError:
-                self._reader_gone()
+            except OSError as exc:
+                self._reader_gone(exc)
 
-    def _reader_gone(self) -> None:
+    def _reader_gone(self, exc: OSError) -> None:
         self.gone = True
+        if not isinstance(exc, BrokenPipeError):
+            self.failed = exc
         # the text still buffered, and the interpreter's last flush, go nowhere quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         try:

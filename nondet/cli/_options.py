@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -162,6 +163,25 @@ def _known_fixes(_ctx: click.Context, _param: click.Parameter,
     return value
 
 
+def _check_script_path(script: str) -> None:
+    """One line for a script path each run could not open as the user meant (before, a name
+    too long was "internal error", exit 3; ``/dev/stdin`` ran an empty script, since each
+    run has stdin of its own, and was told "no training step was observed")."""
+    try:
+        os.stat(script)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return  # Target.check: "script not found"
+        if exc.errno == errno.ELOOP:
+            raise NondetError(f"the script {script} is a symbolic link that leads back to "
+                              "itself: give the script's own path") from None
+        raise NondetError(f"cannot open the script {script}: {exc.strerror}") from None
+    if os.path.abspath(script).startswith(("/dev/", "/proc/")):
+        raise NondetError(f"the script {script} is a device or a descriptor of nondet's own "
+                          "process, which each run opens anew (the runs have stdin of their "
+                          "own): save the script to a file and give that file")
+
+
 def make_target(module: str | None, script_and_args: tuple[str, ...],
                 launcher: tuple[str, ...] | None = None) -> Target:
     """The script (or module) and its arguments; unknown options and paths nondet cannot
@@ -186,6 +206,8 @@ def make_target(module: str | None, script_and_args: tuple[str, ...],
         require_utf8(what, value)
     for arg in target.args:
         require_utf8("an argument of the script", arg)
+    if target.script is not None:
+        _check_script_path(target.script)
     target.check()
     ctx = click.get_current_context(silent=True)
     nproc = ctx.meta.get("nondet.nproc_per_node") if ctx is not None else None

@@ -1,0 +1,205 @@
+"""Faults, fourth round (FINDINGS.md): how nondet ends when it is told to (or made to) in
+ways no other test covers (SIGHUP; SIGKILL of nondet itself, whose runs must not train on as
+orphans; a stdout that refuses writes; what `check` leaves for CI when terminated), and
+paths that cannot name a file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from nondet import channel
+from nondet.errors import Terminated
+from tests.conftest import run_cli, step_rows, write_capture
+
+_ENV = {**os.environ, "NO_COLOR": "1"}
+
+
+def test_sighup_ends_nondet_as_sigterm_does() -> None:
+    # Trial: `kill -HUP` (a closed terminal or ssh session) killed nondet at once: its runs
+    # trained on as orphans and both captures stayed open for writing, unreadable
+    code = textwrap.dedent("""
+        import os, signal, time
+        from nondet.cli._common import handle_errors
+        with handle_errors():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(30)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=_ENV)
+    assert done.returncode == 143, (done.returncode, done.stderr)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "terminated (SIGHUP)" in lines[0], done.stderr
+
+
+def test_nohup_leaves_sighup_ignored() -> None:
+    # Control: under `nohup nondet ...` SIGHUP stays ignored (the run goes on)
+    code = textwrap.dedent("""
+        import os, signal
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        from nondet.cli._common import handle_errors
+        with handle_errors():
+            os.kill(os.getpid(), signal.SIGHUP)
+        print("went on")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=_ENV)
+    assert done.returncode == 0 and "went on" in done.stdout, done.stderr
+
+
+def test_a_child_reads_a_closed_control_pipe_as_its_parent_gone() -> None:
+    # Before: end of file counted as FREE (lockstep) or as nothing (sequential): a run whose
+    # nondet was killed (SIGKILL, the OOM killer) trained on for nobody, for good if the
+    # script never ends on its own
+    # (lockstep's wait_for_turn: tests/test_channel.py)
+    r, w = os.pipe()
+    os.close(w)
+    try:
+        assert channel.stop_requested(r)
+    finally:
+        os.close(r)
+
+
+def test_a_control_pipe_without_a_word_is_not_a_stop() -> None:
+    # Control: the parent is there and silent
+    r, w = os.pipe()
+    try:
+        assert not channel.stop_requested(r)
+        assert channel.wait_for_grant(r, lambda step, index: None, timeout=0.2)[0] == \
+            channel.FREE
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_frame_writer_whose_reader_is_gone_says_so() -> None:
+    r, w = os.pipe()
+    os.close(r)
+    writer = channel.FrameWriter(w)
+    writer.send(channel.META, b"{}")
+    writer.flush()  # EPIPE: Python ignores SIGPIPE, so it is an error, not a death
+    assert writer.parent_gone
+    writer.close()
+
+
+# Never prints (a print to the gone parent's pipe would end it with EPIPE whatever nondet
+# does) and never ends on its own in the test's time; a marker once it trains.
+_FOREVER = """
+import os, time, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(100000):
+    loss = model(torch.ones(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if step == 2:
+        open("training", "w").close()
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.e2e
+def test_runs_of_a_nondet_killed_by_sigkill_stop_instead_of_training_on(
+        tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(_FOREVER)
+    proc = subprocess.Popen([sys.executable, "-m", "nondet", "run", "-q", "train.py"],
+                            cwd=tmp_path, env=_ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "training").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)],
+                             capture_output=True, text=True, check=False).stdout
+        children = [int(p) for p in out.split()]
+        assert children and proc.poll() is None, "the runs ended before nondet was killed"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 90  # interpreter teardown under load takes seconds
+        while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+            time.sleep(0.5)
+        assert not [pid for pid in children if _alive(pid)], "orphaned runs still training"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a failed test leaves nothing behind
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has ended (its parent, killed, cannot reap it)
+
+
+@pytest.mark.parametrize("command", [["fixes"], ["diff", "a.h5", "b.h5"]])
+def test_a_stdout_that_refuses_writes_is_one_line_not_an_internal_error(
+        tmp_path: Path, command: list[str]) -> None:
+    # Trial: `nondet fixes > /dev/full` (or `> report.txt` on a full disk) was "internal
+    # error: OSError: [Errno 28] No space left on device", exit 3 and a bug log
+    write_capture(tmp_path / "a.h5", step_rows({"step": 0, "loss": 0.5, "params_fp": 3}))
+    write_capture(tmp_path / "b.h5", step_rows({"step": 0, "loss": 0.5, "params_fp": 3}))
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "nondet", *command], cwd=tmp_path,
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
+                              env=_ENV)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "could not write the report to stdout" in lines[0], lines
+    assert "No space left on device" in lines[0]
+
+
+def test_a_terminated_check_leaves_terminated_for_ci_not_an_internal_error(
+        tmp_path: Path) -> None:
+    # Before: the JUnit and JSON of a check cancelled by SIGTERM said "internal error in
+    # nondet: Terminated", exit_code 3, while the process exited 143
+    from nondet.cli.check import _write_failure
+
+    _write_failure(Terminated(signal.SIGTERM), "nondet check", 1.0, tmp_path / "j.xml",
+                   tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["exit_code"] == 143 and report["verdict"] == "error", report
+    assert "internal" not in (tmp_path / "j.xml").read_text()
+    assert "terminated (SIGTERM)" in (tmp_path / "j.xml").read_text()
+
+
+@pytest.mark.parametrize("option", [[], ["--out"], ["--json"], ["--html"]])
+def test_a_path_too_long_to_be_a_file_name_is_one_line(tmp_path: Path,
+                                                      option: list[str]) -> None:
+    # Trial: a name over 255 bytes for the script, --out, --json, --html, --baseline, or a
+    # capture of show/diff/report was "internal error: OSError: [Errno 36]", exit 3
+    (tmp_path / "train.py").write_text("print(1)\n")
+    long_name = "n" * 300
+    args = [*option, long_name, "train.py"] if option else [long_name + ".py"]
+    done = run_cli("run", "-q", *args, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "File name too long" in lines[0], lines
+
+
+@pytest.mark.parametrize("script", ["/dev/stdin", "loop.py"])
+def test_a_script_path_no_run_can_open_as_meant_is_one_line(tmp_path: Path,
+                                                           script: str) -> None:
+    # Trial: `nondet run /dev/stdin < train.py` ran an empty script (each run has stdin of
+    # its own) and blamed it: "no training step was observed ... check that the script
+    # trains"; a symlink loop was "script not found"
+    (tmp_path / "loop.py").symlink_to("loop2.py")
+    (tmp_path / "loop2.py").symlink_to("loop.py")
+    (tmp_path / "train.py").write_text("print(1)\n")
+    with open(tmp_path / "train.py") as stdin:
+        done = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", script],
+                              cwd=tmp_path, stdin=stdin, capture_output=True, text=True,
+                              timeout=120, env=_ENV)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"the script {script} is" in lines[0], lines

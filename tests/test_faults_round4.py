@@ -203,3 +203,44 @@ def test_a_script_path_no_run_can_open_as_meant_is_one_line(tmp_path: Path,
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f"the script {script} is" in lines[0], lines
+
+
+def test_a_capture_being_written_or_left_open_is_not_called_damaged(tmp_path: Path) -> None:
+    # Trial: `nondet show` on a capture a running nondet was writing, or one left by a nondet
+    # killed with SIGKILL, said "not an HDF5 file or truncated ...; re-capture it"
+    import shutil
+
+    import h5py
+
+    writing = h5py.File(tmp_path / "run-a.h5", "w", libver=("v110", "v110"))  # as the writer
+    try:
+        writing.attrs["x"] = 1
+        writing.flush()
+        shutil.copy(tmp_path / "run-a.h5", tmp_path / "killed.h5")  # what SIGKILL leaves
+        being_written = run_cli("show", "run-a.h5", cwd=tmp_path, timeout=120)
+        left_open = run_cli("show", "killed.h5", cwd=tmp_path, timeout=120)
+    finally:
+        writing.close()
+    assert being_written.returncode == 2 and left_open.returncode == 2
+    assert "another process is writing it" in being_written.stderr, being_written.stderr
+    assert "marked open for writing" in left_open.stderr, left_open.stderr
+    assert "h5clear -s killed.h5" in left_open.stderr
+
+
+def test_the_scripts_own_excepthook_gets_what_it_did_not_catch(tmp_path: Path) -> None:
+    # Trial: a script that sets sys.excepthook (a logger, an error tracker) and then raises:
+    # under nondet its hook was never called, and the traceback began in nondet/boot.py
+    from tests.test_run_process import _run_script
+
+    marker = tmp_path / "hooked.txt"
+    run, _ = _run_script(tmp_path, f"""
+        import sys
+        def hook(kind, value, tb):
+            open({str(marker)!r}, "w").write(f"{{kind.__name__}}: {{value}}")
+            sys.__excepthook__(kind, value, tb)
+        sys.excepthook = hook
+        raise ValueError("after training")
+    """)
+    assert marker.read_text() == "ValueError: after training"
+    assert run.end is not None and run.end.status == "failed"
+    assert "boot.py" not in run.end.error and "train.py" in run.end.error, run.end.error

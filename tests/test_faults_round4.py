@@ -244,3 +244,31 @@ def test_the_scripts_own_excepthook_gets_what_it_did_not_catch(tmp_path: Path) -
     assert marker.read_text() == "ValueError: after training"
     assert run.end is not None and run.end.status == "failed"
     assert "boot.py" not in run.end.error and "train.py" in run.end.error, run.end.error
+
+
+@pytest.mark.parametrize("option", ["--junit", "--json"])
+def test_a_forgotten_report_path_never_overwrites_the_script(tmp_path: Path,
+                                                            option: str) -> None:
+    # Trial: `nondet check --junit train.py` (the JUnit path forgotten) took the script for
+    # it and wrote the JUnit XML of the usage error over the user's train.py
+    script = tmp_path / "train.py"
+    script.write_text("print('my script')\n")
+    done = run_cli("check", option, "train.py", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert script.read_text() == "print('my script')\n"
+
+
+def test_a_report_path_naming_a_file_of_the_users_is_refused_and_a_report_is_replaced(
+        tmp_path: Path) -> None:
+    (tmp_path / "notes.json").write_text('{"mine": 1}\n')
+    (tmp_path / "old.json").write_text('{\n  "nondet_report_version": 1\n}\n')  # a report
+    write_capture(tmp_path / "a.h5", step_rows({"step": 0, "loss": 0.5, "params_fp": 3}))
+    write_capture(tmp_path / "b.h5", step_rows({"step": 0, "loss": 0.5, "params_fp": 3}))
+    refused = run_cli("diff", "--json", "notes.json", "a.h5", "b.h5", cwd=tmp_path,
+                      timeout=120)
+    assert refused.returncode == 2 and "no report of nondet's" in refused.stderr
+    assert (tmp_path / "notes.json").read_text() == '{"mine": 1}\n'
+    replaced = run_cli("diff", "--json", "old.json", "a.h5", "b.h5", cwd=tmp_path,
+                       timeout=120)
+    assert replaced.returncode == 0, replaced.stderr
+    assert json.loads((tmp_path / "old.json").read_text())["verdict"] == "deterministic"

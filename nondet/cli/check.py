@@ -17,6 +17,7 @@ from nondet.cli._options import (
     invocation,
     make_options,
     make_target,
+    new_or_report,
     require_utf8,
     source_root,
     target_command,
@@ -209,8 +210,8 @@ def _write_failure(exc: BaseException, name: str, seconds: float, junit_path: Pa
         (json_path, lambda p: json_file.write(failed, p)),
     ]
     for path, write in writers:
-        if path is None:
-            continue
+        if path is None or not new_or_report(path):
+            continue  # never over a file of the user's (the script taken for the path)
         try:
             write(path)
         except Exception:  # the original error is what the user sees

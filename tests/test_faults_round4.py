@@ -272,3 +272,18 @@ def test_a_report_path_naming_a_file_of_the_users_is_refused_and_a_report_is_rep
                        timeout=120)
     assert replaced.returncode == 0, replaced.stderr
     assert json.loads((tmp_path / "old.json").read_text())["verdict"] == "deterministic"
+
+
+def test_update_baseline_writes_over_a_capture_but_never_over_a_file_of_the_users(
+        tmp_path: Path) -> None:
+    # Trial: `nondet check --update-baseline --baseline victim.py train.py` wrote HDF5 over
+    # victim.py (and would over a Keras `model.h5` given for the baseline)
+    from nondet.cli._options import check_output_file
+    from nondet.errors import NondetError
+
+    old = write_capture(tmp_path / "baseline.h5", step_rows({"step": 0, "params_fp": 3}))
+    check_output_file(old, "--baseline")  # an earlier baseline: updated in place
+    for name, content in (("victim.py", b"print(1)\n"), ("model.h5", b"\x89HDF\r\n\x1a\n" * 9)):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(NondetError, match="no capture of nondet's"):
+            check_output_file(tmp_path / name, "--baseline")

@@ -275,29 +275,37 @@ def check_output_file(path: Path | None, option: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK) or (path.exists()
                                                        and not os.access(path, os.W_OK)):
         raise NondetError(f"{option} {outdir.display(path)}: not writable")
-    if option in REPORT_OPTIONS and not new_or_report(path):
-        raise NondetError(f"{option} {outdir.display(path)}: that file exists and is no report "
-                          "of nondet's, so it is left alone (was the path forgotten, and the "
-                          "script taken for it?): give a new path or remove the file")
+    if option in OURS and not new_or_ours(path, option):
+        raise NondetError(f"{option} {outdir.display(path)}: that file exists and is no "
+                          f"{OURS[option][0]} of nondet's, so it is left alone (was the path "
+                          "forgotten, and the script taken for it?): give a new path or "
+                          "remove the file")
 
 
-#: The report files nondet writes, and what the first 4 KiB of each holds (JSON, JUnit, HTML).
-REPORT_OPTIONS = ("--json", "--junit", "--html")
-_REPORT_MARKS = (b'"nondet_report_version"', b'<testsuites name="nondet"', b"<title>nondet: ")
+#: The files nondet writes over when asked: what they are, and what the start of each holds
+#: (a JSON report, JUnit, HTML; a capture's root attribute, a few KiB into the file).
+OURS: dict[str, tuple[str, tuple[bytes, ...], int]] = {
+    "--json": ("report", (b'"nondet_report_version"',), 4096),
+    "--junit": ("report", (b'<testsuites name="nondet"',), 4096),
+    "--html": ("report", (b"<title>nondet: ",), 4096),
+    "--baseline": ("capture", (b"nondet_format_version",), 1 << 20),
+}
 
 
-def new_or_report(path: Path) -> bool:
-    """True unless ``path`` is a file with content that no nondet report begins with. Such a
-    file is never overwritten: `nondet check --junit train.py` (the report's path forgotten)
-    wrote the JUnit XML over the user's script."""
+def new_or_ours(path: Path, option: str) -> bool:
+    """True unless ``path`` is a file whose content is not what nondet writes for
+    ``option``. Such a file is never overwritten: `nondet check --junit train.py` (the
+    report's path forgotten) wrote the JUnit XML over the user's script, `--update-baseline
+    --baseline model.h5` would write over the user's weights."""
+    _, marks, limit = OURS[option]
     try:
         if not path.is_file() or path.stat().st_size == 0:
             return True  # nothing to lose (or /dev/null, a FIFO: not a file's content)
         with path.open("rb") as f:
-            head = f.read(4096)
+            head = f.read(limit)
     except OSError:
         return True  # the write itself will say what is wrong
-    return any(mark in head for mark in _REPORT_MARKS)
+    return any(mark in head for mark in marks)
 
 
 def write_output(option: str, path: Path, write: Callable[[], None]) -> None:

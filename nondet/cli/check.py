@@ -17,7 +17,7 @@ from nondet.cli._options import (
     invocation,
     make_options,
     make_target,
-    new_or_report,
+    new_or_ours,
     require_utf8,
     source_root,
     target_command,
@@ -205,12 +205,12 @@ def _write_failure(exc: BaseException, name: str, seconds: float, junit_path: Pa
         message = str(exc)
     message = display(message)
     failed = Report(verdict="error", exit_code=code, runs=[], command=name, notes=[message])
-    writers: list[tuple[Path | None, Any]] = [
-        (junit_path, lambda p: junit.write(failed, p, name, seconds, error=message)),
-        (json_path, lambda p: json_file.write(failed, p)),
+    writers: list[tuple[Path | None, str, Any]] = [
+        (junit_path, "--junit", lambda p: junit.write(failed, p, name, seconds, error=message)),
+        (json_path, "--json", lambda p: json_file.write(failed, p)),
     ]
-    for path, write in writers:
-        if path is None or not new_or_report(path):
+    for path, option, write in writers:
+        if path is None or not new_or_ours(path, option):
             continue  # never over a file of the user's (the script taken for the path)
         try:
             write(path)

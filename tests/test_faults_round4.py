@@ -287,3 +287,23 @@ def test_update_baseline_writes_over_a_capture_but_never_over_a_file_of_the_user
         (tmp_path / name).write_bytes(content)
         with pytest.raises(NondetError, match="no capture of nondet's"):
             check_output_file(tmp_path / name, "--baseline")
+
+
+def test_a_bug_whose_log_cannot_be_written_is_still_exit_3_with_its_traceback() -> None:
+    # Trial: an internal error with the cache and the current directory on a read-only file
+    # system raised inside the error handler: two tracebacks and exit 1 ("nondeterminism
+    # found" to CI) for a bug
+    code = textwrap.dedent("""
+        import errno, pathlib
+        def refuse(self, *args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        pathlib.Path.write_text = refuse
+        from nondet.cli._common import handle_errors
+        with handle_errors():
+            raise RuntimeError("a bug")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=_ENV)
+    assert done.returncode == 3, done.stderr
+    assert "no log could be written" in done.stderr and "RuntimeError: a bug" in done.stderr
+    assert "During handling" not in done.stderr

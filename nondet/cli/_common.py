@@ -6,6 +6,7 @@ import os
 import platform
 import signal
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,10 +81,17 @@ def _internal_error(err: Console, exc: BaseException) -> NoReturn:
     if os.environ.get("NONDET_DEBUG") == "1":
         raise exc
     details = getattr(exc, "child_traceback", "")
-    log = write_bug_log(traceback.format_exc(), details)
+    text = traceback.format_exc()
+    log = write_bug_log(text, details)
     err.print(f"[bold red]nondet: internal error:[/] {_escape(type(exc).__name__)}: "
               f"{_escape(str(exc).splitlines()[0] if str(exc) else '')}")
-    err.print(f"  a log with versions and the traceback is at {log}; please report it")
+    if log is not None:
+        err.print(f"  a log with versions and the traceback is at {log}; please report it")
+    else:
+        err.print("  no log could be written (cache, temporary and current directories "
+                  "refused it); please report this traceback:")
+        for line in text.splitlines()[-15:]:
+            err.print(f"  | {_escape(line)}")
     sys.exit(ExitCode.INTERNAL)
 
 
@@ -111,13 +119,10 @@ def _terminate_on_sigterm() -> None:
         pass  # not the main thread (nondet used as a library): leave signals alone
 
 
-def write_bug_log(text: str, child: str = "") -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nondet"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        base = Path.cwd()
-    path = base / f"nondet-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
+def write_bug_log(text: str, child: str = "") -> Path | None:
+    """The bug report written where it can be: the user's cache, the temporary directory,
+    the current directory; None if none takes it (a read-only file system: it was an
+    exception inside the error handler, and exit 1, "nondeterminism found", for a bug)."""
     versions = [f"nondet {__version__}", f"python {platform.python_version()}",
                 f"platform {platform.platform()}"]
     for module in ("numpy", "h5py", "torch", "tensorflow"):
@@ -128,10 +133,18 @@ def write_bug_log(text: str, child: str = "") -> Path:
     body += f"\n- command: {' '.join(sys.argv)}\n\n```\n{text}\n```\n"
     if child:
         body += f"\nInside the recorded run:\n\n```\n{child}\n```\n"
-    # Paths and arguments may hold bytes that are not UTF-8 (surrogate escapes): the log
-    # shows them as \xNN rather than failing inside the error handler.
-    path.write_text(_printable(body), encoding="utf-8")
-    return path
+    name = f"nondet-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nondet"
+    for base in (cache, Path(tempfile.gettempdir()), Path.cwd()):
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            # Paths and arguments may hold bytes that are not UTF-8 (surrogate escapes): the
+            # log shows them as \xNN rather than failing inside the error handler.
+            (base / name).write_text(_printable(body), encoding="utf-8")
+        except (OSError, RuntimeError):  # RuntimeError: Path.home() without a home
+            continue
+        return base / name
+    return None
 
 
 def _printable(text: str) -> str:

@@ -307,3 +307,15 @@ def test_a_bug_whose_log_cannot_be_written_is_still_exit_3_with_its_traceback() 
     assert done.returncode == 3, done.stderr
     assert "no log could be written" in done.stderr and "RuntimeError: a bug" in done.stderr
     assert "During handling" not in done.stderr
+
+
+@pytest.mark.parametrize(("args", "code"), [("show nothere.h5", 2), ("diff a.h5 b.h5", 0)])
+def test_closed_standard_streams_keep_the_commands_exit_code(tmp_path: Path, args: str,
+                                                             code: int) -> None:
+    # Trial: `nondet ... >&- 2>&-` (cron, a service) was "internal error: AttributeError:
+    # 'NoneType' object has no attribute 'isatty'" and exit 120, whatever the verdict
+    write_capture(tmp_path / "a.h5", step_rows({"step": 0, "loss": 0.5, "params_fp": 3}))
+    write_capture(tmp_path / "b.h5", step_rows({"step": 0, "loss": 0.5, "params_fp": 3}))
+    done = subprocess.run(["sh", "-c", f'exec "$0" -m nondet {args} <&- >&- 2>&-',
+                           sys.executable], cwd=tmp_path, timeout=120, env=_ENV)
+    assert done.returncode == code

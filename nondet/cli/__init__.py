@@ -6,6 +6,7 @@ instant and works where no framework is installed.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -52,6 +53,7 @@ _register()
 
 def main() -> None:
     """Console-script entry point: exit codes as the README lists them."""
+    _reopen_closed_standard_streams()
     if not isinstance(sys.stdout, ReaderMayGo):  # `nondet check ... | head -1`
         sys.stdout = ReaderMayGo(sys.stdout)
     if not isinstance(sys.stderr, ReaderMayGo):  # `... 2>&1 | head -1`: progress lines
@@ -60,6 +62,28 @@ def main() -> None:
         code = cli.main(standalone_mode=False)
         _report_reached_stdout()
         sys.exit(int(code or 0))
+
+
+def _reopen_closed_standard_streams() -> None:
+    """``nondet check ... >&- 2>&-`` (cron, a service with its streams closed): Python left
+    ``sys.stdout``/``sys.stderr`` None, and nondet failed with "internal error" and exit 120
+    (even for a missing file). The closed descriptor is put on /dev/null, which also keeps a
+    file nondet opens next (a capture) from taking number 1 or 2, where a library's own
+    printing would go into it. What nondet says there is lost, as the user chose; the exit
+    code stays the verdict's."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:  # a lower number was free too: that one is handled in its turn
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            mode = "r" if fd == 0 else "w"
+            setattr(sys, name, open(fd, mode, encoding="utf-8", closefd=False))  # noqa: SIM115 (kept for the process)
 
 
 def _report_reached_stdout() -> None:

@@ -319,3 +319,19 @@ def test_closed_standard_streams_keep_the_commands_exit_code(tmp_path: Path, arg
     done = subprocess.run(["sh", "-c", f'exec "$0" -m nondet {args} <&- >&- 2>&-',
                            sys.executable], cwd=tmp_path, timeout=120, env=_ENV)
     assert done.returncode == code
+
+
+def test_a_deleted_current_directory_is_one_line_for_every_command(tmp_path: Path) -> None:
+    # Trial: `nondet diff a b` from a directory deleted under the shell printed its verdict,
+    # then failed inside the error handler (Path.cwd() in the bug log): exit 1
+    write_capture(tmp_path / "a.h5", step_rows({"step": 0, "loss": 0.5, "params_fp": 3}))
+    write_capture(tmp_path / "b.h5", step_rows({"step": 0, "loss": 0.5, "params_fp": 3}))
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    done = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$0" -m nondet diff '
+                           '"$2" "$3"', sys.executable, str(gone), str(tmp_path / "a.h5"),
+                           str(tmp_path / "b.h5")], capture_output=True, text=True,
+                          timeout=120, env=_ENV)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "the current directory is gone" in lines[0], lines

@@ -13,6 +13,7 @@ import click
 
 from nondet import __version__
 from nondet.cli._common import App, ReaderMayGo, handle_errors
+from nondet.cli._options import require_cwd
 from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG
 
@@ -59,6 +60,7 @@ def main() -> None:
     if not isinstance(sys.stderr, ReaderMayGo):  # `... 2>&1 | head -1`: progress lines
         sys.stderr = ReaderMayGo(sys.stderr)
     with handle_errors():
+        require_cwd()  # every command resolves paths against it (diff, show and report too)
         code = cli.main(standalone_mode=False)
         _report_reached_stdout()
         sys.exit(int(code or 0))

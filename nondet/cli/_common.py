@@ -135,8 +135,9 @@ def write_bug_log(text: str, child: str = "") -> Path | None:
         body += f"\nInside the recorded run:\n\n```\n{child}\n```\n"
     name = f"nondet-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nondet"
-    for base in (cache, Path(tempfile.gettempdir()), Path.cwd()):
+    for base in (cache, Path(tempfile.gettempdir()), Path(os.curdir)):
         try:
+            base = base.absolute()  # the current directory may be gone: OSError
             base.mkdir(parents=True, exist_ok=True)
             # Paths and arguments may hold bytes that are not UTF-8 (surrogate escapes): the
             # log shows them as \xNN rather than failing inside the error handler.

@@ -202,7 +202,7 @@ def make_target(module: str | None, script_and_args: tuple[str, ...],
         script, *args = script_and_args
         target = Target(script=script, module=None, args=tuple(args))
     for what, value in (("the script", target.script or ""), ("the module", module or ""),
-                        ("the current directory", _cwd())):
+                        ("the current directory", require_cwd())):
         require_utf8(what, value)
     for arg in target.args:
         require_utf8("an argument of the script", arg)
@@ -242,11 +242,14 @@ def _refuse_unknown_option(module: str | None, script_and_args: tuple[str, ...])
                            "a script whose name starts with '-' goes after `--`)")
 
 
-def _cwd() -> str:
+def require_cwd() -> str:
+    """The current directory; one line if it was deleted under the shell (``diff`` from
+    there printed its verdict, then failed inside the error handler with exit 1)."""
     try:
         return os.getcwd()
     except OSError as exc:
-        raise NondetError(f"the current directory is gone: {exc.strerror}") from exc
+        raise NondetError(f"the current directory is gone: {exc.strerror}; cd to one that "
+                          "exists") from exc
 
 
 def require_utf8(what: str, value: str | os.PathLike[str]) -> None:

@@ -97,9 +97,8 @@ def main() -> int:
         status = "complete" if code == 0 else "failed"
     except KeyboardInterrupt:
         status, code = "interrupted", 130
-    except BaseException:
-        error = traceback.format_exc()
-        sys.stderr.write(error)
+    except BaseException as exc:
+        error = _uncaught(exc)
         status, code = "failed", 1
     seeding.collect_workers(session)  # seeding calls of forked DataLoader workers
     status = frameworks.finish_all(session, status)
@@ -107,6 +106,29 @@ def main() -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     return code
+
+
+def _uncaught(exc: BaseException) -> str:
+    """Do what Python does with an exception the script did not catch: the script's own
+    ``sys.excepthook`` if it set one (a logger, an error tracker: it was never called under
+    nondet), else the traceback on stderr; both from the script's first frame, without
+    nondet's and runpy's (as ``python train.py`` shows it). Returns that traceback."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and (
+            tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
+            or tb.tb_frame.f_globals.get("__name__") == "runpy"):
+        tb = tb.tb_next
+    exc = exc.with_traceback(tb)
+    text = "".join(traceback.format_exception(exc))
+    hook = sys.excepthook
+    if hook is not sys.__excepthook__:
+        try:
+            hook(type(exc), exc, tb)
+            return text
+        except BaseException:  # a hook that fails: Python reports the original too
+            pass
+    sys.stderr.write(text)
+    return text
 
 
 def _quiet_stop_in_threads() -> None:

@@ -93,6 +93,10 @@ STOP = b"stop\n"  # stop at the next step boundary
 GO = b"go\n"  # lockstep: run one more step, then wait again ("go N\n": N more steps, ``go``)
 FREE = b"free\n"  # lockstep: stop waiting at step boundaries (the other run has ended)
 DUMP_REQUEST = b"dump"  # lockstep: "dump STEP INDEX\n": send that record's kept outputs
+#: Never sent: what the child reads when the parent is gone (end of file on the control pipe:
+#: nondet killed by SIGKILL or the OOM killer). The run stops at its next step boundary
+#: rather than train on for nobody, for good if the script never ends on its own.
+GONE = b"gone\n"
 
 _HEADER = struct.Struct("<cI")
 
@@ -114,6 +118,7 @@ class FrameWriter:
         self._pid = os.getpid()
         self._buffer = bytearray()
         self._broken = False  # the reader is gone (or the descriptor closed)
+        self.parent_gone = False  # the reader is gone: EPIPE (the session stops the run)
         self._lock = threading.Lock()  # the flusher thread (flush_later) writes too
         self._deadline: float | None = None
         self._wake = threading.Event()
@@ -189,8 +194,9 @@ class FrameWriter:
                         raise
                     retries -= 1
                     # closed between the check and the write: the check reopens it
-        except OSError:  # BrokenPipeError: the parent is gone; nothing left to tell it
+        except OSError as exc:  # BrokenPipeError: the parent is gone; nothing left to tell it
             self._broken = True
+            self.parent_gone = isinstance(exc, BrokenPipeError)
         finally:
             view.release()
             self._buffer.clear()
@@ -255,7 +261,7 @@ def connect(path: str, hello: dict[str, Any], timeout: float = 60.0) -> tuple[in
 
 
 def stop_requested(fd: int) -> bool:
-    """Child side: has the parent asked us to stop? Never blocks."""
+    """Child side: has the parent asked us to stop (or gone: end of file)? Never blocks."""
     fd = fdguard.live(fd)
     if fd < 0:
         return False  # the script closed or replaced the pipe: never read its file
@@ -266,9 +272,10 @@ def stop_requested(fd: int) -> bool:
     if not ready:
         return False
     try:
-        return STOP in os.read(fd, 256)
+        data = os.read(fd, 256)
     except OSError:
         return False
+    return STOP in data or not data
 
 
 def go(steps: int) -> bytes:
@@ -281,8 +288,8 @@ def wait_for_turn(fd: int, on_dump: Callable[[int, int], None],
     """Child side, lockstep: block until the parent says GO, FREE or STOP (STOP wins);
     answer DUMP requests (``on_dump(step, index)``) while waiting.
 
-    A closed pipe (the parent is gone) counts as FREE: the run finishes on its own; so
-    does ``timeout`` seconds without a word (for waits the parent may not end).
+    A closed pipe (the parent is gone) is GONE. ``timeout`` seconds without a word (for
+    waits the parent may not end) count as FREE: the run finishes on its own.
     """
     return wait_for_grant(fd, on_dump, timeout)[0]
 
@@ -310,7 +317,7 @@ def wait_for_grant(fd: int, on_dump: Callable[[int, int], None],
         except (OSError, ValueError):
             return FREE, 0
         if not data:
-            return FREE, 0
+            return GONE, 0
         pending += data
         *lines, pending = pending.split(b"\n")
         words = [line.split() for line in lines if line.strip()]

@@ -23,9 +23,14 @@ class ScriptFailed(NondetError):
 
 
 class Terminated(BaseException):
-    """nondet got SIGTERM (CI cancel, ``timeout``, ``docker stop``): end like Ctrl-C (exit
-    143), but the children did not get the signal, so it is forwarded to them. Not a
-    KeyboardInterrupt: click would turn that into its own Abort."""
+    """nondet got SIGTERM (CI cancel, ``timeout``, ``docker stop``) or SIGHUP (its terminal
+    closed): end like Ctrl-C (exit 143), but the children did not
+    get the signal, so it is forwarded to them. Not a KeyboardInterrupt: click would turn
+    that into its own Abort."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 # -- was nondet itself interrupted? ----------------------------------------------------------

@@ -214,10 +214,12 @@ class Session:
                 self._granted = max(0, steps - 1)
             if answer == channel.FREE:
                 self._free = True
-            elif answer == channel.STOP:
+            elif answer in (channel.STOP, channel.GONE):
                 self._told_to_stop = True
                 raise StopRun()
-        elif channel.stop_requested(self.config.control_fd):
+        elif channel.stop_requested(self.config.control_fd) or self.writer.parent_gone:
+            # the parent gone (nondet killed): nobody records the run, so it ends here
+            # rather than train on as an orphan (for good, if the script never ends)
             self._told_to_stop = True
             raise StopRun()
 

@@ -96,9 +96,10 @@ def test_wait_for_turn_answers_dump_requests_and_stop_wins() -> None:
     os.close(fd)
 
 
-def test_wait_for_turn_treats_a_closed_pipe_as_free() -> None:
+def test_wait_for_turn_treats_a_closed_pipe_as_the_parent_gone() -> None:
+    # GONE (the run stops), no longer FREE (it trained on as an orphan of a killed nondet)
     fd = _control(b"")
-    assert channel.wait_for_turn(fd, lambda s, i: None) == channel.FREE
+    assert channel.wait_for_turn(fd, lambda s, i: None) == channel.GONE
     os.close(fd)
 
 

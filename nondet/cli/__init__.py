@@ -6,12 +6,15 @@ instant and works where no framework is installed.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
 
 from nondet import __version__
 from nondet.cli._common import App, ReaderMayGo, handle_errors
+from nondet.cli._options import require_cwd
+from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG
 
 
@@ -51,10 +54,45 @@ _register()
 
 def main() -> None:
     """Console-script entry point: exit codes as the README lists them."""
+    _reopen_closed_standard_streams()
     if not isinstance(sys.stdout, ReaderMayGo):  # `nondet check ... | head -1`
         sys.stdout = ReaderMayGo(sys.stdout)
     if not isinstance(sys.stderr, ReaderMayGo):  # `... 2>&1 | head -1`: progress lines
         sys.stderr = ReaderMayGo(sys.stderr)
     with handle_errors():
+        require_cwd()  # every command resolves paths against it (diff, show and report too)
         code = cli.main(standalone_mode=False)
+        _report_reached_stdout()
         sys.exit(int(code or 0))
+
+
+def _reopen_closed_standard_streams() -> None:
+    """``nondet check ... >&- 2>&-`` (cron, a service with its streams closed): Python left
+    ``sys.stdout``/``sys.stderr`` None, and nondet failed with "internal error" and exit 120
+    (even for a missing file). The closed descriptor is put on /dev/null, which also keeps a
+    file nondet opens next (a capture) from taking number 1 or 2, where a library's own
+    printing would go into it. What nondet says there is lost, as the user chose; the exit
+    code stays the verdict's."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:  # a lower number was free too: that one is handled in its turn
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            mode = "r" if fd == 0 else "w"
+            setattr(sys, name, open(fd, mode, encoding="utf-8", closefd=False))  # noqa: SIM115 (kept for the process)
+
+
+def _report_reached_stdout() -> None:
+    """A report that could not be written to stdout (``> out.txt`` on a full disk) is the
+    machine's trouble: one line and exit 2, not the verdict's code for a report nobody got
+    (a reader that went away, ``| head -1``, keeps the verdict's code)."""
+    failed = getattr(sys.stdout, "failed", None)
+    if failed is not None:
+        raise NondetError(f"could not write the report to stdout ({failed.strerror or failed}): "
+                          "free space where stdout goes, or give --json PATH elsewhere")

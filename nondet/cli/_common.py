@@ -6,6 +6,7 @@ import os
 import platform
 import signal
 import sys
+import tempfile
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,9 +42,9 @@ def handle_errors() -> Iterator[None]:
     try:
         settings.check()  # before anything runs: a mistyped NONDET_* value is one line
         yield
-    except Terminated:
-        err.print("nondet: terminated (SIGTERM); runs stopped, captures written so far "
-                  "closed and marked interrupted")
+    except Terminated as exc:
+        err.print(f"nondet: terminated ({signal.Signals(exc.signum).name}); runs stopped, "
+                  "captures written so far closed and marked interrupted")
         sys.exit(ExitCode.TERMINATED)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
@@ -80,34 +81,48 @@ def _internal_error(err: Console, exc: BaseException) -> NoReturn:
     if os.environ.get("NONDET_DEBUG") == "1":
         raise exc
     details = getattr(exc, "child_traceback", "")
-    log = write_bug_log(traceback.format_exc(), details)
+    text = traceback.format_exc()
+    log = write_bug_log(text, details)
     err.print(f"[bold red]nondet: internal error:[/] {_escape(type(exc).__name__)}: "
               f"{_escape(str(exc).splitlines()[0] if str(exc) else '')}")
-    err.print(f"  a log with versions and the traceback is at {log}; please report it")
+    if log is not None:
+        err.print(f"  a log with versions and the traceback is at {log}; please report it")
+    else:
+        err.print("  no log could be written (cache, temporary and current directories "
+                  "refused it); please report this traceback:")
+        for line in text.splitlines()[-15:]:
+            err.print(f"  | {_escape(line)}")
     sys.exit(ExitCode.INTERNAL)
 
 
+#: Signals that end nondet as SIGTERM does. SIGHUP (a closed terminal or ssh session, ``kill
+#: -HUP``) killed nondet at once: its runs went on training as orphans and the captures were
+#: left open for writing, unreadable ("file is already open for write").
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
 def _terminate_on_sigterm() -> None:
-    """SIGTERM (CI cancel, `timeout`, `docker stop`) ends nondet as Ctrl-C does: the runs are
-    interrupted and their captures closed (errors.Terminated), then exit 143."""
+    """SIGTERM (CI cancel, `timeout`, `docker stop`) or SIGHUP ends nondet as Ctrl-C does:
+    the runs are interrupted and their captures closed (errors.Terminated), then exit 143
+    (the contract's one code for "terminated", whichever of the two it was)."""
 
     def handler(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: let the clean-up finish
-        raise Terminated()
+        for sig in TERMINATING:  # once: let the clean-up finish
+            signal.signal(sig, signal.SIG_IGN)
+        raise Terminated(signum)
 
     try:
-        signal.signal(signal.SIGTERM, handler)
+        for sig in TERMINATING:
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup nondet ...` stays so
+                signal.signal(sig, handler)
     except ValueError:
         pass  # not the main thread (nondet used as a library): leave signals alone
 
 
-def write_bug_log(text: str, child: str = "") -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "nondet"
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        base = Path.cwd()
-    path = base / f"nondet-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
+def write_bug_log(text: str, child: str = "") -> Path | None:
+    """The bug report written where it can be: the user's cache, the temporary directory,
+    the current directory; None if none takes it (a read-only file system: it was an
+    exception inside the error handler, and exit 1, "nondeterminism found", for a bug)."""
     versions = [f"nondet {__version__}", f"python {platform.python_version()}",
                 f"platform {platform.platform()}"]
     for module in ("numpy", "h5py", "torch", "tensorflow"):
@@ -118,10 +133,19 @@ def write_bug_log(text: str, child: str = "") -> Path:
     body += f"\n- command: {' '.join(sys.argv)}\n\n```\n{text}\n```\n"
     if child:
         body += f"\nInside the recorded run:\n\n```\n{child}\n```\n"
-    # Paths and arguments may hold bytes that are not UTF-8 (surrogate escapes): the log
-    # shows them as \xNN rather than failing inside the error handler.
-    path.write_text(_printable(body), encoding="utf-8")
-    return path
+    name = f"nondet-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nondet"
+    for base in (cache, Path(tempfile.gettempdir()), Path(os.curdir)):
+        try:
+            base = base.absolute()  # the current directory may be gone: OSError
+            base.mkdir(parents=True, exist_ok=True)
+            # Paths and arguments may hold bytes that are not UTF-8 (surrogate escapes): the
+            # log shows them as \xNN rather than failing inside the error handler.
+            (base / name).write_text(_printable(body), encoding="utf-8")
+        except (OSError, RuntimeError):  # RuntimeError: Path.home() without a home
+            continue
+        return base / name
+    return None
 
 
 def _printable(text: str) -> str:
@@ -138,29 +162,37 @@ class ReaderMayGo:
     """``sys.stdout`` whose reader may go away (``nondet check train.py | head -1``): what
     is written after that is dropped, never an error. Without it click turned the broken
     pipe into exit 1, "nondeterminism found", for a deterministic run; the exit code stays
-    the verdict's."""
+    the verdict's.
+
+    A stream that refuses writes otherwise (``> out.txt`` on a full disk, ``/dev/full``, a
+    terminal that hung up: EIO) is dropped the same way, so the runs and their captures
+    still end as they should, but the failure is kept (``failed``): the caller says in one
+    line that the report was lost (it was "internal error", exit 3, a bug log)."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
         self.gone = False
+        self.failed: OSError | None = None  # the write error, other than a reader gone
 
     def write(self, text: str) -> int:
         if not self.gone:
             try:
                 return self._stream.write(text)
-            except BrokenPipeError:
-                self._reader_gone()
+            except OSError as exc:
+                self._reader_gone(exc)
         return len(text)
 
     def flush(self) -> None:
         if not self.gone:
             try:
                 self._stream.flush()
-            except BrokenPipeError:
-                self._reader_gone()
+            except OSError as exc:
+                self._reader_gone(exc)
 
-    def _reader_gone(self) -> None:
+    def _reader_gone(self, exc: OSError) -> None:
         self.gone = True
+        if not isinstance(exc, BrokenPipeError):
+            self.failed = exc
         # the text still buffered, and the interpreter's last flush, go nowhere quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -162,6 +163,25 @@ def _known_fixes(_ctx: click.Context, _param: click.Parameter,
     return value
 
 
+def _check_script_path(script: str) -> None:
+    """One line for a script path each run could not open as the user meant (before, a name
+    too long was "internal error", exit 3; ``/dev/stdin`` ran an empty script, since each
+    run has stdin of its own, and was told "no training step was observed")."""
+    try:
+        os.stat(script)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return  # Target.check: "script not found"
+        if exc.errno == errno.ELOOP:
+            raise NondetError(f"the script {script} is a symbolic link that leads back to "
+                              "itself: give the script's own path") from None
+        raise NondetError(f"cannot open the script {script}: {exc.strerror}") from None
+    if os.path.abspath(script).startswith(("/dev/", "/proc/")):
+        raise NondetError(f"the script {script} is a device or a descriptor of nondet's own "
+                          "process, which each run opens anew (the runs have stdin of their "
+                          "own): save the script to a file and give that file")
+
+
 def make_target(module: str | None, script_and_args: tuple[str, ...],
                 launcher: tuple[str, ...] | None = None) -> Target:
     """The script (or module) and its arguments; unknown options and paths nondet cannot
@@ -182,10 +202,12 @@ def make_target(module: str | None, script_and_args: tuple[str, ...],
         script, *args = script_and_args
         target = Target(script=script, module=None, args=tuple(args))
     for what, value in (("the script", target.script or ""), ("the module", module or ""),
-                        ("the current directory", _cwd())):
+                        ("the current directory", require_cwd())):
         require_utf8(what, value)
     for arg in target.args:
         require_utf8("an argument of the script", arg)
+    if target.script is not None:
+        _check_script_path(target.script)
     target.check()
     ctx = click.get_current_context(silent=True)
     nproc = ctx.meta.get("nondet.nproc_per_node") if ctx is not None else None
@@ -220,11 +242,14 @@ def _refuse_unknown_option(module: str | None, script_and_args: tuple[str, ...])
                            "a script whose name starts with '-' goes after `--`)")
 
 
-def _cwd() -> str:
+def require_cwd() -> str:
+    """The current directory; one line if it was deleted under the shell (``diff`` from
+    there printed its verdict, then failed inside the error handler with exit 1)."""
     try:
         return os.getcwd()
     except OSError as exc:
-        raise NondetError(f"the current directory is gone: {exc.strerror}") from exc
+        raise NondetError(f"the current directory is gone: {exc.strerror}; cd to one that "
+                          "exists") from exc
 
 
 def require_utf8(what: str, value: str | os.PathLike[str]) -> None:
@@ -253,6 +278,37 @@ def check_output_file(path: Path | None, option: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK) or (path.exists()
                                                        and not os.access(path, os.W_OK)):
         raise NondetError(f"{option} {outdir.display(path)}: not writable")
+    if option in OURS and not new_or_ours(path, option):
+        raise NondetError(f"{option} {outdir.display(path)}: that file exists and is no "
+                          f"{OURS[option][0]} of nondet's, so it is left alone (was the path "
+                          "forgotten, and the script taken for it?): give a new path or "
+                          "remove the file")
+
+
+#: The files nondet writes over when asked: what they are, and what the start of each holds
+#: (a JSON report, JUnit, HTML; a capture's root attribute, a few KiB into the file).
+OURS: dict[str, tuple[str, tuple[bytes, ...], int]] = {
+    "--json": ("report", (b'"nondet_report_version"',), 4096),
+    "--junit": ("report", (b'<testsuites name="nondet"',), 4096),
+    "--html": ("report", (b"<title>nondet: ",), 4096),
+    "--baseline": ("capture", (b"nondet_format_version",), 1 << 20),
+}
+
+
+def new_or_ours(path: Path, option: str) -> bool:
+    """True unless ``path`` is a file whose content is not what nondet writes for
+    ``option``. Such a file is never overwritten: `nondet check --junit train.py` (the
+    report's path forgotten) wrote the JUnit XML over the user's script, `--update-baseline
+    --baseline model.h5` would write over the user's weights."""
+    _, marks, limit = OURS[option]
+    try:
+        if not path.is_file() or path.stat().st_size == 0:
+            return True  # nothing to lose (or /dev/null, a FIFO: not a file's content)
+        with path.open("rb") as f:
+            head = f.read(limit)
+    except OSError:
+        return True  # the write itself will say what is wrong
+    return any(mark in head for mark in marks)
 
 
 def write_output(option: str, path: Path, write: Callable[[], None]) -> None:

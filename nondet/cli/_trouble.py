@@ -17,7 +17,23 @@ DEPENDENCIES = ("numpy", "h5py", "click", "rich", "jinja2", "markupsafe")
 
 def explain(exc: BaseException) -> str | None:
     """The line for ``exc`` if it is the machine's trouble, else None (a bug)."""
-    return resource_limit(exc) or broken_dependency(exc)
+    return resource_limit(exc) or unusable_path(exc) or broken_dependency(exc)
+
+
+#: errors that say a path given to nondet (or made from one: a capture under ``--out``) cannot
+#: name a file at all, whatever nondet does with it
+_PATH_ERRORS = {errno.ENAMETOOLONG: "give a shorter path",
+                errno.ELOOP: "a symbolic link on it leads back to itself"}
+
+
+def unusable_path(exc: BaseException) -> str | None:
+    """A path that cannot name a file (a name over 255 bytes, a symlink loop): it was
+    "internal error", exit 3, for ``--out``, ``--json``, ``--junit``, ``--baseline``, ``--html``
+    and the captures of ``show``/``diff``/``report``."""
+    if not isinstance(exc, OSError) or exc.errno not in _PATH_ERRORS or exc.filename is None:
+        return None
+    return (f"cannot use the path {os.fsdecode(exc.filename)}: {exc.strerror} "
+            f"({_PATH_ERRORS[exc.errno]})")
 
 
 def resource_limit(exc: BaseException) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from nondet.cli._options import (
     invocation,
     make_options,
     make_target,
+    new_or_ours,
     require_utf8,
     source_root,
     target_command,
@@ -23,7 +25,7 @@ from nondet.cli._options import (
     write_html,
     write_output,
 )
-from nondet.errors import NondetError
+from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import ExitCode
 from nondet.outdir import display
 
@@ -168,6 +170,8 @@ def _failure_code(exc: BaseException) -> ExitCode:
         return ExitCode.USAGE
     if isinstance(exc, KeyboardInterrupt | click.exceptions.Abort):
         return ExitCode.INTERRUPTED
+    if isinstance(exc, Terminated):  # it was "internal error in nondet: Terminated", exit 3
+        return ExitCode.TERMINATED
     if isinstance(exc, SystemExit):
         return _known(exc.code if isinstance(exc.code, int) else ExitCode.USAGE)
     return ExitCode.INTERNAL
@@ -190,21 +194,24 @@ def _write_failure(exc: BaseException, name: str, seconds: float, junit_path: Pa
     if code == ExitCode.INTERNAL:
         message = (f"internal error in nondet: {type(exc).__name__}: "
                    f"{(str(exc).splitlines() or [''])[0]} (a bug log is named on stderr)")
-    elif code == ExitCode.INTERRUPTED or (isinstance(exc, SystemExit) and exc.code == 143):
-        message = "interrupted" if code == ExitCode.INTERRUPTED else "terminated (SIGTERM)"
+    elif code == ExitCode.INTERRUPTED:
+        message = "interrupted"
+    elif code == ExitCode.TERMINATED:
+        name_of = signal.Signals(exc.signum).name if isinstance(exc, Terminated) else "SIGTERM"
+        message = f"terminated ({name_of})"
     elif isinstance(exc, click.ClickException):
         message = exc.format_message()
     else:
         message = str(exc)
     message = display(message)
     failed = Report(verdict="error", exit_code=code, runs=[], command=name, notes=[message])
-    writers: list[tuple[Path | None, Any]] = [
-        (junit_path, lambda p: junit.write(failed, p, name, seconds, error=message)),
-        (json_path, lambda p: json_file.write(failed, p)),
+    writers: list[tuple[Path | None, str, Any]] = [
+        (junit_path, "--junit", lambda p: junit.write(failed, p, name, seconds, error=message)),
+        (json_path, "--json", lambda p: json_file.write(failed, p)),
     ]
-    for path, write in writers:
-        if path is None:
-            continue
+    for path, option, write in writers:
+        if path is None or not new_or_ours(path, option):
+            continue  # never over a file of the user's (the script taken for the path)
         try:
             write(path)
         except Exception:  # the original error is what the user sees

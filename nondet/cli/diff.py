@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from nondet.cli._common import App
-from nondet.cli._options import check_html_file, write_html
+from nondet.cli._options import check_html_file, check_output_file, write_html
 from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG
 
@@ -33,6 +33,7 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
     from nondet.store import open_capture
 
     check_html_file(html_path)
+    check_output_file(json_path, "--json")
     if capture_a.is_dir() or capture_b.is_dir():
         if not (capture_a.is_dir() and capture_b.is_dir()):
             raise click.UsageError("give two capture files or two run directories, not one "

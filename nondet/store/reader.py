@@ -199,15 +199,28 @@ def _open(path: Path) -> Capture:
     try:
         f = h5py.File(path, "r")
     except (OSError, ValueError) as exc:
-        raise error(
-            f"cannot read {path}: not an HDF5 file or truncated ({first_line(exc)}); "
-            "re-capture it with `nondet run`"
-        ) from None
+        raise error(_unopened(path, exc)) from None
     try:
         return _load(path, f)
     except BaseException:
         f.close()
         raise
+
+
+def _unopened(path: Path, exc: BaseException) -> str:
+    """Why HDF5 would not open ``path``. A capture still being written, or left open by a
+    nondet that was killed, is no damaged file: "re-capture it" was the wrong advice."""
+    text = str(exc)
+    if "unable to lock file" in text:
+        return (f"cannot read {path} yet: another process is writing it (a nondet run still "
+                "going?); read it once that run has ended")
+    if "already open for write" in text:
+        return (f"cannot read {path}: it is marked open for writing, by a nondet run still "
+                "going or by one that was killed (SIGKILL, the out-of-memory killer) before it "
+                f"could close it; in the second case `h5clear -s {path}` (HDF5's tools) clears "
+                "the mark, or re-capture it with `nondet run`")
+    return (f"cannot read {path}: not an HDF5 file or truncated ({first_line(exc)}); "
+            "re-capture it with `nondet run`")
 
 
 def _load(path: Path, f: Any) -> Capture:

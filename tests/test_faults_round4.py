@@ -335,3 +335,13 @@ def test_a_deleted_current_directory_is_one_line_for_every_command(tmp_path: Pat
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "the current directory is gone" in lines[0], lines
+
+
+def test_help_answers_in_a_deleted_current_directory(tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    done = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$0" -m nondet --help',
+                           sys.executable, str(gone)], capture_output=True, text=True,
+                          timeout=120, env=_ENV)
+    assert done.returncode == 0, done.stderr
+    assert "Find where run-to-run nondeterminism" in done.stdout

@@ -60,10 +60,16 @@ def main() -> None:
     if not isinstance(sys.stderr, ReaderMayGo):  # `... 2>&1 | head -1`: progress lines
         sys.stderr = ReaderMayGo(sys.stderr)
     with handle_errors():
-        require_cwd()  # every command resolves paths against it (diff, show and report too)
+        if not _only_help(sys.argv[1:]):
+            require_cwd()  # every command resolves paths against it (diff, show and report too)
         code = cli.main(standalone_mode=False)
         _report_reached_stdout()
         sys.exit(int(code or 0))
+
+
+def _only_help(args: list[str]) -> bool:
+    """``--help``/``--version`` answer from anywhere, a deleted current directory included."""
+    return any(arg in ("-h", "--help", "--version") for arg in args)
 
 
 def _reopen_closed_standard_streams() -> None:

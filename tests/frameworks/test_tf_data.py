@@ -167,6 +167,28 @@ def test_a_parallel_stage_with_a_stateful_function_is_where_batches_are_made(
         assert notes == []
 
 
+def test_a_stateful_call_inside_a_converted_map_function_is_named_not_the_map(
+        tmp_path: Path) -> None:
+    """AutoGraph converts the map function (its frames are generated files): the line named
+    is the random call inside it, mapped back through AutoGraph's source map; the note
+    still names the stage that runs it in parallel."""
+    body = """
+    def noisy(i):
+        x = tf.fill((2, 4), tf.cast(i, tf.float32))
+        if i > 3:  # AutoGraph: a tf.cond, the random op in its branch graph
+            x = x + tf.random.uniform(())  # DRAW
+        return x
+
+    ds = tf.data.Dataset.range(16).map(lambda i: i * 2)
+    ds = ds.map(noisy, num_parallel_calls=2)  # MAP
+    """
+    c, _ = run_script(tmp_path, dedent(body) + EAGER_LOOP, op_steps=[1])
+    assert _data_lines(c, 1) == {line_of(tmp_path, "# DRAW")}
+    notes = [str(v) for k, v in c.facts.items() if k == "capture_note.tf_data_stateful_parallel"]
+    assert len(notes) == 1 and line_of(tmp_path, "# MAP") in notes[0], notes
+    assert line_of(tmp_path, "# DRAW") in notes[0], notes
+
+
 def test_a_random_layers_seed_state_is_rng_state_not_a_buffer(tmp_path: Path) -> None:
     """A Keras random layer used in a tf.data map bumps its SeedGenerator's state as far as
     the pipeline has run ahead (thread timing): never training state a verdict follows."""

@@ -52,8 +52,8 @@ class DataHost(Protocol):
 
 
 STATEFUL_STAGE_NOTE = (
-    "the tf.data stage built at {source} runs a stateful function (random ops, a Keras random "
-    "layer) on several elements at once: which element gets which random state depends on "
+    "the tf.data stage built at {source} runs a stateful function{inner} (random ops, a Keras "
+    "random layer) on several elements at once: which element gets which random state depends on "
     "thread timing, so its batches can differ between runs even when two runs agree; "
     "tf.config.experimental.enable_op_determinism() runs it in order")
 
@@ -77,10 +77,8 @@ def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) ->
             return False
     except (AttributeError, TypeError, ValueError):
         pass
-    function = attrs.get("f") or attrs.get("predicate")
-    name = getattr(function, "name", function)
-    name = name.decode() if isinstance(name, bytes) else name
-    if not isinstance(name, str):
+    name = stage_function(attrs)
+    if name is None:
         return False
     from tensorflow.python.eager import context
 
@@ -88,6 +86,15 @@ def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) ->
         return bool(context.context().get_function_def(name).signature.is_stateful)
     except Exception:  # a function TF no longer holds: this is only about the line shown
         return False
+
+
+def stage_function(attrs: dict[str, Any]) -> str | None:
+    """Name of the function a tf.data stage op runs on its elements (its ``f`` or
+    ``predicate`` attribute), or None."""
+    function = attrs.get("f") or attrs.get("predicate")
+    name = getattr(function, "name", function)
+    name = name.decode() if isinstance(name, bytes) else name
+    return name if isinstance(name, str) else None
 
 
 def install(backend: DataHost) -> None:

@@ -141,6 +141,56 @@ def test_no_fix_for_keras_3_passes_workers_to_fit(facts: dict[str, object]) -> N
         assert not re.search(r"\bfit\(.*workers", suggestion.fix), suggestion.recipe.id
 
 
+@pytest.mark.parametrize(("fact", "recipe_id"), [
+    ({}, None),
+    ({"tf.data.list_files_shuffled": ["train.py:3"]}, "TF-LISTFILES"),
+    ({"keras.fit_workers": 2}, "TF-KERAS-FIT"),
+    ({"tf.distribute.strategy": True}, "TF-DISTRIB"),
+])
+def test_a_batch_finding_lists_only_the_fixes_that_can_explain_it(
+        fact: dict[str, object], recipe_id: str | None) -> None:
+    """list_files, Keras 2 fit workers and tf.distribute are offered only when the capture
+    saw them (before: for every batch that differed)."""
+    gated = {"TF-LISTFILES", "TF-KERAS-FIT", "TF-DISTRIB"}
+    facts = {k: bool(v) if isinstance(v, list) else v for k, v in fact.items()}
+    suggestions = recipe.suggest({**{"framework": "tensorflow", "kind": "entry",
+                                     "entry_kind": "tf_data", "phase": "data",
+                                     "op": "IteratorGetNext", "keras_version": "3.15.1",
+                                     "tensorflow_version": "2.21.0"}, **facts},
+                                 limit=99, sites=fact)
+    ids = [s.recipe.id for s in suggestions]
+    assert gated & set(ids) == ({recipe_id} if recipe_id else set()), ids
+    if recipe_id == "TF-KERAS-FIT":  # the specific cause comes first
+        assert ids[0] == recipe_id and suggestions[0].recipe.apply == ("keras2.fit_one_worker",)
+    elif recipe_id == "TF-LISTFILES":
+        listed = next(s for s in suggestions if s.recipe.id == recipe_id)
+        assert listed.details == ["list_files with its shuffle on and no seed at train.py:3"]
+    if not fact:
+        assert ids[0] == "TF-DATA"
+
+
+@pytest.mark.parametrize(("call", "listed"), [
+    ("tf.data.Dataset.list_files(pattern)", True),
+    ("tf.data.Dataset.list_files(pattern, shuffle=False)", False),
+    ("tf.data.Dataset.list_files(pattern, seed=4)", False),
+])
+def test_list_files_with_its_shuffle_on_is_recorded(
+        tmp_path: Path, call: str, listed: bool) -> None:
+    body = f"""
+    import pathlib
+    here = pathlib.Path(__file__).parent
+    for i in range(4):
+        (here / f"{{i}}.txt").write_text(" ".join(str(i + j) for j in range(4)))
+    pattern = str(here / "*.txt")
+    files = {call}  # LIST
+    ds = files.map(lambda f: tf.reshape(tf.strings.to_number(
+        tf.strings.split(tf.io.read_file(f))), (1, 4)))
+    """
+    c, _ = run_script(tmp_path, dedent(body) + EAGER_LOOP, op_steps=[])
+    where = f"{tmp_path / 'train.py'}:{line_of(tmp_path, '# LIST')}"
+    assert c.facts.get("tf.data.list_files_shuffled") == ([where] if listed else None)
+
+
 @pytest.mark.parametrize(("stage", "stateful"), [
     ("lambda i: tf.fill((2, 4), tf.cast(i, tf.float32)) + tf.random.uniform(()), "
      "num_parallel_calls=2", True),

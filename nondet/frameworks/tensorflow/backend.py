@@ -85,6 +85,7 @@ class TFBackend(StepLifecycle):
             image_random.install(self)  # where stateful tf.image.random_* ops are called
             tf_seeding.install(session)  # after nondet's own seeding above
             frameworks.after_import("keras", functools.partial(hooks.install_keras, self))
+            frameworks.after_import("tf_keras", functools.partial(hooks.install_tf_keras, self))
             session.send_meta({"env": tf_environment()})
             self._sync_capture()
         except Exception:

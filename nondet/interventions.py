@@ -70,6 +70,8 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
                  "seeded by the element's values and the call's place in the trace"),
     Intervention("keras.pydataset_one_worker", "patch",
                  "every keras.utils.PyDataset made with workers=1"),
+    Intervention("keras2.fit_one_worker", "patch",
+                 "Keras 2 (tf_keras) model.fit run with workers=1, use_multiprocessing=False"),
     Intervention("seeding.pin_seeds", "patch",
                  "every seeding call (torch.manual_seed, np.random.seed, random.seed, "
                  "tf.random.set_seed, ...) given a fixed seed instead of its value"),
@@ -244,6 +246,24 @@ def _keras_pydataset_one_worker(_seed: int) -> None:
     cls.__init__ = __init__
 
 
+def _keras2_fit_one_worker(_seed: int) -> None:
+    from nondet import frameworks
+
+    def patch() -> None:
+        from tf_keras.src.engine.training import Model
+
+        original = Model.fit
+
+        def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # workers/use_multiprocessing come last in fit's signature: passed by keyword
+            kwargs.update(workers=1, use_multiprocessing=False)
+            return original(self, *args, **kwargs)
+
+        Model.fit = fit
+
+    frameworks.after_import("tf_keras", patch)  # a script that never imports it is left alone
+
+
 def _seeding_pin_seeds(seed: int) -> None:
     from nondet import seeding
 
@@ -253,6 +273,7 @@ def _seeding_pin_seeds(seed: int) -> None:
 _CHILD: dict[str, Callable[[int], None]] = {
     "seeding.pin_seeds": _seeding_pin_seeds,
     "keras.pydataset_one_worker": _keras_pydataset_one_worker,
+    "keras2.fit_one_worker": _keras2_fit_one_worker,
     "torch.deterministic": _torch_deterministic,
     "torch.deterministic_warn_only": _torch_deterministic_warn_only,
     "torch.one_thread": _torch_one_thread,

@@ -119,14 +119,17 @@ def install(session: Session) -> None:
 
     random.seed = log.wrap("random.seed", seed, lambda a=None, *_, **__: a)
     frameworks.after_import("keras", lambda: _wrap_keras_seed(log))
+    frameworks.after_import("tf_keras", lambda: _wrap_keras_seed(log, ("tf_keras.utils",)))
     frameworks.after_import("keras", lambda: _note_keras_default_seeds(session, log))
 
 
-def _wrap_keras_seed(log: seeding.SeedLog) -> None:
+def _wrap_keras_seed(log: seeding.SeedLog, names: tuple[str, ...] = (
+        "keras.utils", "keras._tf_keras.keras.utils")) -> None:
     """``keras.utils.set_random_seed`` seeds Python, NumPy and its backend (TensorFlow,
     torch or JAX) from Keras' own code, whose calls are not recorded: the user's call is.
-    Here, not in a framework backend: Keras on torch may never import TensorFlow."""
-    for name in ("keras.utils", "keras._tf_keras.keras.utils"):
+    Here, not in a framework backend: Keras on torch may never import TensorFlow. Keras 2
+    (``tf_keras``) has the same function."""
+    for name in names:
         module = sys.modules.get(name)
         original = getattr(module, "set_random_seed", None)
         if module is not None and original is not None:

@@ -141,6 +141,52 @@ def test_no_fix_for_keras_3_passes_workers_to_fit(facts: dict[str, object]) -> N
         assert not re.search(r"\bfit\(.*workers", suggestion.fix), suggestion.recipe.id
 
 
+@pytest.mark.parametrize(("fact", "recipe_id"), [
+    ({}, None),
+    ({"tf.data.list_files_shuffled": ["train.py:3"]}, "TF-LISTFILES"),
+    ({"keras.fit_workers": 2}, "TF-KERAS-FIT"),
+    ({"tf.distribute.strategy": True}, "TF-DISTRIB"),
+])
+def test_a_batch_finding_lists_only_the_fixes_that_can_explain_it(
+        fact: dict[str, object], recipe_id: str | None) -> None:
+    """list_files, Keras 2 fit workers and tf.distribute are offered only when the capture
+    saw them (before: for every batch that differed)."""
+    gated = {"TF-LISTFILES", "TF-KERAS-FIT", "TF-DISTRIB"}
+    facts = {k: bool(v) if isinstance(v, list) else v for k, v in fact.items()}
+    suggestions = recipe.suggest({**{"framework": "tensorflow", "kind": "entry",
+                                     "entry_kind": "tf_data", "phase": "data",
+                                     "op": "IteratorGetNext", "keras_version": "3.15.1",
+                                     "tensorflow_version": "2.21.0"}, **facts},
+                                 limit=99, sites=fact)
+    ids = [s.recipe.id for s in suggestions]
+    assert gated & set(ids) == ({recipe_id} if recipe_id else set()), ids
+    if recipe_id == "TF-KERAS-FIT":  # the specific cause comes first
+        assert ids[0] == recipe_id and suggestions[0].recipe.apply == ("keras2.fit_one_worker",)
+    elif recipe_id == "TF-LISTFILES":
+        listed = next(s for s in suggestions if s.recipe.id == recipe_id)
+        assert listed.details == ["list_files with its shuffle on and no seed at train.py:3"]
+    if not fact:
+        assert ids[0] == "TF-DATA"
+
+
+def test_list_files_with_its_shuffle_on_is_recorded(tmp_path: Path) -> None:
+    body = """
+    import pathlib
+    here = pathlib.Path(__file__).parent
+    for i in range(4):
+        (here / f"{i}.txt").write_text(" ".join(str(i + j) for j in range(4)))
+    pattern = str(here / "*.txt")
+    files = tf.data.Dataset.list_files(pattern)  # LIST
+    unshuffled = tf.data.Dataset.list_files(pattern, shuffle=False)
+    seeded = tf.data.Dataset.list_files(pattern, seed=4)
+    ds = files.map(lambda f: tf.reshape(tf.strings.to_number(
+        tf.strings.split(tf.io.read_file(f))), (1, 4)))
+    """
+    c, _ = run_script(tmp_path, dedent(body) + EAGER_LOOP, op_steps=[])
+    where = f"{tmp_path / 'train.py'}:{line_of(tmp_path, '# LIST')}"
+    assert c.facts.get("tf.data.list_files_shuffled") == [where]
+
+
 @pytest.mark.parametrize(("stage", "stateful"), [
     ("lambda i: tf.fill((2, 4), tf.cast(i, tf.float32)) + tf.random.uniform(()), "
      "num_parallel_calls=2", True),
@@ -165,6 +211,28 @@ def test_a_parallel_stage_with_a_stateful_function_is_where_batches_are_made(
     else:
         assert map_line not in _data_lines(c, 1)
         assert notes == []
+
+
+def test_a_stateful_call_inside_a_converted_map_function_is_named_not_the_map(
+        tmp_path: Path) -> None:
+    """AutoGraph converts the map function (its frames are generated files): the line named
+    is the random call inside it, mapped back through AutoGraph's source map; the note
+    still names the stage that runs it in parallel."""
+    body = """
+    def noisy(i):
+        x = tf.fill((2, 4), tf.cast(i, tf.float32))
+        if i > 3:  # AutoGraph: a tf.cond, the random op in its branch graph
+            x = x + tf.random.uniform(())  # DRAW
+        return x
+
+    ds = tf.data.Dataset.range(16).map(lambda i: i * 2)
+    ds = ds.map(noisy, num_parallel_calls=2)  # MAP
+    """
+    c, _ = run_script(tmp_path, dedent(body) + EAGER_LOOP, op_steps=[1])
+    assert _data_lines(c, 1) == {line_of(tmp_path, "# DRAW")}
+    notes = [str(v) for k, v in c.facts.items() if k == "capture_note.tf_data_stateful_parallel"]
+    assert len(notes) == 1 and line_of(tmp_path, "# MAP") in notes[0], notes
+    assert line_of(tmp_path, "# DRAW") in notes[0], notes
 
 
 def test_a_random_layers_seed_state_is_rng_state_not_a_buffer(tmp_path: Path) -> None:

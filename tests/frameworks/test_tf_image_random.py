@@ -15,6 +15,7 @@ pytest.importorskip("tensorflow")
 from nondet import interventions, recipe
 from nondet.frameworks.tensorflow.image_random import FACT
 from tests.frameworks.test_tf_capture import line_of, run_script
+from tests.frameworks.test_tf_data import _data_lines
 
 LOOP = """
 w = tf.Variable(tf.ones((48, 1)))
@@ -30,7 +31,7 @@ images = tf.random.stateless_uniform((32, 4, 4, 3), seed=(1, 2))
 
 def view(x):
     x = tf.image.random_flip_left_right(x)  # FLIP
-    return tf.image.random_brightness(x, 0.3)
+    return tf.image.random_brightness(x, 0.3)  # BRIGHT
 
 ds = tf.data.Dataset.from_tensor_slices(images).map(  # MAP
     lambda x: (view(x), view(x)), num_parallel_calls=4).batch(8)
@@ -39,11 +40,14 @@ ds = tf.data.Dataset.from_tensor_slices(images).map(  # MAP
 
 def test_a_map_calling_stateful_image_ops_names_them(tmp_path: Path) -> None:
     c, _ = run_script(tmp_path, dedent(PIPELINE) + LOOP, op_steps=[1])
-    # autograph converts the map function (its frames are generated files): the user's
-    # line is the one that built the stage, once per op
-    where = f"{tmp_path / 'train.py'}:{line_of(tmp_path, '# MAP')}"
-    assert c.facts.get(FACT) == [f"{where} (tf.image.random_flip_left_right)",
-                                 f"{where} (tf.image.random_brightness)"]
+    # autograph converts the map function (its frames are generated files): TensorFlow's
+    # stack maps them back to the lines calling the ops
+    train = tmp_path / "train.py"
+    assert c.facts.get(FACT) == [
+        f"{train}:{line_of(tmp_path, '# FLIP')} (tf.image.random_flip_left_right)",
+        f"{train}:{line_of(tmp_path, '# BRIGHT')} (tf.image.random_brightness)"]
+    # the batches that differ are named at the first stateful call inside the function
+    assert _data_lines(c, 1) == {line_of(tmp_path, "# FLIP")}
 
 
 def test_an_eager_call_names_its_own_line(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from nondet.frameworks.tensorflow import data, hooks, image_random
 from nondet.frameworks.tensorflow import seeding as tf_seeding
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
+from nondet.frameworks.tensorflow.stage_lines import user_line
 from nondet.frameworks.tensorflow.state import (
     TrackedVariable,
     tf_environment,
@@ -84,6 +85,7 @@ class TFBackend(StepLifecycle):
             image_random.install(self)  # where stateful tf.image.random_* ops are called
             tf_seeding.install(session)  # after nondet's own seeding above
             frameworks.after_import("keras", functools.partial(hooks.install_keras, self))
+            frameworks.after_import("tf_keras", functools.partial(hooks.install_tf_keras, self))
             session.send_meta({"env": tf_environment()})
             self._sync_capture()
         except Exception:
@@ -165,11 +167,8 @@ class TFBackend(StepLifecycle):
             frames = output.op.traceback
         except Exception:
             frames = None
-        sources = self.session.sources
-        for frame in reversed(frames or ()):
-            if sources.user_file(frame.filename):
-                return sources.intern_location(frame.filename, frame.lineno)
-        return sources.here(5)
+        line = user_line(self.session.sources, frames)
+        return line if line >= 0 else self.session.sources.here(5)
 
     def tracing(self) -> None:
         """A graph op is being traced (called before it is instrumented): in a first pair

@@ -36,6 +36,12 @@ _PARALLEL_STAGES = ("ParallelMapDataset", "ParallelInterleaveDataset", "MapAndBa
 #: The names ``tf.data.Options`` accepts for the ordering setting (TF 2.21: both).
 _ORDER_OPTIONS = ("deterministic", "experimental_deterministic")
 
+#: Fact: the user's lines calling ``Dataset.list_files`` with its shuffle on and no seed.
+LIST_FILES_FACT = "tf.data.list_files_shuffled"
+
+#: Sites kept per run for a fact that lists lines.
+_MAX_SITES = 16
+
 
 class DataHost(Protocol):
     """What the hooks need from the backend (``TFBackend``)."""
@@ -52,8 +58,8 @@ class DataHost(Protocol):
 
 
 STATEFUL_STAGE_NOTE = (
-    "the tf.data stage built at {source} runs a stateful function (random ops, a Keras random "
-    "layer) on several elements at once: which element gets which random state depends on "
+    "the tf.data stage built at {source} runs a stateful function{inner} (random ops, a Keras "
+    "random layer) on several elements at once: which element gets which random state depends on "
     "thread timing, so its batches can differ between runs even when two runs agree; "
     "tf.config.experimental.enable_op_determinism() runs it in order")
 
@@ -77,10 +83,8 @@ def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) ->
             return False
     except (AttributeError, TypeError, ValueError):
         pass
-    function = attrs.get("f") or attrs.get("predicate")
-    name = getattr(function, "name", function)
-    name = name.decode() if isinstance(name, bytes) else name
-    if not isinstance(name, str):
+    name = stage_function(attrs)
+    if name is None:
         return False
     from tensorflow.python.eager import context
 
@@ -90,12 +94,22 @@ def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) ->
         return False
 
 
+def stage_function(attrs: dict[str, Any]) -> str | None:
+    """Name of the function a tf.data stage op runs on its elements (its ``f`` or
+    ``predicate`` attribute), or None."""
+    function = attrs.get("f") or attrs.get("predicate")
+    name = getattr(function, "name", function)
+    name = name.decode() if isinstance(name, bytes) else name
+    return name if isinstance(name, str) else None
+
+
 def install(backend: DataHost) -> None:
     """Hook ``tf.data.Options``/``Dataset.with_options`` now and Keras' PyDataset adapter
     once ``keras`` has finished importing."""
     watch = PipelineSettings(backend)
     watch.hook_options()
     frameworks.after_import("keras", watch.hook_pydataset)
+    frameworks.after_import("tf_keras", watch.hook_tf_keras_fit)
 
 
 class PipelineSettings:
@@ -135,6 +149,29 @@ class PipelineSettings:
             return result
 
         dataset_ops.DatasetV2.with_options = with_options
+        self._hook_list_files(dataset_ops.DatasetV2)
+
+    def _hook_list_files(self, dataset_v2: Any) -> None:
+        """``Dataset.list_files`` shuffles the file names unless told not to (``shuffle=False``)
+        or seeded: its lines are the fact ``LIST_FILES_FACT`` (TF-LISTFILES matches it)."""
+        watch = self
+        original = dataset_v2.list_files
+        sites: list[str] = []
+
+        @functools.wraps(original)
+        def list_files(file_pattern: Any, shuffle: Any = None, seed: Any = None,
+                       *args: Any, **kwargs: Any) -> Any:
+            result = original(file_pattern, shuffle, seed, *args, **kwargs)
+            if shuffle is not False and seed is None and not watch.backend.disabled:
+                with watch.backend.guarded():
+                    where = watch.backend.session.sources.here(2)  # the caller of this
+                    text = watch.backend.session.string(where) if where >= 0 else ""
+                    if text and text not in sites and len(sites) < _MAX_SITES:
+                        sites.append(text)
+                        watch.backend.session.send_facts({LIST_FILES_FACT: list(sites)})
+            return result
+
+        dataset_v2.list_files = staticmethod(list_files)
 
     def _note_setting(self, opts: Any, value: Any) -> None:
         # The innermost user frame above the wrapper: the assignment in the user's file.
@@ -184,20 +221,55 @@ class PipelineSettings:
 
         PyDatasetAdapter.__init__ = adapter_init
 
-    def _note_pydataset(self, dataset: Any) -> None:
-        workers = getattr(dataset, "workers", 1)
-        processes = getattr(dataset, "use_multiprocessing", False) is True
+    # -- Keras 2 (tf_keras) fit(workers=...) ----------------------------------------------------
+    def hook_tf_keras_fit(self) -> None:
+        """Keras 2 takes the workers in ``fit`` (Keras 3 in the PyDataset): a Sequence read
+        by several is the fact ``keras.fit_workers`` and its ``__getitem__`` the line."""
+        try:
+            from tf_keras.src.engine.training import Model
+        except ImportError:  # another tf_keras layout
+            return
+        import inspect
+
+        watch = self
+        original_fit = Model.fit
+        signature = inspect.signature(original_fit)
+
+        @functools.wraps(original_fit)
+        def fit(model: Any, *args: Any, **kwargs: Any) -> Any:
+            if not watch.backend.disabled:
+                with watch.backend.guarded():
+                    given = signature.bind(model, *args, **kwargs).arguments
+                    workers = given.get("workers", 1)
+                    processes = given.get("use_multiprocessing", False) is True
+                    if watch._workers_line(given.get("x"), workers, processes) >= 0:
+                        watch.backend.session.send_facts({"keras.fit_workers": workers})
+            return original_fit(model, *args, **kwargs)
+
+        Model.fit = fit
+
+    def _workers_line(self, dataset: Any, workers: Any, processes: bool) -> int:
+        """For a dataset whose batches several workers make at once (Keras' rule: a pool only
+        then), its user-defined ``__getitem__``'s line, now the line batches that differ are
+        named at; else -1."""
         if not isinstance(workers, int):  # a subclass's own attribute: not Keras' setting
-            return
-        # Keras' own rule (PyDatasetAdapter): an enqueuer with a pool only then
+            return -1
         if not (workers > 1 or (workers > 0 and processes)):
-            return
+            return -1
         code = getattr(getattr(type(dataset), "__getitem__", None), "__code__", None)
         sources = self.backend.session.sources
         if code is None or not sources.user_file(code.co_filename):
-            return  # a library's dataset: its line is not the user's to change
+            return -1  # a library's dataset: its line is not the user's to change
         stage = sources.intern_location(code.co_filename, code.co_firstlineno)
         self.backend.recorder.reordering_stage = stage
+        return stage
+
+    def _note_pydataset(self, dataset: Any) -> None:
+        workers = getattr(dataset, "workers", 1)
+        processes = getattr(dataset, "use_multiprocessing", False) is True
+        stage = self._workers_line(dataset, workers, processes)
+        if stage < 0:
+            return
         self._draws_note = {"source": self.backend.session.string(stage),
                             "workers": workers, "kind": "processes" if processes else "threads"}
         if not self.draws.armed:

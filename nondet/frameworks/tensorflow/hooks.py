@@ -14,6 +14,7 @@ script (``guarded``).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar, cast
@@ -204,7 +205,90 @@ def install_keras(backend: HookHost) -> None:
 
     Layer.__call__ = layer_call
 
-    original_init = BaseOptimizer.__init__
+    BaseOptimizer.__init__ = _starting_training(backend, BaseOptimizer.__init__)
+
+    BaseOptimizer.apply = _update_hook(
+        backend, BaseOptimizer.apply, lambda args, kwargs: (
+            args, kwargs, args[0] if args else kwargs.get("grads", ())))
+    _mark_evaluation(backend)
+    _note_steps_per_execution(backend)
+    _export_unguarded(backend)
+
+
+_Split = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any], Any]]
+
+
+def _update_hook(backend: HookHost, original: Any, split: _Split,
+                 inside: threading.local | None = None) -> Any:
+    """An optimizer's update method hooked: the optimizer phase while it runs, then the step
+    boundary (eager) or an update counted in-graph (``tf.function``/``fit``). ``split`` gives
+    the arguments to pass on (a one-shot iterator made a list) and the gradients in them.
+    ``inside`` (per thread: replicas update at once) marks an update running, so that an
+    optimizer wrapping another (a loss-scale optimizer) makes one update, not two."""
+
+    @functools.wraps(original)
+    @not_converted
+    def update(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if backend.disabled or getattr(inside, "update", False):
+            return original(optimizer, *args, **kwargs)
+        args, kwargs, grads = split(args, kwargs)
+        previous, backend.phase = backend.phase, Phase.OPTIMIZER
+        if inside is not None:
+            inside.update = True
+        try:
+            result = original(optimizer, *args, **kwargs)
+        finally:
+            backend.phase = previous
+            if inside is not None:
+                inside.update = False
+        with backend.guarded():
+            if tf.executing_eagerly():
+                backend.note_gradients(grads)
+                if not backend.explicit:
+                    backend.boundary()
+            else:
+                if under_strategy():
+                    backend.note_once("tf_distribute", DISTRIBUTE_NOTE)
+                    backend.session.send_facts({"tf.distribute.strategy": True})
+                if first_replica():  # one update, whatever the replicas (tf.distribute)
+                    # in a graph: counted when it runs, once the gradients are
+                    backend.recorder.count_update(grads)
+        return result
+
+    return update
+
+
+def install_tf_keras(backend: HookHost) -> None:
+    """Keras 2 (the ``tf_keras`` package, or ``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``):
+    optimizer creation starts training, ``apply_gradients`` is the update (its optimizers
+    and the legacy ones); ``evaluate``/``predict`` do not train."""
+    try:
+        from tf_keras.src.engine.training import Model
+        from tf_keras.src.optimizers.legacy.optimizer_v2 import OptimizerV2
+        from tf_keras.src.optimizers.optimizer import _BaseOptimizer
+    except ImportError:  # another tf_keras layout: its steps are not seen
+        return
+    inside = threading.local()
+    for cls in (_BaseOptimizer, OptimizerV2):
+        cls.__init__ = _starting_training(backend, cls.__init__)
+        cls.apply_gradients = _update_hook(backend, cls.apply_gradients, _pairs_split, inside)
+    _not_training(backend, Model, ("evaluate", "predict"))
+
+
+def _pairs_split(args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """``apply_gradients(grads_and_vars, ...)``: the pairs may be a ``zip`` (read once)."""
+    if args:
+        pairs = list(args[0])
+        args = (pairs, *args[1:])
+    else:
+        pairs = list(kwargs.get("grads_and_vars", ()))
+        kwargs = {**kwargs, "grads_and_vars": pairs}
+    return args, kwargs, [pair[0] for pair in pairs]
+
+
+def _starting_training(backend: HookHost, original_init: Any) -> Any:
+    """An optimizer's ``__init__``: the first one made starts training."""
 
     @functools.wraps(original_init)
     @not_converted
@@ -214,37 +298,7 @@ def install_keras(backend: HookHost) -> None:
             with backend.guarded(), tf.init_scope():
                 backend.start_training()
 
-    BaseOptimizer.__init__ = optimizer_init
-
-    original_apply = BaseOptimizer.apply
-
-    @functools.wraps(original_apply)
-    @not_converted
-    def apply(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        if backend.disabled:
-            return original_apply(optimizer, *args, **kwargs)
-        previous, backend.phase = backend.phase, Phase.OPTIMIZER
-        try:
-            result = original_apply(optimizer, *args, **kwargs)
-        finally:
-            backend.phase = previous
-        with backend.guarded():
-            if tf.executing_eagerly():
-                backend.note_gradients(args[0] if args else kwargs.get("grads", ()))
-                if not backend.explicit:
-                    backend.boundary()
-            else:
-                if under_strategy():
-                    backend.note_once("tf_distribute", DISTRIBUTE_NOTE)
-                if first_replica():  # one update, whatever the replicas (tf.distribute)
-                    # in a graph: counted when it runs, once the gradients are
-                    backend.recorder.count_update(args[0] if args else kwargs.get("grads", ()))
-        return result
-
-    BaseOptimizer.apply = apply
-    _mark_evaluation(backend)
-    _note_steps_per_execution(backend)
-    _export_unguarded(backend)
+    return optimizer_init
 
 
 DISTRIBUTE_NOTE = (
@@ -260,8 +314,13 @@ def _mark_evaluation(backend: HookHost) -> None:
         from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     except ImportError:  # another Keras layout: validation counts into the next step
         return
-    for method in ("evaluate", "predict"):
-        original = getattr(TensorFlowTrainer, method)
+    _not_training(backend, TensorFlowTrainer, ("evaluate", "predict"))
+
+
+def _not_training(backend: HookHost, cls: Any, methods: tuple[str, ...]) -> None:
+    """While these methods of ``cls`` run, the backend is evaluating, not training."""
+    for method in methods:
+        original = getattr(cls, method)
 
         def not_training(model: Any, *args: Any, _original: Any = original,
                          **kwargs: Any) -> Any:
@@ -271,7 +330,7 @@ def _mark_evaluation(backend: HookHost) -> None:
             finally:
                 backend.evaluating = outer
 
-        setattr(TensorFlowTrainer, method, functools.wraps(original)(not_training))
+        setattr(cls, method, functools.wraps(original)(not_training))
 
 
 def _note_steps_per_execution(backend: HookHost) -> None:

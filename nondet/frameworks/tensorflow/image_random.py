@@ -26,6 +26,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from nondet.frameworks.base import Session
+from nondet.frameworks.tensorflow.stage_lines import traced_user_line
 
 #: Stateful ``tf.image`` function -> its stateless twin (same parameters, ``seed`` required).
 STATELESS = {
@@ -68,9 +69,12 @@ def _recording(backend: ImageHost, name: str, original: Any, sites: list[str]) -
     import tensorflow as tf
 
     def note() -> None:
-        # the innermost user frame: the line calling the op, or (for a function autograph
-        # converted, whose frames are generated files) the line that built the stage
-        where = backend.session.sources.here(3)
+        # the innermost user frame: the line calling the op; in a function AutoGraph
+        # converted (generated files) TensorFlow's stack maps it back, else the line that
+        # built the stage
+        where = traced_user_line(backend.session.sources)
+        if where < 0:
+            where = backend.session.sources.here(3)
         if where < 0:
             return  # called by a library: not a line the user can change
         text = f"{backend.session.string(where)} (tf.image.{name})"

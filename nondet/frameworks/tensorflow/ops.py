@@ -16,7 +16,11 @@ from tensorflow.python.framework import op_callbacks
 
 from nondet.fingerprint import name_code
 from nondet.frameworks.fp import Fp, combined, resolve
-from nondet.frameworks.tensorflow.data import STATEFUL_STAGE_NOTE, stateful_parallel_stage
+from nondet.frameworks.tensorflow.data import (
+    STATEFUL_STAGE_NOTE,
+    stage_function,
+    stateful_parallel_stage,
+)
 from nondet.frameworks.tensorflow.graph import (
     DATA_OPS,
     DERIVED_OPS,
@@ -30,6 +34,7 @@ from nondet.frameworks.tensorflow.graph import (
     to_host,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, host, on_host_and_small
+from nondet.frameworks.tensorflow.stage_lines import StageLines
 from nondet.frameworks.tensorflow.traced import GraphRecorder, TFHost
 from nondet.records import OP_DTYPE, Kind, Phase
 
@@ -43,6 +48,7 @@ class TFOpRecorder(GraphRecorder):
         super().__init__(backend)
         self.cache: dict[int, tuple[weakref.ref[Any], Fp]] = {}  # eager tensors
         self.pending: list[Fp] = []  # eager fingerprints of this step, finalized by resolve
+        self.stage_lines = StageLines(self.session.sources)  # lines inside tf.data functions
         op_callbacks.add_op_callback(self._callback)
 
     # -- window ----------------------------------------------------------------------------
@@ -75,6 +81,7 @@ class TFOpRecorder(GraphRecorder):
                 if self.instrument and not self.full and recordable_graph(graph):
                     self.backend.tracing()
                     return self._trace(op_type, inputs, outputs, op_name or op_type, graph)
+                self.stage_lines.note_op(op_type, outputs, graph)
             elif op_type.startswith(FUNCTION_CALLS):
                 self.backend.after_function()
             elif op_type.endswith("Dataset") or "DatasetV" in op_type:
@@ -94,15 +101,21 @@ class TFOpRecorder(GraphRecorder):
         (``data.stateful_parallel_stage``): batches that differ are reported at that line,
         the one to fix, rather than where they were read."""
         pairs = dict(zip(attrs[::2], attrs[1::2], strict=False)) if attrs else {}
+        function = stage_function(pairs)
+        # the stateful call inside the stage's function (AutoGraph hides it from here())
+        inner = self.stage_lines.take(function) if function else -1
         flag = pairs.get("deterministic")
         if (flag.decode() if isinstance(flag, bytes) else flag) == "false":
             self.reordering_stage = self.session.sources.here(4)
         elif stateful_parallel_stage(op_type, inputs, pairs):
-            self.reordering_stage = self.session.sources.here(4)
+            stage = self.session.sources.here(4)
+            self.reordering_stage = inner if inner >= 0 else stage
             # A race that did not strike in these two runs is still there: say so even
             # when they repeat (shown with every report on this capture).
             self.backend.note_once("tf_data_stateful_parallel", STATEFUL_STAGE_NOTE.format(
-                source=self.session.string(self.reordering_stage) or "?"))
+                source=self.session.string(stage) or "?",
+                inner=f" (its first stateful op at {self.session.string(inner)})"
+                if inner >= 0 else ""))
 
     # -- eager ops -------------------------------------------------------------------------
     def _eager(self, op_type: str, inputs: Any, outputs: Any) -> None:

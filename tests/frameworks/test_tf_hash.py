@@ -95,6 +95,7 @@ def test_both_dot_paths_give_the_host_number(gpus: bool, monkeypatch: pytest.Mon
     monkeypatch.setattr(hashing, "_gpus", lambda: gpus)
     for n in (0, 1, 5, 4099):
         t = _sample(tf.float64, n)
-        traced = tf.function(lambda x: HASHER.content_planned(x, static_plan(t)),
+        plan = static_plan(t)
+        traced = tf.function(lambda x, plan=plan: HASHER.content_planned(x, plan),
                              autograph=False, input_signature=[tf.TensorSpec(None, t.dtype)])
         assert int(traced(t)) & MASK64 == host(t), n

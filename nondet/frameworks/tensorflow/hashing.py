@@ -81,7 +81,7 @@ class GraphHasher:
         # this for every hashed output of every captured step, and its dozen fewer graph
         # nodes (no flat copy, no size, no strided-slice bounds) are ~4 us per output.
         keys = tf.slice(self.keys, tf.zeros([1], tf.int64), tf.shape(words, out_type=tf.int64))
-        return tf.reduce_sum(_widen(words) * keys)
+        return _dot(_widen(words), keys)
 
     def _sum(self, words: tf.Tensor, chunked: bool | None = None) -> tf.Tensor:
         """Content sum of narrow words (uint8, int32 or int64), chunk by chunk; ``chunked``:
@@ -89,7 +89,7 @@ class GraphHasher:
         n = tf.size(words, out_type=tf.int64)
 
         def one_chunk() -> tf.Tensor:
-            return tf.reduce_sum(_widen(words) * self.keys[:n])
+            return _dot(_widen(words), self.keys[:n])
 
         def several() -> tf.Tensor:
             chunks = (n + CHUNK_WORDS - 1) // CHUNK_WORDS
@@ -98,7 +98,7 @@ class GraphHasher:
                 start = i * CHUNK_WORDS
                 size = tf.minimum(n - start, CHUNK_WORDS)
                 piece = _widen(tf.slice(words, [start], [size]))
-                partial = tf.reduce_sum(piece * self.keys[:size])
+                partial = _dot(piece, self.keys[:size])
                 return i + 1, acc + partial * self.chunk_keys[i]
 
             zero = tf.constant(0, tf.int64)
@@ -112,6 +112,25 @@ class GraphHasher:
         if chunked is not None:
             return several() if chunked else one_chunk()
         return tf.cond(n <= CHUNK_WORDS, one_chunk, several)
+
+
+@functools.cache
+def _gpus() -> bool:
+    """A GPU is visible (asked once: the runtime is up by the time anything is hashed)."""
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
+def _dot(words: tf.Tensor, keys: tf.Tensor, device: str | None = None) -> tf.Tensor:
+    """sum(words * keys) modulo 2**64 (int64 words and keys). On the CPU as a 1xN by Nx1
+    int64 matrix product: no N-word temporary, 0.6 of the time of a multiply then a sum
+    (the op-level guards' hashes of the narrow model, docs/benchmarks.md); elsewhere as
+    the multiply and sum (GPUs have no int64 MatMul). ``device``: where the words are;
+    None: not known when tracing (a guard branch shared by all outputs), so the multiply
+    and sum whenever a GPU is visible."""
+    if _gpus() if device is None else "GPU" in device.upper():
+        return tf.reduce_sum(words * keys)
+    product = tf.matmul(tf.reshape(words, [1, -1]), tf.reshape(keys, [-1, 1]))
+    return tf.reshape(product, [])
 
 
 def _direct_words(t: tf.Tensor, word: int) -> tf.Tensor | None:

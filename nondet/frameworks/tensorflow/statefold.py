@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from nondet.fingerprint import CHUNK_WORDS, chunk_keys, position_keys, word_size
-from nondet.frameworks.tensorflow.hashing import _as_words, _flat, _widen
+from nondet.frameworks.tensorflow.hashing import _as_words, _dot, _flat, _widen
 
 #: Most words hashed through folded keys (their keys take 8 bytes a word).
 FOLDED_WORDS = 1 << 22
@@ -137,13 +137,3 @@ class FoldedGroup:
 
 def _concat(parts: list[tf.Tensor]) -> tf.Tensor:
     return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-
-
-def _dot(words: tf.Tensor, keys: tf.Tensor, device: str) -> tf.Tensor:
-    """sum(words * keys) modulo 2**64. On the CPU as a 1xN by Nx1 int64 matrix product
-    (no N-word temporary: half the time of a multiply then a sum, measured on the narrow
-    model's state); elsewhere as the multiply and sum (GPUs have no int64 MatMul)."""
-    if "GPU" in device.upper():
-        return tf.reduce_sum(words * keys)
-    product = tf.matmul(tf.reshape(words, [1, -1]), tf.reshape(keys, [-1, 1]))
-    return tf.reshape(product, [])

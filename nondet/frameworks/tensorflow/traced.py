@@ -265,7 +265,10 @@ class GraphRecorder:
         Even a run whose window never closes (``--ops all``) keeps the ``If``: written
         inline, the hashes made TensorFlow's trace and first call of the step ~3 ms dearer
         per output, which ~16 us saved per output and step repays only after about 200
-        steps (docs/benchmarks.md, TensorFlow)."""
+        steps; re-measured on the narrow model (sixth round, one process, alternating):
+        inline saved 0.5-3.6 ms of the ~18-20 ms of CPU the hashes add per step and cost
+        1.3-1.4 s more CPU in the trace and first call: 400 steps or more to repay
+        (docs/benchmarks.md, TensorFlow)."""
         if always:
             plan = static_plan(t)
             hasher = self.vars.hasher

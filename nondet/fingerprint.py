@@ -61,6 +61,13 @@ _blake2b = hashlib.blake2b
 
 def combine(values: Iterable[int]) -> int:
     """Order-sensitive 64-bit combination of integers. Never returns 0 (0 means absent)."""
+    return combine_packed(pack_words(values))
+
+
+def pack_words(values: Iterable[int]) -> bytes:
+    """The bytes ``combine`` hashes: each value modulo 2**64 as 8 little-endian bytes.
+    ``combine(a + b) == combine_packed(pack_words(a) + pack_words(b))``, so a caller can
+    pack a part that recurs (a description) once and reuse it."""
     words = [v & MASK64 for v in values]
     n = len(words)
     packer = _PACKERS.get(n)
@@ -68,8 +75,12 @@ def combine(values: Iterable[int]) -> int:
         packer = struct.Struct(f"<{n}Q")
         if n <= 256:
             _PACKERS[n] = packer
-    digest = _blake2b(packer.pack(*words), digest_size=8).digest()
-    return int.from_bytes(digest, "little") or 1
+    return packer.pack(*words)
+
+
+def combine_packed(data: bytes) -> int:
+    """``combine`` of the values ``data`` packs (``pack_words``)."""
+    return int.from_bytes(_blake2b(data, digest_size=8).digest(), "little") or 1
 
 
 _NAME_CODES: dict[str, int] = {}

@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from nondet.fingerprint import combine
+from nondet.fingerprint import combine, scalar_value
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.testing import count_hashes, recorder, recording
 
@@ -74,3 +74,37 @@ def test_host_fingerprints_are_final_at_once_with_the_step_end_value() -> None:
             content = recorder.hasher.content(t)
             assert fp.value == combine((int(content) & (1 << 64) - 1,  # type: ignore[arg-type]
                                         *safe.describe(t)))
+
+
+def test_derived_fingerprints_packed_at_once_have_the_step_end_value() -> None:
+    """A pointwise op's output fingerprint, packed from its kept description (Note [Packed
+    descriptions]), is the value ``Fp.finalize`` computes from parents and description:
+    with 0-3 parents, scalar arguments (floats by their bits: -0.0 is not 0.0), and
+    descriptions seen before or not."""
+    from nondet.frameworks.fp import Fp
+    from nondet.frameworks.torch.optable import op_info
+
+    a, b, c = torch.randn(3, 4), torch.randn(3, 4), torch.randn(4)
+    cases = [
+        (torch.ops.aten.mul.Tensor, [a, b], [], torch.empty(3, 4)),
+        (torch.ops.aten.mul.Tensor, [a, b], [], torch.empty(3, 4)),  # description known
+        (torch.ops.aten.add.Tensor, [a, b], [0.5], torch.empty(3, 4)),
+        (torch.ops.aten.add.Tensor, [a, b], [-0.0], torch.empty(3, 4)),
+        (torch.ops.aten.add.Tensor, [a, b], [0.0, 3, True], torch.empty(3, 4)),
+        (torch.ops.aten.neg.default, [c], [], torch.empty(4, dtype=torch.float64)),
+        (torch.ops.aten.addcmul.default, [a, b, a], [2], torch.empty(3, 4)),
+        (torch.ops.aten.fill.Scalar, [], [1.5], torch.empty(2)),
+        (torch.ops.aten.where.self, [a, b, a, b], [], torch.empty(3, 4)),
+    ]
+    with recording() as recorder:
+        parents = {id(t): recorder.fingerprint(t) for t in (a, b, c)}
+        for func, inputs, scalars, out in cases:
+            info = op_info(func, 0)
+            fp = recorder.derive_output(info, [parents[id(t)] for t in inputs], scalars, out)
+            expected = Fp()
+            expected.parents = tuple(parents[id(t)] for t in inputs)
+            expected.meta = fp.meta
+            expected.finalize()
+            assert fp.value is not None and fp.value == expected.value, (func, scalars)
+            assert expected.meta == (info.code, *safe.describe(out),
+                                     *(scalar_value(s) for s in scalars))

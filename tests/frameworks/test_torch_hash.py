@@ -7,7 +7,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys  # noqa: E402
-from nondet.frameworks.torch.hashing import HOST_LIMIT, TorchHasher  # noqa: E402
+from nondet.frameworks.torch.hashing import (  # noqa: E402
+    HOST_COPY_LIMIT,
+    HOST_LIMIT,
+    TorchHasher,
+)
 from nondet.frameworks.torch.hostwords import StateViews  # noqa: E402
 from nondet.frameworks.torch.testing import recorder  # noqa: E402
 
@@ -280,8 +284,14 @@ def test_contiguous_cpu_tensors_of_any_size_take_the_host_path_and_agree(
             device = HASHER.content(t, on_device=True)
             assert isinstance(device, torch.Tensor)
             assert host & MASK64 == int(device.item()) & MASK64
-    # Large and not contiguous: the torch path still (a host copy would be unbounded).
-    assert isinstance(HASHER.content(_sample(dtype, 4 * HOST_LIMIT)[::2]), torch.Tensor)
+    # Not contiguous: copied to the host up to HOST_COPY_LIMIT elements (the same value),
+    # the torch path above it (a host copy would be unbounded).
+    strided = _sample(dtype, 4 * HOST_LIMIT)[::2]
+    host = HASHER.content(strided)
+    assert isinstance(host, int), f"{dtype}: a strided tensor not copied to the host"
+    assert host & MASK64 == int(HASHER.content(strided, on_device=True).item()) & MASK64
+    above = _sample(dtype, 1).expand(HOST_COPY_LIMIT + 1)  # not contiguous (stride 0)
+    assert isinstance(HASHER.content(above), torch.Tensor)
 
 
 def test_state_views_are_reused_only_while_they_are_the_tensors_bytes() -> None:

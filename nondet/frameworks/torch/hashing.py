@@ -47,6 +47,12 @@ Stat = torch.Tensor | float
 #: a freshly written 4 MB activation in about half the time of torch's multiply-then-sum
 #: (single-threaded) and does not stall when other processes hold the cores.
 HOST_LIMIT = 1 << 16
+#: Non-contiguous CPU tensors up to this many elements are copied to host memory and read
+#: there (at most 16 MiB, for complex128): no more than the torch path's own staging
+#: (CHUNK_WORDS int64 words plus the product), and about 0.6x its time: a transposed
+#: 1 MB linear weight, which a captured step of the narrow benchmark model reads once
+#: (the backward's view of it, see docs/benchmarks.md "Sixth round"), 219 against 342 us.
+HOST_COPY_LIMIT = 1 << 20
 _CPU = torch.device("cpu")
 
 
@@ -73,8 +79,8 @@ class TorchHasher:
         if any(t.device != device for t in leaves):
             return None  # a wrapper with parts on several devices: no single sum
         if device.type == "cpu" and not on_device and (
-                sum(t.numel() for t in leaves) <= HOST_LIMIT
-                or all(zero_copy(t) for t in leaves)):
+                all(zero_copy(t) for t in leaves)
+                or sum(t.numel() for t in leaves) <= HOST_COPY_LIMIT):
             return host_content([host_words(t) for t in leaves])
         return self.device.sum([word_pieces(t, self.device.stage(device)) for t in leaves], device)
 

@@ -255,7 +255,9 @@ class OpRecorder(FingerprintCache):
                 entry = self.cache.get(id(value))
                 if entry is not None and entry[0]() is value:
                     fp = entry[4]
-                    if not fp.uninit and not fp.lazy and self.current(value, entry):
+                    if (not fp.uninit and (fp.value is not None or not fp.lazy)
+                            and (self.plain_current(value, entry)
+                                 or self.current(value, entry))):
                         ins.append(fp)
                         return 0
             items: Any = (value,)

@@ -108,7 +108,11 @@ class DataEntries:
         except (ImportError, AttributeError):  # another torch: nothing cached to build
             pass
         for name, kind in CREATION_FUNCTIONS:
-            setattr(torch, name, self._creation_wrapper(getattr(torch, name), name, kind))
+            original = getattr(torch, name)
+            wrapper = self._creation_wrapper(original, name, kind)
+            setattr(torch, name, wrapper)
+            _script_as_builtin(wrapper, original)
+
 
     def _creation_wrapper(self, original: Any, name: str, kind: str | None) -> Any:
         backend = self.backend
@@ -190,3 +194,20 @@ class DataEntries:
         """How a data entry is named in the step-level rows: "kind:what @ file:line"."""
         where = self.backend.session.string(source)
         return f"{name} @ {where}" if where else name
+
+
+def _script_as_builtin(wrapper: Any, original: Any) -> None:
+    """TorchScript compiles ``torch.tensor(...)`` in scripted code as the aten op it finds
+    for that object, by identity, in a table built once from the torch.* attributes. Built
+    before the wrappers (torch's own imports may build it), it did not know them and tried
+    to compile the wrapper as Python source: ``import torch.distributed.optim`` (pytorch-
+    ignite, ZeroRedundancyOptimizer) raised a TypeError in the user's script under nondet.
+    Built later, it holds the wrappers already."""
+    try:
+        from torch.jit import _builtins
+
+        table = _builtins._builtin_table
+        if table is not None and id(original) in table:
+            table[id(wrapper)] = table[id(original)]
+    except (ImportError, AttributeError):  # another torch: no such table
+        pass

@@ -18,6 +18,7 @@ from nondet import (
     compare,
     end_state,
     environment,
+    exit_place,
     readback,
     recipe,
     seed_diff,
@@ -133,6 +134,9 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                 "overrides run(); their parameters after they were joined matched); pass "
                 "the training function as Process(target=...), or call it in the main "
                 "process, to compare it step by step")
+        forks = exit_place.fork_notes(a)
+        if forks:  # the child of a bare os.fork trained, unrecorded
+            raise NondetError(f"no training step was observed in the main process; {forks[0]}")
         raise NondetError(
             "no training step was observed in either run, so nothing was compared (no "
             "optimizer step, no backward-and-update, no nondet.step()); check that the script "

@@ -81,13 +81,18 @@ def first_op_divergence(ops_a: np.ndarray, ops_b: np.ndarray, strings_a: list[st
     )
     first_structure = int(np.argmax(structure)) if structure.any() else n
     compared = (a["flags"] & Flag.UNINIT_OUTPUT) == 0
-    differs = (a["out_fp"] != b["out_fp"]) & compared
+    # An output of another size is a difference even in memory nobody reads yet (`empty`):
+    # the size came from a Python value (a width a tuner drew), and a later op filling it
+    # (`uniform_`) would otherwise "create" the difference from matching inputs.
+    resized = a["numel"] != b["numel"]
+    differs = ((a["out_fp"] != b["out_fp"]) & compared) | resized
     not_op = a["kind"] != Kind.OP
     inputs_match = (a["in_fp"] == b["in_fp"]) | not_op
     candidates = np.nonzero((differs & inputs_match)[:first_structure])[0]
     if len(candidates):
         i = int(candidates[0])
-        entry = bool(not_op[i]) or int(a["scalar_fp"][i]) != int(b["scalar_fp"][i])
+        entry = bool(not_op[i]) or int(a["scalar_fp"][i]) != int(b["scalar_fp"][i]) \
+            or bool(resized[i])
         return OpDivergence(
             kind="entry" if entry else "op", position=i, row_a=a[i], row_b=b[i],
             reads_uninitialized=bool(int(a["taint_fp"][i]) != int(b["taint_fp"][i])),

@@ -70,6 +70,9 @@ def install(session: Session) -> None:
     os._exit = _exit  # type: ignore[assignment]
     for name in ("execv", "execve"):  # every os.exec* function ends in one of these
         setattr(os, name, _noting_exec(session, getattr(os, name), name))
+    for name in ("fork", "forkpty"):
+        if hasattr(os, name):
+            setattr(os, name, _noting_fork(session, getattr(os, name), name))
 
 
 #: the note on a capture whose script replaced its process (``os.exec*``)
@@ -103,9 +106,56 @@ def _noting_exec(session: Session, real: Callable[..., NoReturn], name: str
     return exec_
 
 
-def _user_caller(session: Session) -> tuple[str, int] | None:
-    """The innermost frame of the user's files calling in (os.execl goes through os.py)."""
+#: the note on a capture whose script forked a child process itself (``os.fork``)
+FORK_NOTE = ("the script forked at {source} ({how}): the child process is not recorded, so "
+             "what it does there (training steps, if any) is not compared; start it with "
+             "multiprocessing.Process(target=...) to have its steps recorded and compared")
+#: fact key prefix of a fork note (one per forking line)
+FORK_FACT = "capture_note.fork:"
+
+
+def _noting_fork(session: Session, real: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """A bare ``os.fork`` in the user's code: the child runs on unrecorded (its hooks are
+    off after a fork, as in DataLoader workers), so the parent notes the line. Forks made
+    by libraries (multiprocessing, whose children children.py records) are not noted."""
+    from nondet import session as session_module
+
+    def fork(*args: Any, **kwargs: Any) -> Any:
+        place = None
+        try:
+            if session_module.current() is session:
+                place = _user_caller(session, direct=True)
+        except BaseException:  # the fork must happen whatever failed
+            pass
+        result = real(*args, **kwargs)
+        child = result[0] if isinstance(result, tuple) else result
+        if place is not None and child != 0:  # the parent: the channel is its own
+            try:
+                shown = session.sources.display(*place)
+                session.sources.intern_location(*place)
+                session.send_facts({FORK_FACT + shown: FORK_NOTE.format(
+                    how=f"os.{name}", source=shown)})
+            except Exception:  # a note about the run must never change it
+                pass
+        return result
+
+    fork.__wrapped__ = real  # type: ignore[attr-defined]
+    return fork
+
+
+def fork_notes(capture: Capture) -> list[str]:
+    """The fork notes of a capture (one per forking line of the user's code)."""
+    return [str(v) for k, v in capture.facts.items() if k.startswith(FORK_FACT)]
+
+
+def _user_caller(session: Session, direct: bool = False) -> tuple[str, int] | None:
+    """The innermost frame of the user's files calling in (os.execl goes through os.py);
+    ``direct``: only the direct caller (a library's own fork is not the user's)."""
     frame: FrameType | None = sys._getframe(2)
+    if direct:
+        return (frame.f_code.co_filename, frame.f_lineno) \
+            if frame is not None and session.sources.user_file(frame.f_code.co_filename) \
+            else None
     while frame is not None:
         if session.sources.user_file(frame.f_code.co_filename):
             return frame.f_code.co_filename, frame.f_lineno

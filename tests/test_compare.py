@@ -67,6 +67,19 @@ def test_uninitialized_outputs_are_never_compared() -> None:
     assert compare.first_op_divergence(arr_a, arr_b, a.strings, b.strings) is None
 
 
+def test_uninitialized_memory_of_another_size_is_a_python_value_entering() -> None:
+    # Trial: an Optuna trial's width (drawn from the sampler's unseeded RandomState) sized
+    # nn.Linear's `empty`; its `uniform_` then "created the difference" from matching
+    # inputs, and the first fix was `torch.manual_seed` (PT-RNG), which cannot help.
+    a = OpStream().add(0, "aten.empty.memory_format", 0, flags=Flag.UNINIT_OUTPUT, numel=130)
+    a.add(0, "aten.uniform_.default", 7, 0, flags=Flag.OVERWRITES_UNINIT, numel=130)
+    b = OpStream().add(0, "aten.empty.memory_format", 0, flags=Flag.UNINIT_OUTPUT, numel=80)
+    b.add(0, "aten.uniform_.default", 8, 0, flags=Flag.OVERWRITES_UNINIT, numel=80)
+    found = _pair(a, b)
+    assert found is not None and found.position == 0, found
+    assert found.kind == "entry" and found.scalar_argument
+
+
 def test_reading_uninitialized_memory_is_reported_as_such() -> None:
     a = OpStream().add(0, "aten.add.Tensor", 20, 1, taint=5, flags=Flag.READS_UNINIT)
     b = OpStream().add(0, "aten.add.Tensor", 21, 1, taint=6, flags=Flag.READS_UNINIT)

@@ -94,20 +94,28 @@ import threading, torch
 torch.manual_seed(0)
 models = [torch.nn.Linear(32, 1) for _ in range(2)]
 both = threading.Barrier(2)
+stepped = [threading.Event(), threading.Event()]
 def train(i):
     opt = torch.optim.SGD(models[i].parameters(), lr=0.1)
     for step in range(10):
         loss = models[i](torch.ones(64, 32) * (i + 1)).pow(2).mean()
         {meet}
-        opt.zero_grad(); loss.backward(); opt.step()
+        opt.zero_grad(); loss.backward()
+        try:
+            opt.step()
+        finally:
+            stepped[i].set()
+        {wait}
 threads = [threading.Thread(target=train, args=(i,)) for i in {order}]
 {run}
 """
-# Both threads are in their first step at once (on a loaded machine the first could otherwise
-# finish its ten tiny steps before the second starts: one after the other, not at once).
+# Both threads are in their first step at once, and neither goes on before the other's first
+# update is over (on a loaded machine the first could otherwise finish its ten tiny steps
+# before the second ends one: one after the other, not at once).
 TWO_AT_ONCE = _THREADS.format(order="(0, 1)", meet="step or both.wait(timeout=60)",
+                              wait="stepped[1 - i].wait(timeout=60)",
                               run="[t.start() for t in threads]; [t.join() for t in threads]")
-ONE_AFTER_THE_OTHER = _THREADS.format(order="(0, 1)", meet="",
+ONE_AFTER_THE_OTHER = _THREADS.format(order="(0, 1)", meet="", wait="",
                                       run="for t in threads:\n    t.start(); t.join()")
 
 
@@ -133,6 +141,59 @@ def test_training_threads_one_after_the_other_are_compared(tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr
     runs = json.loads((tmp_path / "r.json").read_text())["runs"]
     assert [r["steps"] for r in runs] == [20, 20]
+
+
+_SETS_UP_WHILE_THE_OTHER_TRAINS = """
+import os, threading, torch
+torch.manual_seed(0)
+models = [torch.nn.Linear(32, 1) for _ in range(2)]
+
+def first_here():
+    try:
+        os.close(os.open("came-first", os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+# The step of the first thread at which the second sets up: thread timing, made repeatable.
+at = 1 if first_here() else 3
+reached, ready = threading.Event(), threading.Event()
+
+def train(i, opt):
+    for step in range(5):
+        loss = models[i](torch.ones(64, 32) * (i + 1)).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        if i == 0 and step == at:
+            reached.set(); ready.wait(60)
+
+def first():
+    train(0, torch.optim.SGD(models[0].parameters(), lr=0.1))
+
+def second():
+    reached.wait(60)
+    opt = torch.optim.SGD(models[1].parameters(), lr=0.1)  # made while the first trains
+    with torch.no_grad():
+        models[1](torch.ones(1, 32))
+    ready.set()
+    threads[0].join()  # trains only once the first is done
+    train(1, opt)
+
+threads = [threading.Thread(target=first), threading.Thread(target=second)]
+[t.start() for t in threads]; [t.join() for t in threads]
+"""
+
+
+def test_a_model_made_on_another_thread_joins_the_steps_at_the_same_point(
+        tmp_path: Path) -> None:
+    # The second thread makes its optimizer (and calls its model) during the first thread's
+    # steps, at step 1 in one run and step 3 in the other (thread timing, made repeatable),
+    # and trains only after the first has ended: the same script. Its parameters joined the
+    # first thread's step state where they were made: "params differ" at step 2, exit 1.
+    script = _script(tmp_path, _SETS_UP_WHILE_THE_OTHER_TRAINS)
+    result = run_cli("run", "-q", "--json", "r.json", script, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [r["steps"] for r in runs] == [10, 10]
 
 
 def _children_of(pid: int) -> list[int]:

@@ -169,6 +169,30 @@ print("stage2 ran", flush=True)
     assert facts["script.ended_at"]["source"].endswith("train.py:4"), facts
 
 
+def test_a_bare_fork_in_the_script_is_noted_at_its_line(tmp_path: Path) -> None:
+    # Trial: the child of a bare os.fork() trained (unrecorded: hooks are off after a fork)
+    # while the parent waited: "no training step was observed", nothing said of the fork;
+    # with the parent training after it, "deterministic" with nothing said. A fork made by
+    # a library (multiprocessing here, whose children are recorded) is not the user's line.
+    from nondet.store import open_capture
+
+    run, _ = _run_script(tmp_path, """
+import multiprocessing, os
+pid = os.fork()  # line 3
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+proc = multiprocessing.get_context("fork").Process(target=print, args=("in a child",))
+proc.start(); proc.join()
+print("parent done", flush=True)
+""")
+    assert "parent done" in run.log_path.read_text()
+    facts = open_capture(run.path).facts
+    notes = [v for k, v in facts.items() if k.startswith("capture_note.fork")]
+    assert len(notes) == 1, facts
+    assert "train.py:3 (os.fork): the child process is not recorded" in notes[0], notes
+
+
 def test_nondet_out_of_descriptors_is_the_limit_named_in_one_line(tmp_path: Path) -> None:
     # Trial: `ulimit -n 20` (16 here, for a script that imports nothing; it runs alone) was
     # "internal error: OSError: [Errno 24] Too many open files", exit 3, a bug log

@@ -162,6 +162,10 @@ class DataEntry:
     label: str  # "dataloader:batch from DataLoader#0 @ train.py:12"
     fps: list[Fp]
     numel: int  # -1 when unknown
+    #: proven never read (dropped in the expression that made it, only its metadata used,
+    #: torch/unread.py): no evidence, left out of the step's data row
+    unread: bool = False
+    watcher: Any = None  # what proves it (kept alive with the entry)
 
 
 class StepLifecycle:
@@ -228,7 +232,13 @@ class StepLifecycle:
         self.probes: list[tuple[str, Fp]] = []
 
     def add_data(self, label: str, fps: list[Fp], numel: int) -> None:
-        self.data.append(DataEntry(label, fps, numel))
+        self.data_entry(label, fps, numel)
+
+    def data_entry(self, label: str, fps: list[Fp], numel: int) -> DataEntry:
+        """``add_data``, returning the entry (torch marks it later if it dies unread)."""
+        entry = DataEntry(label, fps, numel)
+        self.data.append(entry)
+        return entry
 
     # -- boundaries ----------------------------------------------------------------------------
     def start_training(self) -> None:
@@ -279,6 +289,7 @@ class StepLifecycle:
         row = session.new_step_row()
         state = self._step_state(step, session.captures_ops(step))
         ops = self._take_records(step)
+        self.data = [entry for entry in self.data if not entry.unread]
         data_fps = [combine(fp.value or 0 for fp in entry.fps) for entry in self.data]
         row["data_fp"] = group_fp(data_fps)
         row["loss_fp"] = group_fp([fp.value or 0 for fp in self.losses])

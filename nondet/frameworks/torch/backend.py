@@ -31,12 +31,14 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from nondet import loop_end
 from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
+from nondet.frameworks.step_thread import STEP_THREAD
 from nondet.frameworks.torch import children, comm, compiled, cuda
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.kept import KeptOutputs
 from nondet.frameworks.torch.ops import CaptureMode, OpRecorder, tensors_in
+from nondet.frameworks.torch.state import Named as Tensors
 from nondet.frameworks.torch.state import (
     module_paths,
     named_state,
@@ -62,6 +64,11 @@ class TorchBackend(StepLifecycle):
         self.roots: list[torch.nn.Module] = []
         self.param_names: dict[int, str] = {}  # id(tensor) -> "encoder.weight"
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        # made on another thread while the step owner ran: out of the step state until the
+        # owner changes (Note [State made on another thread] in frameworks/step_thread.py)
+        self.held_roots: list[torch.nn.Module] = []
+        self.held_optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self.owner_changes = 0
         super().__init__(session)
         self.recorder = OpRecorder(self)
         self.state_fps = StateFingerprints(self.recorder, self.hasher)
@@ -103,7 +110,8 @@ class TorchBackend(StepLifecycle):
             original_opt_init(opt, *args, **kwargs)
             if not self.disabled:
                 with self.guarded():
-                    self.optimizers.append(weakref.ref(opt))
+                    held = STEP_THREAD.foreign()
+                    (self.held_optimizers if held else self.optimizers).append(weakref.ref(opt))
                     self.optimizer_made = True
                     if not self.started:
                         self.start_training()
@@ -180,8 +188,8 @@ class TorchBackend(StepLifecycle):
     def _register_root(self, root: torch.nn.Module) -> None:
         # The first root's paths are relative ("encoder.mixer"); later roots (a loss module,
         # a second network) are prefixed with their class name so names stay unique.
-        prefix = "" if not self.roots else type(root).__name__
-        self.roots.append(root)
+        prefix = "" if not self.roots and not self.held_roots else type(root).__name__
+        (self.held_roots if STEP_THREAD.foreign() else self.roots).append(root)
         for path, obj in module_paths(root, prefix):
             if isinstance(obj, torch.nn.Module):
                 self.module_ids.setdefault(id(obj), self.session.intern(path))
@@ -212,7 +220,7 @@ class TorchBackend(StepLifecycle):
         if self.recorder.stamp is not None:
             self.recorder.apply_stamp()
         loss = next(tensors_in(tensors), None)
-        if loss is not None:
+        if loss is not None and not STEP_THREAD.foreign():  # not the owner's loss
             with self.paused_capture():
                 fp = self.recorder.known(loss)
                 if fp is None:
@@ -291,14 +299,27 @@ class TorchBackend(StepLifecycle):
             self.paused, self.recorder.active = was_paused, was_active and not self.disabled
 
     # -- step-level state ------------------------------------------------------------------------
+    def _named_state(self) -> tuple[Tensors, Tensors, Tensors]:
+        """The step state's named tensors; held state joins once the step count has changed
+        owner since it was held, or is about to at this step's end (the gradients are read
+        before it) (Note [State made on another thread])."""
+        handing_over = STEP_THREAD.handing_over()
+        if handing_over or STEP_THREAD.changes != self.owner_changes:
+            # the change about to be counted is this one, not a later owner's
+            self.owner_changes = STEP_THREAD.changes + handing_over
+            self.roots += self.held_roots
+            self.optimizers += self.held_optimizers
+            self.held_roots, self.held_optimizers = [], []
+        return named_state(self.roots, self.optimizers, self.param_names)
+
     def _grad_snapshot(self) -> Named:
-        params, _, _ = named_state(self.roots, self.optimizers, self.param_names)
+        params, _, _ = self._named_state()
         with self.paused_capture():
             return self.state_fps.named([(n, p.grad) for n, p in params if p.grad is not None],
                                         detailed=self.session.captures_ops())
 
     def _step_state(self, step: int, detailed: bool) -> StepState:
-        params, buffers, optim = named_state(self.roots, self.optimizers, self.param_names)
+        params, buffers, optim = self._named_state()
         grads = self.grads if self.grads is not None else self._grad_snapshot()
         with self.paused_capture():
             state, loss = self.state_fps.step_state(params, buffers, optim, grads,
@@ -325,7 +346,8 @@ class TorchBackend(StepLifecycle):
         return ops
 
     def _final_params_fp(self) -> int | None:
-        params, _, _ = named_state(self.roots, self.optimizers, self.param_names)
+        params, _, _ = named_state(self.roots + self.held_roots,
+                                   self.optimizers + self.held_optimizers, self.param_names)
         with self.paused_capture():
             # Read afresh, never from the fingerprint cache: another process (Hogwild workers
             # on shared memory) or thread may have changed them without bumping the version

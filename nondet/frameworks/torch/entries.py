@@ -7,6 +7,7 @@ named with the user's line; a loader's settings become facts for the recipe matc
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -14,8 +15,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from nondet.frameworks.base import RecorderHost
+from nondet.frameworks.base import DataEntry, RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.torch import unread
 from nondet.frameworks.torch.ops import OpRecorder
 from nondet.frameworks.torch.state import leaf_tensors
 from nondet.records import Kind, Phase
@@ -35,6 +37,8 @@ class EntryHost(RecorderHost, Protocol):
     def before_batch(self) -> None: ...
 
     def add_data(self, label: str, fps: list[Fp], numel: int) -> None: ...
+
+    def data_entry(self, label: str, fps: list[Fp], numel: int) -> DataEntry: ...
 
 #: Functions that make tensors from outside data, and the entry kind they make (None: by
 #: the type of the data).
@@ -108,7 +112,11 @@ class DataEntries:
         except (ImportError, AttributeError):  # another torch: nothing cached to build
             pass
         for name, kind in CREATION_FUNCTIONS:
-            setattr(torch, name, self._creation_wrapper(getattr(torch, name), name, kind))
+            original = getattr(torch, name)
+            wrapper = self._creation_wrapper(original, name, kind)
+            setattr(torch, name, wrapper)
+            _script_as_builtin(wrapper, original)
+
 
     def _creation_wrapper(self, original: Any, name: str, kind: str | None) -> Any:
         backend = self.backend
@@ -152,7 +160,9 @@ class DataEntries:
                                  [t])
         if not backend.module_stack and backend.phase in (Phase.INIT, Phase.DATA,
                                                           Phase.FORWARD):
-            backend.add_data(self._label(f"{kind}:{what}", source), [fp], t.numel())
+            entry = backend.data_entry(self._label(f"{kind}:{what}", source), [fp], t.numel())
+            # memory nobody reads is no evidence (MONAI's dtype lookup over np.empty)
+            entry.watcher = unread.watch(t, sys._getframe(2), lambda: _mark_unread(entry))
 
     def _loader_index(self, loader: Any) -> int:
         index = self.loaders.get(loader)
@@ -190,3 +200,24 @@ class DataEntries:
         """How a data entry is named in the step-level rows: "kind:what @ file:line"."""
         where = self.backend.session.string(source)
         return f"{name} @ {where}" if where else name
+
+
+def _mark_unread(entry: DataEntry) -> None:
+    entry.unread = True
+
+
+def _script_as_builtin(wrapper: Any, original: Any) -> None:
+    """TorchScript compiles ``torch.tensor(...)`` in scripted code as the aten op it finds
+    for that object, by identity, in a table built once from the torch.* attributes. Built
+    before the wrappers (torch's own imports may build it), it did not know them and tried
+    to compile the wrapper as Python source: ``import torch.distributed.optim`` (pytorch-
+    ignite, ZeroRedundancyOptimizer) raised a TypeError in the user's script under nondet.
+    Built later, it holds the wrappers already."""
+    try:
+        from torch.jit import _builtins
+
+        table = _builtins._builtin_table
+        if table is not None and id(original) in table:
+            table[id(wrapper)] = table[id(original)]
+    except (ImportError, AttributeError):  # another torch: no such table
+        pass

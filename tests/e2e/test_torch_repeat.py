@@ -20,7 +20,11 @@ from tests.frameworks.test_torch_repeat import capture_many, first_difference
 pytest.importorskip("torch")
 pytestmark = pytest.mark.e2e
 
-DETERMINISTIC = [c for c in cases(FIXTURES / "torch") if c.expected["kind"] == "none"]
+# unread_entry.py makes a tensor over uninitialized NumPy memory that nothing reads: its
+# training repeats, but that entry's record holds different bytes in every run by design
+UNREAD_BY_DESIGN = {"unread_entry.py"}
+DETERMINISTIC = [c for c in cases(FIXTURES / "torch") if c.expected["kind"] == "none"
+                 and c.script.name not in UNREAD_BY_DESIGN]
 
 
 def test_there_are_deterministic_fixtures_to_repeat() -> None:

@@ -63,7 +63,7 @@ def test_the_window_flag_is_assigned_only_when_it_changes() -> None:
 
     from nondet.frameworks.tensorflow.ops import TFOpRecorder
 
-    session = SimpleNamespace(config=SimpleNamespace(op_steps=None))
+    session = SimpleNamespace(config=SimpleNamespace(op_steps=None), sources=None)
     backend = SimpleNamespace(session=session, disabled=True, own_variables=contextlib.nullcontext)
     recorder = TFOpRecorder(backend)  # type: ignore[arg-type]
     try:

@@ -19,12 +19,10 @@ demo:
 	$(BIN)/nondet run fixtures/torch/index_put_backward.py; code=$$?; \
 	  if [ $$code -ne 1 ]; then echo "demo: expected exit code 1 (nondeterminism found), got $$code"; exit 1; fi
 
-# One process by default (the CI's command). `make test XDIST="-n 2 --dist loadfile"` runs
-# two pytest workers (pytest-xdist, in the test extra), each given whole files: about 19
-# instead of 26 minutes here, but the e2e runs then share the 2 cores with each other, and
-# timing-sensitive tests and a worker that crashes (xdist then waits for good) make it the
-# faster choice, not the gate's.
-XDIST ?=
+# Two pytest workers by default (pytest-xdist, in the test extra), each given whole files:
+# in one process the suite took about 32 minutes here, in two about 20 (2026-11-24, both
+# the same tests). `make test XDIST=` runs it in one process.
+XDIST ?= -n 2 --dist loadfile
 
 test: install lint typecheck
 	./tools/ensure-chromium

@@ -72,9 +72,30 @@ def _restore_os(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "closerange", os.closerange)
 
 
+def _contiguous_descriptors(count: int) -> list[int]:
+    """``count`` descriptors on /dev/null at consecutive numbers that were all free, so that
+    closing their range closes nothing else of the test process (os.open takes the lowest
+    free numbers, which can straddle a descriptor of an earlier test's library: closing a
+    gloo loop's epoll descriptor so aborted a pytest worker)."""
+
+    def free(fd: int) -> bool:
+        try:
+            os.fstat(fd)
+        except OSError:
+            return True
+        return False
+
+    base = next(b for b in range(256, 4096) if all(free(fd) for fd in range(b, b + count)))
+    own = os.open(os.devnull, os.O_RDONLY)
+    for fd in range(base, base + count):
+        os.dup2(own, fd)
+    os.close(own)
+    return list(range(base, base + count))
+
+
 @pytest.mark.usefixtures("_restore_os")
 def test_closing_every_inherited_descriptor_leaves_nondets_open() -> None:
-    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(5)]
+    fds = _contiguous_descriptors(5)
     for fd in (fds[1], fds[3]):
         fdguard.claim(fd)
     fdguard.install((fds[1], fds[3]))

@@ -19,10 +19,12 @@ demo:
 	$(BIN)/nondet run fixtures/torch/index_put_backward.py; code=$$?; \
 	  if [ $$code -ne 1 ]; then echo "demo: expected exit code 1 (nondeterminism found), got $$code"; exit 1; fi
 
-# Two pytest workers by default (pytest-xdist, in the test extra), each given whole files:
-# in one process the suite took about 32 minutes here, in two about 20 (2026-11-24, both
-# the same tests). `make test XDIST=` runs it in one process.
-XDIST ?= -n 2 --dist loadfile
+# One process by default (the CI's command): about 32 minutes here (2026-11-24).
+# `make test XDIST="-n 2 --dist loadfile"` runs two pytest workers (pytest-xdist, in the test
+# extra), each given whole files: about 20 minutes, green once; in another run a worker
+# aborted (a test closed a range of descriptors that held an earlier test's gloo descriptor,
+# since fixed) and xdist then waited for good, so it is not yet the gate.
+XDIST ?=
 
 test: install lint typecheck
 	./tools/ensure-chromium

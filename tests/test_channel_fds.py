@@ -72,20 +72,21 @@ def _restore_os(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "closerange", os.closerange)
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _contiguous_descriptors(count: int) -> list[int]:
     """``count`` descriptors on /dev/null at consecutive numbers that were all free, so that
     closing their range closes nothing else of the test process (os.open takes the lowest
     free numbers, which can straddle a descriptor of an earlier test's library: closing a
     gloo loop's epoll descriptor so aborted a pytest worker)."""
-
-    def free(fd: int) -> bool:
-        try:
-            os.fstat(fd)
-        except OSError:
-            return True
-        return False
-
-    base = next(b for b in range(256, 4096) if all(free(fd) for fd in range(b, b + count)))
+    base = next(b for b in range(256, 4096)
+                if not any(_is_open(fd) for fd in range(b, b + count)))
     own = os.open(os.devnull, os.O_RDONLY)
     for fd in range(base, base + count):
         os.dup2(own, fd)
@@ -101,15 +102,7 @@ def test_closing_every_inherited_descriptor_leaves_nondets_open() -> None:
     fdguard.install((fds[1], fds[3]))
     os.closerange(fds[0], fds[-1] + 1)
     os.close(fds[1])
-
-    def is_open(fd: int) -> bool:
-        try:
-            os.fstat(fd)
-        except OSError:
-            return False
-        return True
-
-    assert [is_open(fd) for fd in fds] == [False, True, False, True, False]
+    assert [_is_open(fd) for fd in fds] == [False, True, False, True, False]
     for fd in (fds[1], fds[3]):
         os.close.__wrapped__(fd)  # type: ignore[attr-defined]
 

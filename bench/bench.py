@@ -43,10 +43,12 @@ from measure import (  # noqa: E402
     logged_ops,
     measured_line,
     median_ms,
+    merge_tables,
     nondet_run,
     op_record_bytes,
     plain_run,
     replace_section,
+    section,
     timed,
     uptime,
 )
@@ -71,13 +73,15 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="update this Markdown file's results table")
     opts = parser.parse_args()
     texts: list[str] = []
+    # the tables this invocation does not measure stay as they were
+    kept = section(opts.write, *MARKERS) if opts.write else ""
     frameworks = opts.framework or ["torch", "tensorflow", "comm"]
     for framework in [f for f in frameworks if f != "comm"]:
         for variant in opts.model or ["reference", "narrow"]:
             texts.append(bench(framework, variant, opts.steps, opts.repeat))
             print(texts[-1], flush=True)
             if opts.write:  # after each table: a long benchmark keeps what it measured
-                replace_section(opts.write, "\n".join(texts), *MARKERS)
+                replace_section(opts.write, merge_tables(kept, "\n".join(texts)), *MARKERS)
     if "comm" in frameworks:  # its own section of the file (bench_comm.py)
         import bench_comm
 

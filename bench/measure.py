@@ -134,6 +134,28 @@ def replace_section(path: Path, text: str, begin: str, end: str) -> None:
     path.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
+def merge_tables(old: str, new: str) -> str:
+    """The tables of ``old`` (Markdown, each from its ``### `` heading to the next) with
+    those of ``new`` in place of the ones of the same heading, new headings appended: a run
+    of one framework or model leaves the other tables as they were measured."""
+    def tables(text: str) -> dict[str, str]:
+        parts = [p for p in ("\n" + text).split("\n### ") if p.strip()]
+        return {p.split("\n", 1)[0]: "### " + p.strip("\n") + "\n" for p in parts
+                if not p.startswith("\n")}
+
+    merged = tables(old)
+    merged.update(tables(new))
+    return "\n".join(merged.values())
+
+
+def section(path: Path, begin: str, end: str) -> str:
+    """The text between the markers of ``path`` ("" when the file or markers are missing)."""
+    text = path.read_text() if path.exists() else ""
+    if begin not in text or end not in text:
+        return ""
+    return text.split(begin, 1)[1].split(end, 1)[0]
+
+
 def uptime() -> str:
     """The machine's load as `uptime` prints it: a benchmark on a shared machine says how
     busy it was, since the load moves every ratio."""

@@ -223,8 +223,9 @@ def test_a_capture_being_written_or_left_open_is_not_called_damaged(tmp_path: Pa
         writing.close()
     assert being_written.returncode == 2 and left_open.returncode == 2
     assert "another process is writing it" in being_written.stderr, being_written.stderr
-    assert "marked open for writing" in left_open.stderr, left_open.stderr
-    assert "h5clear -s killed.h5" in left_open.stderr
+    # read past the open mark (tests/test_unclosed_capture.py): this one holds no capture
+    assert "not a nondet capture" in left_open.stderr, left_open.stderr
+    assert "truncated" not in left_open.stderr
 
 
 def test_the_scripts_own_excepthook_gets_what_it_did_not_catch(tmp_path: Path) -> None:

@@ -49,7 +49,10 @@ def show(app: App, *, capture: Path, max_steps: int, op_step: int | None) -> int
                 "nondet_version"):
         if key in ("rank", "world_size") and int(c.attrs.get("world_size", 1)) <= 1:
             continue  # one process: nothing to say
-        if key in c.attrs and c.attrs[key] != "":
+        if key == "status":
+            info.add_row(key, cell(c.status + (" (its writer was killed: read up to the last "
+                                               "step it flushed)" if c.unclosed else "")))
+        elif key in c.attrs and c.attrs[key] != "":
             info.add_row(key, cell(c.attrs[key]))
     out.print(info)
 

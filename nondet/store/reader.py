@@ -30,6 +30,7 @@ from nondet.store.checks import (
     typed_attrs,
     typed_facts,
 )
+from nondet.store.unclosed import open_unclosed
 from nondet.store.writer import (
     DIGEST_ATTR,
     FORMAT_MAJOR,
@@ -64,6 +65,8 @@ class Capture:
         self._ops_ds: Any = None
         self.verified = False  # every record and dump has been read once, checksums held
         self._dumps: dict[str, tuple[np.ndarray, dict[str, Any]]] | None = None
+        #: read as its writer's last flush left it (killed before closing the file)
+        self.unclosed = False
         self._source_texts: dict[str, str] | None = None
 
     @property
@@ -72,7 +75,9 @@ class Capture:
 
     @property
     def status(self) -> str:
-        return str(self.attrs.get("status", "unknown"))
+        status = str(self.attrs.get("status", "unknown"))
+        # a writer killed mid-run never wrote how the run ended (Note [Unclosed captures])
+        return "interrupted" if self.unclosed and status == "running" else status
 
     @property
     def complete(self) -> bool:
@@ -196,15 +201,22 @@ def _read_all(path: Path) -> None:
 
 def _open(path: Path) -> Capture:
     h5py = _h5py()
+    unclosed = False
     try:
         f = h5py.File(path, "r")
     except (OSError, ValueError) as exc:
-        raise error(_unopened(path, exc)) from None
+        # HDF5 took the lock, so no writer is left: read what its last flush left
+        f = open_unclosed(path) if "already open for write" in str(exc) else None
+        if f is None:
+            raise error(_unopened(path, exc)) from None
+        unclosed = True
     try:
-        return _load(path, f)
+        capture = _load(path, f)
     except BaseException:
         f.close()
         raise
+    capture.unclosed = unclosed
+    return capture
 
 
 def _unopened(path: Path, exc: BaseException) -> str:

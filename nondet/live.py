@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from nondet import compare
-from nondet.analysis import GROWTH_STEPS, TRAINING_STATE
+from nondet.analysis import GROWTH_STEPS
 from nondet.launch import CapturedRun
 from nondet.records import INIT_STEP
 from nondet.runspec import Plan
@@ -65,23 +65,23 @@ class LiveCompare:
         self.training_difference: int | None = None
         self.progress = progress
         self.on_difference = on_difference
-        self._first_rows: tuple[np.void, np.void] | None = None
+        self._first: tuple[int, np.void, np.void] | None = None  # step and rows
 
     def judge(self, step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
         """True to keep both runs going."""
         if row_a is None or row_b is None:
             return False  # one run ended: nothing more to compare with
-        differing = compare.rows_differ(row_a, row_b) if self.training_difference is None \
-            else ()
-        if self.first_difference is None and differing:
-            self.first_difference, self._first_rows = step, (row_a, row_b)
-        if self.first_difference is not None and self._first_rows is not None \
-                and any(field in TRAINING_STATE for field in differing):
+        if self._first is None and compare.rows_differ(row_a, row_b):
+            self._first = (step, row_a, row_b)
+            self.first_difference = step
+        if self.training_difference is None and self._first is not None \
+                and compare.training_differs(row_a, row_b):
             self.training_difference = step
-            self.progress.stage(f"the runs differ at step {step_name(self.first_difference)}; "
-                                f"going on {GROWTH_STEPS} steps to see the difference grow")
+            first, first_a, first_b = self._first
+            self.progress.stage(f"the runs differ at step {step_name(first)}; going on "
+                                f"{GROWTH_STEPS} steps to see the difference grow")
             if self.on_difference is not None:
-                self.on_difference(self.first_difference, *self._first_rows)
+                self.on_difference(first, first_a, first_b)
         if step >= 0:
             self.progress.status(f"step {step}: both runs done")
         return self.training_difference is None or step < self.training_difference + GROWTH_STEPS

@@ -200,8 +200,6 @@ _SLICES = "tf.data.Dataset.from_tensor_slices(tf.fill((3, 2, 4), tf.cast(i, tf.f
      "num_parallel_calls=1", False),
     (f"interleave(lambda i: {_SLICES}.shuffle(3), cycle_length=2, num_parallel_calls=2",
      False),
-    (f"interleave(lambda i: {_SLICES}.map(lambda v: v + tf.random.uniform(())), "
-     "cycle_length=2, num_parallel_calls=2", True),
 ])
 def test_a_parallel_stage_with_a_stateful_function_is_where_batches_are_made(
         tmp_path: Path, stage: str, stateful: bool) -> None:

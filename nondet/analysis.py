@@ -187,8 +187,6 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                    growth(a, b, step_div.step if step_div else (div.step or 0)))
 
 
-#: Step-row fields that make up the training state: the verdict follows these.
-TRAINING_STATE = ("data_fp", "loss_fp", "grads_fp", "params_fp", "buffers_fp", "optim_fp")
 
 
 def _check_same_framework(a: Capture, b: Capture) -> None:
@@ -235,8 +233,7 @@ def _training_state_differs(a: Capture, b: Capture, count_extra_steps: bool) -> 
     rows_b = {int(r["step"]): r for r in b.steps}
     if count_extra_steps and set(rows_a) != set(rows_b):
         return True
-    common = set(rows_a) & set(rows_b)
-    return any(int(rows_a[s][f]) != int(rows_b[s][f]) for s in common for f in TRAINING_STATE)
+    return any(compare.training_differs(rows_a[s], rows_b[s]) for s in set(rows_a) & set(rows_b))
 
 
 

@@ -30,6 +30,16 @@ def rows_differ(a: np.void, b: np.void) -> tuple[str, ...]:
     return tuple(name for name, _ in STEP_COMPONENTS if int(a[name]) != int(b[name]))
 
 
+#: Step-row fields that make up the training state: the verdict follows these.
+TRAINING_STATE = ("data_fp", "loss_fp", "grads_fp", "params_fp", "buffers_fp", "optim_fp")
+
+
+def training_differs(a: np.void, b: np.void) -> bool:
+    """Whether two step rows differ in the training state (not only in RNG state or probes,
+    which no verdict follows)."""
+    return any(int(a[name]) != int(b[name]) for name in TRAINING_STATE)
+
+
 def first_step_divergence(steps_a: np.ndarray, steps_b: np.ndarray,
                           count_extra_steps: bool = True) -> StepDivergence | None:
     """The first step whose rows differ; then, if ``count_extra_steps`` (both runs ended on

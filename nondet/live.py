@@ -50,30 +50,41 @@ def narrowing_window(step: int) -> tuple[str, list[int]]:
 
 
 class LiveCompare:
-    """Judges each step as soon as both runs have it: after the first difference the runs
-    go on for GROWTH_STEPS more steps (to show the difference growing), then stop.
-    ``on_difference(step, row_a, row_b)`` is told of the first difference (once)."""
+    """Judges each step as soon as both runs have it: after the first difference in the
+    training state the runs go on for GROWTH_STEPS more steps (to show the difference
+    growing), then stop. A difference only in state the verdict does not follow (RNG state,
+    probes) stops nothing: a Keras random layer in a tf.data map advances its seed as far
+    as prefetching ran ahead, and stopping there gave a "deterministic" verdict on the first
+    few steps of a long job. ``on_difference(step, row_a, row_b)`` is told of the first
+    difference of any kind (once), when the training state first differs."""
 
     def __init__(self, progress: ProgressSink,
                  on_difference: Callable[[int, np.void, np.void], None] | None = None,
                  ) -> None:
         self.first_difference: int | None = None
+        self.training_difference: int | None = None
         self.progress = progress
         self.on_difference = on_difference
+        self._first: tuple[int, np.void, np.void] | None = None  # step and rows
 
     def judge(self, step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
         """True to keep both runs going."""
         if row_a is None or row_b is None:
             return False  # one run ended: nothing more to compare with
-        if self.first_difference is None and compare.rows_differ(row_a, row_b):
+        if self._first is None and compare.rows_differ(row_a, row_b):
+            self._first = (step, row_a, row_b)
             self.first_difference = step
-            self.progress.stage(f"the runs differ at step {step_name(step)}; going on "
+        if self.training_difference is None and self._first is not None \
+                and compare.training_differs(row_a, row_b):
+            self.training_difference = step
+            first, first_a, first_b = self._first
+            self.progress.stage(f"the runs differ at step {step_name(first)}; going on "
                                 f"{GROWTH_STEPS} steps to see the difference grow")
             if self.on_difference is not None:
-                self.on_difference(step, row_a, row_b)
+                self.on_difference(first, first_a, first_b)
         if step >= 0:
             self.progress.status(f"step {step}: both runs done")
-        return self.first_difference is None or step < self.first_difference + GROWTH_STEPS
+        return self.training_difference is None or step < self.training_difference + GROWTH_STEPS
 
 
 class Early:

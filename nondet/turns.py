@@ -72,7 +72,8 @@ class Grants:
         self._last: dict[Player, tuple[int, float]] = {}
         self._times: dict[Player, deque[float]] = {
             run: deque(maxlen=MEASURED_STEPS) for run in runs}
-        # once two rows differ the judge stops soon (a few growth steps): one step a turn
+        # once two rows differ in training state the judge stops soon (a few growth steps):
+        # one step a turn
         # from then on, so that the runs overshoot its stop by no more than already granted
         self.differed = False
         self._op_steps: list[int] | None = []
@@ -265,7 +266,7 @@ class Turns:
                 continue
             self._unjudged.discard(step)
             self._judged.add(step)
-            if have_both and compare.rows_differ(rows_a[step], rows_b[step]):
+            if have_both and compare.training_differs(rows_a[step], rows_b[step]):
                 self.grants.differed = True
             if self._stopping or self.judge(step, rows_a.get(step), rows_b.get(step)):
                 continue

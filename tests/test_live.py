@@ -130,3 +130,17 @@ def test_turns_replay_rows_sent_before_they_existed_once() -> None:
     turns.on_row(a, _row(-1))  # the pump thread delivers the same row: counted once
     turns.on_row(b, _row(-1))
     assert a.words == [channel.GO] and b.words == []
+
+
+def test_a_difference_only_in_rng_state_does_not_stop_the_runs() -> None:
+    """A Keras random layer in a tf.data map advances its seed state as far as prefetching
+    ran ahead: the runs go on (a later difference in training would be missed), and
+    stop GROWTH_STEPS after the training state first differs."""
+    judge = LiveCompare(_Progress())
+    rng_only = _rows(2, records=0, differ=False)
+    rng_only[1]["rng_fp"] = 7
+    assert all(judge.judge(step, *rng_only) for step in range(2, 30))
+    assert judge.first_difference == 2 and judge.training_difference is None
+    assert judge.judge(30, *_rows(30, records=0))
+    assert judge.training_difference == 30
+    assert [judge.judge(s, *_rows(s, records=0)) for s in range(31, 35)] == [True] * 3 + [False]

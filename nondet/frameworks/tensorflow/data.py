@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from nondet import frameworks
 from nondet.frameworks.base import Session
 from nondet.frameworks.tensorflow.shared_draws import NOTE, NOTE_KEY, SharedDraws
+from nondet.frameworks.tensorflow.stage_lines import draws_state
 
 #: tf.data stages that run their function on several elements at once.
 _PARALLEL_STAGES = ("ParallelMapDataset", "ParallelInterleaveDataset", "MapAndBatchDataset",
@@ -38,6 +39,9 @@ _ORDER_OPTIONS = ("deterministic", "experimental_deterministic")
 
 #: Fact: the user's lines calling ``Dataset.list_files`` with its shuffle on and no seed.
 LIST_FILES_FACT = "tf.data.list_files_shuffled"
+
+#: How deep into functions a stage's function runs (nested stages, branches) is looked.
+_MAX_NESTING = 8
 
 #: Sites kept per run for a fact that lists lines.
 _MAX_SITES = 16
@@ -86,12 +90,43 @@ def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) ->
     name = stage_function(attrs)
     if name is None:
         return False
-    from tensorflow.python.eager import context
-
     try:
-        return bool(context.context().get_function_def(name).signature.is_stateful)
+        return function_draws_state(name)
     except Exception:  # a function TF no longer holds: this is only about the line shown
         return False
+
+
+def function_draws_state(name: str, depth: int = 0) -> bool:
+    """Whether the tf.data function ``name`` (or one it runs: a nested stage's function, a
+    branch, a call) has an op that ``stage_lines.draws_state``. Its signature's
+    ``is_stateful`` alone is not enough: an interleave's function that only builds a
+    dataset per element (``from_tensor_slices(...)``, ``TFRecordDataset``) is marked
+    stateful and races on nothing."""
+    from tensorflow.python.eager import context
+    from tensorflow.python.framework import op_def_registry
+
+    try:
+        function = context.context().get_function_def(name)
+    except Exception:
+        if depth:
+            return True  # a nested function not found: as stateful as its caller says
+        raise
+    if not function.signature.is_stateful:
+        return False  # nothing stateful inside, nested functions included
+    if depth >= _MAX_NESTING:
+        return True
+    for node in function.node_def:
+        nested = [a.func.name for a in node.attr.values() if a.HasField("func")]
+        nested += [f.name for a in node.attr.values() if a.HasField("list") for f in a.list.func]
+        op_def = op_def_registry.get(node.op)
+        if op_def is None:  # a function called by its name
+            nested.append(node.op)
+        if nested:  # a call, a branch, a nested stage: what it runs decides
+            if any(function_draws_state(n, depth + 1) for n in nested):
+                return True
+        elif op_def is not None and draws_state(node.op, op_def.is_stateful):
+            return True
+    return False
 
 
 def stage_function(attrs: dict[str, Any]) -> str | None:

@@ -25,9 +25,22 @@ from nondet.frameworks.base import Sources
 #: Stateful ops that change no value a batch is made of: never the line to name.
 _NOT_A_CAUSE = frozenset({"Assert", "Print", "PrintV2", "NoOp"})
 
+#: Op types with these in their name build a dataset or its shuffle seeds: TensorFlow marks
+#: dataset sources stateful (``TensorSliceDataset``, ``TFRecordDatasetV2``), but an
+#: interleave's function building one per element hands no element another's state.
+_BUILDS_A_DATASET = ("Dataset", "SeedGenerator")
+
 #: How far up nested graphs (a tf.cond branch inside a map function) a dataset graph is
 #: looked for.
 _MAX_NESTING = 8
+
+
+def draws_state(op_type: str, is_stateful: bool) -> bool:
+    """Whether an op inside a tf.data function can give elements run in parallel different
+    state depending on thread timing: a stateful op (a random op, a variable read) that
+    neither builds a dataset nor only prints or asserts."""
+    return (is_stateful and op_type not in _NOT_A_CAUSE
+            and not any(part in op_type for part in _BUILDS_A_DATASET))
 
 
 def user_line(sources: Sources, frames: Iterable[Any] | None) -> int:
@@ -67,10 +80,10 @@ class StageLines:
     def note_op(self, op_type: str, outputs: Any, graph: Any) -> None:
         """An op traced into ``graph`` (called for graphs nondet does not instrument)."""
         name = _dataset_graph(graph)
-        if name is None or name in self._first or op_type in _NOT_A_CAUSE or not outputs:
+        if name is None or name in self._first or not outputs:
             return
         op = getattr(outputs[0], "op", None)
-        if op is None or not op.op_def.is_stateful:
+        if op is None or not draws_state(op_type, op.op_def.is_stateful):
             return
         line = user_line(self.sources, op.traceback)
         if line >= 0:

@@ -29,8 +29,10 @@ MASK64 = (1 << 64) - 1
 #: The fingerprint definition's version, written into every capture's environment. A
 #: baseline made under another definition is drift (its values are not comparable), so
 #: `nondet check` asks for a new baseline instead of reporting every step as different.
-#: Raise it whenever any backend's fingerprint of the same tensor changes.
-SCHEME = "2"
+#: Raise it whenever any backend's fingerprint of the same tensor changes. 3: a view read
+#: after its base was written keeps its derived fingerprint (torch/cache.py, Note [Views
+#: share their base's version]) instead of being hashed again.
+SCHEME = "3"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device
 _CHUNK_KEY_OFFSET = 1 << 40  # chunk weights come from a disjoint part of the key stream

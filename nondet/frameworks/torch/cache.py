@@ -38,6 +38,17 @@ version counter then one ahead of the entry's (the bump; nothing else ran in bet
 the return through the dispatcher) is taken as the entry's version, if the storage object
 and its write count are still the entry's. Any other change leaves the entry stale, so the
 tensor is hashed again: settling can only save a hash, never keep one that changed.
+
+Note [Views share their base's version]
+An out-of-place view op's output (``t``, ``detach``, ``view``) shares its base's version
+counter only once the ADInplaceOrView kernel has run, above the recorder as well: inside
+the recorder it reads 0. Its entry (a derived fingerprint) would then be stale at its first
+read whenever the base's version is not 0 (every parameter the optimizer has written: the
+transposed weights a linear layer's backward reads), and the view hashed again. So a view's
+entry is settled like a written tensor's, expecting the base's version at the view op: it
+keeps its derived fingerprint if the view then reads exactly that version, over the same
+storage object with no recorded write since. A read of such a view records the derived
+value where it recorded the view's content hash before (fingerprint scheme 3).
 """
 
 from __future__ import annotations
@@ -162,7 +173,9 @@ class FingerprintCache(StepRecords):
         self.window = False  # op-level capture is on for the current step
         self.active = False  # ... and nondet is not running its own ops right now
         self.cache: dict[int, Entry] = {}
-        self.settling: list[Entry] = []  # Note [Version bumps after the op]
+        #: entries to settle at the next recorder call, with the version each expects
+        #: (Note [Version bumps after the op])
+        self.settling: list[tuple[Entry, int]] = []
         self.storages = Storages()  # Note [Storage identity]
         self.pending: list[Fp] = []
         self.graph_outputs = cuda.GraphOutputs(self.forget)  # written by captured ops
@@ -322,7 +335,7 @@ class FingerprintCache(StepRecords):
         for t in tensors:
             entry = self.cache.get(id(t))
             if entry is not None and entry[0]() is t:
-                self.settling.append(entry)
+                self.settling.append((entry, entry[1] + 1))
 
     def cached(self, t: torch.Tensor) -> Fp | None:
         """The cached fingerprint of a plain tensor whose entry is current (lazy or not),
@@ -343,13 +356,13 @@ class FingerprintCache(StepRecords):
     def settle(self) -> None:
         """Take the version bumps of the last op's written tensors into their entries."""
         settling, self.settling = self.settling, []
-        for entry in settling:
+        for entry, expected in settling:
             t = entry[0]()
             if t is None or self.cache.get(id(t)) is not entry:
                 continue  # gone, or remembered anew since
             obj, version = _owner_and_version(t)
             state = entry[2]
-            if version == entry[1] + 1 and state() is obj and state.writes == entry[3]:
+            if version == expected and state() is obj and state.writes == entry[3]:
                 self.cache[id(t)] = (entry[0], version, state, entry[3], entry[4])
 
     def entry(self, t: torch.Tensor) -> Entry | None:

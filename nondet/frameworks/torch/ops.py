@@ -229,7 +229,7 @@ class OpRecorder(FingerprintCache):
                 if self.window:
                     entry = self.remember_entry(t, fp)
                     if settling is not None:
-                        settling.append(entry)
+                        settling.append((entry, entry[1] + 1))
             mutates = False
         if not outputs and isinstance(out, (bool, int, float, complex)):
             out_fps.append(Fp(value=scalar_value(out)))  # .item() and friends
@@ -272,8 +272,16 @@ class OpRecorder(FingerprintCache):
         base = args[0] if args and isinstance(args[0], torch.Tensor) else None
         uninit = any(fp.uninit for fp in fps)
         if self.window and type(out) is _TENSOR:
-            self.remember_entry(out, self.derive(fps[0], base, out, uninit)
-                                if base is not None else Fp(uninit=uninit))
+            entry = self.remember_entry(out, self.derive(fps[0], base, out, uninit)
+                                        if base is not None else Fp(uninit=uninit))
+            if type(base) is _TENSOR or type(base) is _PARAMETER:
+                # Note [Views share their base's version]: settled at the next call
+                try:
+                    version = base._version
+                except RuntimeError:  # an inference tensor: no version counter
+                    return out
+                if version != entry[1]:
+                    self.settling.append((entry, version))
             return out
         for t in tensors_in(out):
             fp = self.derive(fps[0], base, t, uninit) if base is not None else Fp(

@@ -101,6 +101,8 @@ _DOUBLE = struct.Struct("<d")
 #: scalar_value of floats by their bits (not by value: 0.0 == -0.0, nan != nan). Ops see the
 #: same few scalars at every step (learning rate, betas, eps), so this stays small; capped.
 _FLOAT_FPS: dict[bytes, int] = {}
+#: scalar_value of Python ints (exactly ``int``: a bool is not one) by value; capped.
+_INT_FPS: dict[int, int] = {}
 
 
 def scalar_value(value: object) -> int:
@@ -112,6 +114,13 @@ def scalar_value(value: object) -> int:
             fp = combine((2, int.from_bytes(bits, "little")))
             if len(_FLOAT_FPS) < 4096:
                 _FLOAT_FPS[bits] = fp
+        return fp
+    if type(value) is int:
+        fp = _INT_FPS.get(value)
+        if fp is None:
+            fp = combine((1, value & MASK64, value >> 64))
+            if len(_INT_FPS) < 4096:
+                _INT_FPS[value] = fp
         return fp
     if isinstance(value, bool):
         return 0x5EED0000 + int(value)

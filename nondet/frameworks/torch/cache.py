@@ -265,7 +265,7 @@ class FingerprintCache(StepRecords):
         else:
             meta, packed = (info.code, *_describe(out)), None
         if scalars:
-            values = tuple(scalar_value(x) for x in scalars)
+            values = [scalar_value(x) for x in scalars]
             meta = (*meta, *values)
             if packed is not None:
                 packed += pack_words(values)

@@ -278,8 +278,8 @@ class OpRecorder(FingerprintCache):
                 # Note [Views share their base's version]: settled at the next call
                 try:
                     version = base._version
-                except RuntimeError:  # an inference tensor: no version counter
-                    return out
+                except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+                    return out  # no version counter (an inference tensor): not settled
                 if version != entry[1]:
                     self.settling.append((entry, version))
             return out

@@ -29,8 +29,10 @@ MASK64 = (1 << 64) - 1
 #: The fingerprint definition's version, written into every capture's environment. A
 #: baseline made under another definition is drift (its values are not comparable), so
 #: `nondet check` asks for a new baseline instead of reporting every step as different.
-#: Raise it whenever any backend's fingerprint of the same tensor changes.
-SCHEME = "2"
+#: Raise it whenever any backend's fingerprint of the same tensor changes. 3: a view read
+#: after its base was written keeps its derived fingerprint (torch/cache.py, Note [Views
+#: share their base's version]) instead of being hashed again.
+SCHEME = "3"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device
 _CHUNK_KEY_OFFSET = 1 << 40  # chunk weights come from a disjoint part of the key stream
@@ -99,6 +101,8 @@ _DOUBLE = struct.Struct("<d")
 #: scalar_value of floats by their bits (not by value: 0.0 == -0.0, nan != nan). Ops see the
 #: same few scalars at every step (learning rate, betas, eps), so this stays small; capped.
 _FLOAT_FPS: dict[bytes, int] = {}
+#: scalar_value of Python ints (exactly ``int``: a bool is not one) by value; capped.
+_INT_FPS: dict[int, int] = {}
 
 
 def scalar_value(value: object) -> int:
@@ -110,6 +114,13 @@ def scalar_value(value: object) -> int:
             fp = combine((2, int.from_bytes(bits, "little")))
             if len(_FLOAT_FPS) < 4096:
                 _FLOAT_FPS[bits] = fp
+        return fp
+    if type(value) is int:
+        fp = _INT_FPS.get(value)
+        if fp is None:
+            fp = combine((1, value & MASK64, value >> 64))
+            if len(_INT_FPS) < 4096:
+                _INT_FPS[value] = fp
         return fp
     if isinstance(value, bool):
         return 0x5EED0000 + int(value)

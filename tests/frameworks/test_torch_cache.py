@@ -51,6 +51,38 @@ def test_a_write_outside_the_ops_after_a_recorded_write_is_seen() -> None:
     assert int(read["in_fp"]) == _fresh_value(torch.full((8,), 5.0))
 
 
+def test_a_view_of_a_written_tensor_is_not_hashed_at_its_first_read() -> None:
+    """A view shares its base's version counter only after the recorder returned (Note
+    [Views share their base's version]): settled at the next op, its first read takes the
+    derived fingerprint (the transposed weight a linear layer's backward reads)."""
+    with recording() as recorder:
+        w = torch.ones(16, 8) * 3
+        w.mul_(2)  # written: its version is no longer 0
+        v = w.t()
+        hashed = count_hashes(recorder, v)
+        torch.mm(v, torch.ones(16, 4))
+    assert not hashed, "the view was hashed again at its first read"
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_view_whose_base_is_written_after_it_is_hashed_afresh(recorded: bool) -> None:
+    """A write to the base between the view op and the view's read, recorded or not (a
+    version bump the recorder did not see), leaves the view's entry stale: the read hashes
+    the values the view shows then."""
+    with recording() as recorder:
+        x = torch.ones(8) * 3
+        x.add_(1)
+        v = x.view(2, 4)
+        if recorded:
+            x.add_(1)
+        else:
+            with _disable_current_modes():
+                x.add_(1)
+        v * 2
+    rows = recorder.take_rows(0)
+    assert int(rows[-1]["in_fp"]) == _fresh_value(torch.full((2, 4), 5.0))
+
+
 def test_a_tensor_given_another_storage_without_a_version_bump_is_hashed_again() -> None:
     """``x.data = y`` swaps the storage without bumping ``x``'s version counter; the entry
     names its storage object, so the next read cannot take the old fingerprint."""

@@ -38,6 +38,17 @@ version counter then one ahead of the entry's (the bump; nothing else ran in bet
 the return through the dispatcher) is taken as the entry's version, if the storage object
 and its write count are still the entry's. Any other change leaves the entry stale, so the
 tensor is hashed again: settling can only save a hash, never keep one that changed.
+
+Note [Views share their base's version]
+An out-of-place view op's output (``t``, ``detach``, ``view``) shares its base's version
+counter only once the ADInplaceOrView kernel has run, above the recorder as well: inside
+the recorder it reads 0. Its entry (a derived fingerprint) would then be stale at its first
+read whenever the base's version is not 0 (every parameter the optimizer has written: the
+transposed weights a linear layer's backward reads), and the view hashed again. So a view's
+entry is settled like a written tensor's, expecting the base's version at the view op: it
+keeps its derived fingerprint if the view then reads exactly that version, over the same
+storage object with no recorded write since. A read of such a view records the derived
+value where it recorded the view's content hash before (fingerprint scheme 3).
 """
 
 from __future__ import annotations
@@ -66,6 +77,8 @@ from nondet.records import Kind
 _VIEW_TAG = 0x71E3_5EED
 _describe = safe.describe
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+#: What torch raises reading an attribute that does not apply (Note [Reading user tensors])
+_REFUSED = (RuntimeError, NotImplementedError, AttributeError, TypeError)
 #: A cache entry: the tensor (weakly), its version counter (-1: none) and storage state
 #: when the fingerprint was taken, the storage's write count then, the fingerprint.
 Entry = tuple[weakref.ref[torch.Tensor], int, StorageState, int, Fp]
@@ -111,6 +124,25 @@ def _out_meta(code: int, t: torch.Tensor) -> tuple[tuple[int, ...], bytes]:
     return known
 
 
+#: A view's description (Fp.meta of a derived view fingerprint) and its packed words, by
+#: (dtype, sizes, strides, offset from the base): a step makes the same views each time.
+_VIEW_META: dict[tuple[Any, ...], tuple[tuple[int, ...], bytes]] = {}
+
+
+def _view_meta(view: torch.Tensor, stride: tuple[int, ...], offset: int
+               ) -> tuple[tuple[int, ...], bytes]:
+    """``(_VIEW_TAG, *describe(view), *stride, offset)`` of a plain CPU view, and the same
+    words packed (Note [Packed descriptions])."""
+    key = (view.dtype, view.shape, stride, offset)
+    known = _VIEW_META.get(key)
+    if known is None:
+        meta = (_VIEW_TAG, *_cpu_meta(view)[0], *stride, offset)
+        known = meta, pack_words(meta)
+        if len(_VIEW_META) < 4096:
+            _VIEW_META[key] = known
+    return known
+
+
 def _pack_parents(parents: tuple[Fp, ...]) -> bytes:
     """The parents' final values as ``pack_words`` packs them."""
     packer = _PARENT_PACKERS.get(len(parents))
@@ -125,7 +157,7 @@ def _owner_and_version(t: torch.Tensor) -> tuple[object, int]:
     if type(t) in _PLAIN_TYPES:
         try:
             return t.untyped_storage(), t._version
-        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        except _REFUSED:
             pass  # an inference or sparse tensor: the guarded reads below
     version = safe.version(t)
     return safe.owner(t), -1 if version is None else version
@@ -141,11 +173,14 @@ class FingerprintCache(StepRecords):
         self.window = False  # op-level capture is on for the current step
         self.active = False  # ... and nondet is not running its own ops right now
         self.cache: dict[int, Entry] = {}
-        self.settling: list[Entry] = []  # Note [Version bumps after the op]
+        #: entries to settle at the next recorder call, with the version each expects
+        #: (Note [Version bumps after the op])
+        self.settling: list[tuple[Entry, int]] = []
         self.storages = Storages()  # Note [Storage identity]
         self.pending: list[Fp] = []
         self.graph_outputs = cuda.GraphOutputs(self.forget)  # written by captured ops
         self.infos: dict[Any, OpInfo] = {}
+        self.infos_by_id: dict[int, tuple[Any, OpInfo]] = {}  # ops.py: id(func) -> (func, info)
         self.stamp: tuple[list[torch.Tensor], int, int] | None = None
         self.creating: tuple[str, str] | None = None  # entry label while a wrapper runs
         # tensors written where this process records no op (a collective, "comm:<op>",
@@ -203,6 +238,16 @@ class FingerprintCache(StepRecords):
         fp = Fp(uninit=uninit)
         if base.lazy:
             return fp
+        if type(view) in _PLAIN_TYPES and view.is_cpu and not view.is_nested:
+            try:  # a strided CPU view (sparse and opaque ones refuse: the general path)
+                stride = view.stride()
+                offset = int(view.storage_offset() - base_tensor.storage_offset())
+            except _REFUSED:
+                pass
+            else:
+                fp.parents = (base,)
+                fp.meta, packed = _view_meta(view, stride, offset)
+                return self._derived(fp, packed)
         where = safe.geometry(view, base_tensor)
         if where is None:  # no strides (sparse, nested): read the view itself
             return self.fingerprint(view, fp)
@@ -220,7 +265,7 @@ class FingerprintCache(StepRecords):
         else:
             meta, packed = (info.code, *_describe(out)), None
         if scalars:
-            values = tuple(scalar_value(x) for x in scalars)
+            values = [scalar_value(x) for x in scalars]
             meta = (*meta, *values)
             if packed is not None:
                 packed += pack_words(values)
@@ -265,11 +310,24 @@ class FingerprintCache(StepRecords):
 
     def remember(self, t: torch.Tensor, fp: Fp) -> Fp:
         if self.window:
-            obj, version = _owner_and_version(t)
-            state = self.storages.state_of(obj)
-            self.cache[id(t)] = (weakref.ref(t), version, state, state.writes, fp)
-            state.uninit = fp.uninit
+            self.remember_entry(t, fp)
         return fp
+
+    def remember_entry(self, t: torch.Tensor, fp: Fp) -> Entry:
+        """``remember`` in the op window, returning the entry (``wrote`` takes it)."""
+        if type(t) in _PLAIN_TYPES:  # _owner_and_version's common case, inline
+            try:
+                obj: object = t.untyped_storage()
+                version = t._version
+            except _REFUSED:  # an inference or sparse tensor
+                obj, version = _owner_and_version(t)
+        else:
+            obj, version = _owner_and_version(t)
+        state = self.storages.state_of(obj)
+        entry = (weakref.ref(t), version, state, state.writes, fp)
+        self.cache[id(t)] = entry
+        state.uninit = fp.uninit
+        return entry
 
     def wrote(self, tensors: list[torch.Tensor]) -> None:
         """``tensors`` were written by the op just recorded: their entries are settled at
@@ -277,18 +335,34 @@ class FingerprintCache(StepRecords):
         for t in tensors:
             entry = self.cache.get(id(t))
             if entry is not None and entry[0]() is t:
-                self.settling.append(entry)
+                self.settling.append((entry, entry[1] + 1))
+
+    def cached(self, t: torch.Tensor) -> Fp | None:
+        """The cached fingerprint of a plain tensor whose entry is current (lazy or not),
+        read inline: the hot path of every op input. None: ask ``lookup``."""
+        entry = self.cache.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        state = entry[2]
+        if state.writes != entry[3] or type(t) not in _PLAIN_TYPES:
+            return None
+        try:
+            if t._version == entry[1] and state() is t.untyped_storage():
+                return entry[4]
+        except _REFUSED:
+            pass  # an inference or sparse tensor: ``lookup`` decides
+        return None
 
     def settle(self) -> None:
         """Take the version bumps of the last op's written tensors into their entries."""
         settling, self.settling = self.settling, []
-        for entry in settling:
+        for entry, expected in settling:
             t = entry[0]()
             if t is None or self.cache.get(id(t)) is not entry:
                 continue  # gone, or remembered anew since
             obj, version = _owner_and_version(t)
             state = entry[2]
-            if version == entry[1] + 1 and state() is obj and state.writes == entry[3]:
+            if version == expected and state() is obj and state.writes == entry[3]:
                 self.cache[id(t)] = (entry[0], version, state, entry[3], entry[4])
 
     def entry(self, t: torch.Tensor) -> Entry | None:
@@ -307,7 +381,7 @@ class FingerprintCache(StepRecords):
             return False
         try:
             return t._version == entry[1] and state() is t.untyped_storage()
-        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        except _REFUSED:
             return False  # an inference or sparse tensor: ``current`` decides
 
     @staticmethod

@@ -95,8 +95,15 @@ class OpRecorder(FingerprintCache):
             info = self.infos[func] = op_info(func, self.session.intern(str(func)))
         return info
 
+    def _info_by_id(self, func: Any) -> OpInfo:
+        info = self.info(func)
+        self.infos_by_id[id(func)] = (func, info)  # holds func: its id stays its own
+        return info
+
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        info = self.infos.get(func) or self.info(func)
+        # by identity: an OpOverload's __hash__ is Python code (overloads live for good)
+        known = self.infos_by_id.get(id(func))
+        info = known[1] if known is not None and known[0] is func else self._info_by_id(func)
         if self.settling:
             self.settle()
         if self.stamp is not None:
@@ -114,16 +121,7 @@ class OpRecorder(FingerprintCache):
         ctx = (phase, module, source)
 
         if info.view:
-            fps = [self.lookup(t, ctx, materialize=False)
-                   for value in (*args, *kwargs.values()) for t in tensors_in(value)]
-            out = func(*args, **kwargs)
-            base = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            uninit = any(fp.uninit for fp in fps)
-            for t in tensors_in(out):
-                fp = self.derive(fps[0], base, t, uninit) if base is not None else Fp(
-                    uninit=uninit)
-                self.remember(t, fp)
-            return out
+            return self._view(func, args, kwargs, ctx)
 
         flags = info.flags
         known_source: StorageState | None = None
@@ -142,11 +140,32 @@ class OpRecorder(FingerprintCache):
             # a functional collective's wait: its input is being written until it returns
             ins = [] if comm.is_wait(str(func)) else self._comm_inputs(args, kwargs, bucket)
         else:
+            cached = None if self.shared_is_volatile else self.cached
+            overwritten = info.overwritten_args
             for position, value in enumerate(args):
-                flags |= self._input(value, position in info.overwritten_args, ctx, ins,
-                                     taints, scalars)
-                needs_grad = needs_grad or (isinstance(value, torch.Tensor)
-                                            and value.requires_grad)
+                kind = type(value)
+                if kind is _TENSOR or kind is _PARAMETER:
+                    needs_grad = needs_grad or value.requires_grad
+                    if cached is not None and position not in overwritten:
+                        # the common case: a plain tensor whose fingerprint is cached and
+                        # current (what ``_input`` would find, without its general walk)
+                        fp = cached(value)
+                        if (fp is not None and not fp.uninit and (
+                                fp.value is not None or fp.content is not None
+                                or fp.parents is not None)):
+                            ins.append(fp)
+                            continue
+                elif kind is int or kind is float or kind is bool:
+                    if position not in overwritten:
+                        scalars.append(value)
+                    continue
+                elif value is None:
+                    continue
+                else:
+                    needs_grad = needs_grad or (isinstance(value, torch.Tensor)
+                                                and value.requires_grad)
+                flags |= self._input(value, position in overwritten, ctx, ins, taints,
+                                     scalars)
             for key, value in kwargs.items():
                 flags |= self._input(value, key in info.overwritten_kwargs, ctx, ins, taints,
                                      scalars)
@@ -168,7 +187,8 @@ class OpRecorder(FingerprintCache):
             _extend_unique(outputs, args[position] if position < len(args) else None)
         for key in info.mutated_kwargs:
             _extend_unique(outputs, kwargs.get(key))
-        if (info.mutated_args or info.mutated_kwargs) and not info.from_storage:
+        mutates = bool(info.mutated_args or info.mutated_kwargs)
+        if mutates and not info.from_storage:
             # (set_ changes which memory a tensor shows, not the memory's bytes)
             for t in outputs:
                 self.note_write(t)
@@ -195,16 +215,25 @@ class OpRecorder(FingerprintCache):
         elif info.from_storage:
             self._wrapped_storage(outputs, None if info.storage_handle else known_source,
                                   None if info.storage_handle else ctx)
-        elif info.pointwise and not (info.move and cuda.crosses_devices(args, outputs)):
-            for t in outputs:
-                out_fps.append(self.remember(t, self.derive_output(info, ins + taints,
-                                                                   scalars, t)))
         else:
+            # derived or hashed: remembered here, written ones settled at the next call
+            # (what ``remember`` and ``wrote`` do, without looking the entries up again)
+            derived = info.pointwise and not (info.move
+                                              and cuda.crosses_devices(args, outputs))
+            parents = ins + taints
+            settling = self.settling if mutates else None
             for t in outputs:
-                out_fps.append(self.remember(t, self.fingerprint(t)))
+                fp = (self.derive_output(info, parents, scalars, t) if derived
+                      else self.fingerprint(t))
+                out_fps.append(fp)
+                if self.window:
+                    entry = self.remember_entry(t, fp)
+                    if settling is not None:
+                        settling.append((entry, entry[1] + 1))
+            mutates = False
         if not outputs and isinstance(out, (bool, int, float, complex)):
             out_fps.append(Fp(value=scalar_value(out)))  # .item() and friends
-        if info.mutated_args or info.mutated_kwargs:
+        if mutates:
             self.wrote(outputs)
         if needs_grad and phase != _BACKWARD:
             # Not gated on grad mode: a custom op's autograd Function runs its forward with
@@ -222,6 +251,42 @@ class OpRecorder(FingerprintCache):
             shared.check_own_write(self, func, info, args, kwargs, snap)
         self.add(_OP, phase, flags, info.name_id, module, source, out_fps, ins, taints,
                  tuple(scalars), numel, outputs if measured else [])
+        return out
+
+    def _view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              ctx: tuple[int, int, int]) -> Any:
+        """A view op: no record; its output's fingerprint is derived from its base's
+        (Note [Derived fingerprints] in cache.py), the inputs it reads looked up (entry
+        points recorded) without materializing a lazy one."""
+        cached = None if self.shared_is_volatile else self.cached
+        fps = []
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            kind = type(value)
+            if kind is _TENSOR or kind is _PARAMETER:
+                fp = cached(value) if cached is not None else None
+                fps.append(fp if fp is not None else self.lookup(value, ctx,
+                                                                 materialize=False))
+            elif kind is not int and value is not None:
+                fps.extend(self.lookup(t, ctx, materialize=False) for t in tensors_in(value))
+        out = func(*args, **kwargs)
+        base = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        uninit = any(fp.uninit for fp in fps)
+        if self.window and type(out) is _TENSOR:
+            entry = self.remember_entry(out, self.derive(fps[0], base, out, uninit)
+                                        if base is not None else Fp(uninit=uninit))
+            if type(base) is _TENSOR or type(base) is _PARAMETER:
+                # Note [Views share their base's version]: settled at the next call
+                try:
+                    version = base._version
+                except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+                    return out  # no version counter (an inference tensor): not settled
+                if version != entry[1]:
+                    self.settling.append((entry, version))
+            return out
+        for t in tensors_in(out):
+            fp = self.derive(fps[0], base, t, uninit) if base is not None else Fp(
+                uninit=uninit)
+            self.remember(t, fp)
         return out
 
     def _source_storage(self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -324,6 +389,8 @@ def _extend_unique(outputs: list[torch.Tensor], value: Any) -> None:
 
 
 _autograd_node = torch._C._current_autograd_node
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
 _BACKWARD = int(Phase.BACKWARD)
 _OP = Kind.OP
 

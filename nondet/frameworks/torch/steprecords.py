@@ -114,9 +114,8 @@ class StepRecords:
 # (1 thread): 0.9 -> 0.5 ms per step of the narrow model (docs/benchmarks.md, "Fifth round").
 _blake2b = hashlib.blake2b
 _PAIR = struct.Struct("<2Q")
-#: scalar_value of Python ints (exactly ``int``: a bool is not one) by value, and the
-#: combined fingerprint of a record's scalars by their fingerprints; both capped.
-_INT_FPS: dict[int, int] = {}
+#: The combined fingerprint of a record's scalars by their fingerprints (scalar_value
+#: remembers those of floats and ints); capped.
 _SCALAR_FPS: dict[tuple[int, ...], int] = {}
 _CAP = 4096
 
@@ -134,18 +133,7 @@ def _combined(fps: list[Fp]) -> int:
 
 def _scalars_fp(values: tuple[Any, ...]) -> int:
     """``combine(scalar_value(v) for v in values)``."""
-    fps = []
-    for value in values:
-        if type(value) is int:
-            fp = _INT_FPS.get(value)
-            if fp is None:
-                fp = scalar_value(value)
-                if len(_INT_FPS) < _CAP:
-                    _INT_FPS[value] = fp
-        else:
-            fp = scalar_value(value)
-        fps.append(fp)
-    key = tuple(fps)
+    key = tuple([scalar_value(value) for value in values])
     total = _SCALAR_FPS.get(key)
     if total is None:
         total = combine(key)

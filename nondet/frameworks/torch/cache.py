@@ -163,6 +163,10 @@ def _owner_and_version(t: torch.Tensor) -> tuple[object, int]:
     return safe.owner(t), -1 if version is None else version
 
 
+
+#: ``FingerprintCache.op_state`` values
+OP_PENDING, OP_RUNNING, OP_DONE = 0, 1, 2
+
 class FingerprintCache(StepRecords):
     """Fingerprint cache, pending device values and (``StepRecords``) the current step's
     records: the state ``ops.OpRecorder`` works on."""
@@ -188,6 +192,11 @@ class FingerprintCache(StepRecords):
         # afresh by their first reader: its entry is named after the writer
         self.outside_writers: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
         self.depth = 0  # > 0 while an op's own implementation runs (custom ops in Python)
+        #: how far the op of the dispatch under way got (Note [Errors in the recorder] in
+        #: ops.py): OP_PENDING, OP_RUNNING (an exception now is the op's own) or OP_DONE
+        #: (its output in ``op_out``, for the case where nondet fails after it)
+        self.op_state = OP_PENDING
+        self.op_out: Any = None
         self.unnamed_entries: dict[tuple[Any, tuple[int, ...] | None], int] = {}
         #: A child process the script started (children.py): memory it shares with other
         #: processes (Hogwild weights) may be written by them at any moment, unseen by this
@@ -197,6 +206,14 @@ class FingerprintCache(StepRecords):
         self.rereads: list[tuple[Fp, Fp]] = []  # (before, after) still on a device
 
     # -- fingerprints -----------------------------------------------------------------------
+
+    def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call the op itself, marking how far it got (Note [Errors in the recorder])."""
+        self.op_state = OP_RUNNING
+        out = func(*args, **kwargs)
+        self.op_state, self.op_out = OP_DONE, out
+        return out
+
     def fingerprint(self, t: torch.Tensor, fp: Fp | None = None) -> Fp:
         """Start fingerprinting ``t`` (into ``fp`` if given, e.g. a lazy one)."""
         fp = fp or Fp()

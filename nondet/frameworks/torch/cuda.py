@@ -112,7 +112,7 @@ def pass_captured(recorder: Any, func: Any, args: tuple[Any, ...],
     """Run an op that is being captured into a CUDA graph, unrecorded and unhashed: its new
     outputs are uninitialized until a replay writes them, and every tensor it writes is
     forgotten at each replay (Note [CUDA graphs]). ``recorder``: the OpRecorder."""
-    out = func(*args, **kwargs)
+    out = recorder.run_op(func, args, kwargs)
     info = recorder.info(func)
     if info.view:  # an alias: what is known about its base still holds
         return out

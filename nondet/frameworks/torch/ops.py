@@ -56,7 +56,7 @@ from nondet.fingerprint import scalar_value
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import comm, cuda, shared
 from nondet.frameworks.torch import tensors as safe
-from nondet.frameworks.torch.cache import FingerprintCache
+from nondet.frameworks.torch.cache import OP_DONE, OP_PENDING, OP_RUNNING, FingerprintCache
 from nondet.frameworks.torch.compiled import in_region
 from nondet.frameworks.torch.optable import OpInfo, aux_tensors, op_info
 from nondet.frameworks.torch.shared import tensors_in
@@ -176,7 +176,7 @@ class OpRecorder(FingerprintCache):
 
         self.depth += 1
         try:
-            out = func(*args, **kwargs)
+            out = self.run_op(func, args, kwargs)
         finally:
             self.depth -= 1
         if self.shared_is_volatile and not info.comm:  # Note [Writes during an op]
@@ -268,7 +268,7 @@ class OpRecorder(FingerprintCache):
                                                                  materialize=False))
             elif kind is not int and value is not None:
                 fps.extend(self.lookup(t, ctx, materialize=False) for t in tensors_in(value))
-        out = func(*args, **kwargs)
+        out = self.run_op(func, args, kwargs)
         base = args[0] if args and isinstance(args[0], torch.Tensor) else None
         uninit = any(fp.uninit for fp in fps)
         if self.window and type(out) is _TENSOR:
@@ -403,6 +403,13 @@ class CaptureMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
 
     The recorder decides what is recorded; when it is inactive (outside the op window, or
     while nondet fingerprints step-level state) ops pass straight through.
+
+    Note [Errors in the recorder]
+    A hook must never raise into the script. The recorder marks how far the op got
+    (``op_state``): an exception while the op itself runs is the script's (a shape
+    mismatch, an out-of-memory error) and propagates unchanged; any other is nondet's own:
+    the backend reports it (``hook_failed``: exit 3 with a log, capture off) and the script
+    gets the op's result, the op run once, never twice (in-place ops).
     """
 
     def __init__(self, recorder: OpRecorder) -> None:
@@ -420,6 +427,19 @@ class CaptureMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
         kwargs = kwargs or {}
         if not self.recorder.active or func.namespace in _PASS_THROUGH or in_region():
             return func(*args, **kwargs)
-        if cuda.capturing():  # Note [CUDA graphs] in cuda.py
-            return cuda.pass_captured(self.recorder, func, args, kwargs)
-        return self.recorder.dispatch(func, args, kwargs)
+        recorder = self.recorder
+        recorder.op_state = OP_PENDING
+        try:
+            if cuda.capturing():  # Note [CUDA graphs] in cuda.py
+                return cuda.pass_captured(recorder, func, args, kwargs)
+            return recorder.dispatch(func, args, kwargs)
+        except Exception:
+            if recorder.op_state == OP_RUNNING:
+                raise  # the op's own error (a shape mismatch...): the script's to see
+            # nondet's own: reported once as nondet's (exit 3), capture stops, the op's
+            # result goes back to the script as if nondet had not been there
+            state, out = recorder.op_state, recorder.op_out
+            recorder.backend.hook_failed()
+            return out if state == OP_DONE else func(*args, **kwargs)
+        finally:
+            recorder.op_out = None  # the script's tensor, not nondet's to keep alive

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from nondet import loop_end
+from nondet import channel, loop_end
 from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.step_thread import STEP_THREAD
@@ -118,6 +118,14 @@ class TorchBackend(StepLifecycle):
                     self.owner_names.update(owners.owner_names(
                         (p for group in opt.param_groups for p in group["params"]),
                         self.param_names, sys._getframe(1)))
+                    if owners.given_a_set(args, kwargs):
+                        where = self.session.sources.here(2)
+                        # its order (memory addresses) is the order foreach ops and
+                        # clip_grad_norm_ sum the parameters in
+                        self.session.send_facts({
+                            channel.OPTIMIZER_PARAMS_SET: True,
+                            f"{channel.OPTIMIZER_PARAMS_SET}.line":
+                                self.session.string(where) if where >= 0 else ""})
                     self.optimizer_made = True
                     if not self.started:
                         self.start_training()

@@ -46,3 +46,10 @@ def owner_names(params: Iterable[torch.Tensor], named: dict[int, str],
                     found[id(p)] = f"{var}.{path}"
         frame, depth = frame.f_back, depth + 1
     return found
+
+
+def given_a_set(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    """The optimizer's ``params`` argument is a set (torch turns it into a list; it refuses
+    a set only inside a parameter-group dict)."""
+    params = args[0] if args else kwargs.get("params")
+    return isinstance(params, (set, frozenset))

@@ -49,3 +49,15 @@ def test_parameters_no_module_variable_owns_keep_their_slot_names() -> None:
     found = owners.owner_names(opt.param_groups[0]["params"], {}, sys._getframe())
     named, _, _ = named_state([], [weakref.ref(opt)], {}, found)
     assert [n for n, _ in named] == ["optimizer0.group0.param0"]
+
+
+def test_a_lazy_modules_parameters_join_the_state_once_materialized() -> None:
+    """torchrl's MLP without in_features is LazyLinears: at the init row (its first call)
+    the parameters are UninitializedParameters, whose every read raises; hashing one was
+    nondet's internal error (exit 3) in every such script."""
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    before, _, _ = named_state([model], [], {})
+    assert [tuple(t.shape) for _, t in before] == [(2, 4), (2,)]
+    model(torch.ones(1, 3))
+    after, _, _ = named_state([model], [], {})
+    assert [tuple(t.shape) for _, t in after] == [(4, 3), (4,), (2, 4), (2,)]

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from nondet.frameworks.torch.hostwords import raw_bytes
 from nondet.frameworks.torch.leaves import local_tensor
@@ -30,13 +31,11 @@ def named_state(roots: list[torch.nn.Module],
     params: dict[int, tuple[str, torch.Tensor]] = {}
     buffers: dict[int, tuple[str, torch.Tensor]] = {}
     for root in roots:
-        # A tensor on the meta device holds no values (torch.func's functional_call template
-        # of an ensemble, a model built empty): never training state.
         for p in root.parameters():
-            if not p.is_meta:
+            if _holds_values(p):
                 params.setdefault(id(p), (param_names.get(id(p), "?"), p))
         for b in root.buffers():
-            if not b.is_meta:
+            if _holds_values(b):
                 buffers.setdefault(id(b), (param_names.get(id(b), "?"), b))
     live = [opt for opt in (ref() for ref in optimizers) if opt is not None]
     owners = owner_names or {}
@@ -45,7 +44,7 @@ def named_state(roots: list[torch.nn.Module],
     for oi, opt in enumerate(live):
         for gi, group in enumerate(opt.param_groups):
             for pi, t in enumerate(group["params"]):
-                if id(t) in seen:
+                if id(t) in seen or not _holds_values(t):
                     continue
                 seen.add(id(t))
                 name = param_names.get(id(t)) or owners.get(id(t))
@@ -65,6 +64,14 @@ def named_state(roots: list[torch.nn.Module],
             for key in sorted(state, key=str):
                 optim.append((f"{name}:{key}", state[key]))
     return list(params.values()), list(buffers.values()), optim
+
+
+def _holds_values(t: torch.Tensor) -> bool:
+    """Not training state: a tensor on the meta device (torch.func's functional_call
+    template of an ensemble, a model built empty), or a lazy module's parameter before its
+    first forward (``UninitializedParameter``: any read of it raises; torchrl's ``MLP``
+    without ``in_features`` is made of ``LazyLinear``s). It joins once materialized."""
+    return not t.is_meta and not isinstance(t, (UninitializedParameter, UninitializedBuffer))
 
 
 def module_paths(root: torch.nn.Module, prefix: str) -> Iterator[tuple[str, Any]]:

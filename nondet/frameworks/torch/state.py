@@ -32,10 +32,10 @@ def named_state(roots: list[torch.nn.Module],
     buffers: dict[int, tuple[str, torch.Tensor]] = {}
     for root in roots:
         for p in root.parameters():
-            if _holds_values(p):
+            if holds_values(p):
                 params.setdefault(id(p), (param_names.get(id(p), "?"), p))
         for b in root.buffers():
-            if _holds_values(b):
+            if holds_values(b):
                 buffers.setdefault(id(b), (param_names.get(id(b), "?"), b))
     live = [opt for opt in (ref() for ref in optimizers) if opt is not None]
     owners = owner_names or {}
@@ -44,7 +44,7 @@ def named_state(roots: list[torch.nn.Module],
     for oi, opt in enumerate(live):
         for gi, group in enumerate(opt.param_groups):
             for pi, t in enumerate(group["params"]):
-                if id(t) in seen or not _holds_values(t):
+                if id(t) in seen or not holds_values(t):
                     continue
                 seen.add(id(t))
                 name = param_names.get(id(t)) or owners.get(id(t))
@@ -66,7 +66,7 @@ def named_state(roots: list[torch.nn.Module],
     return list(params.values()), list(buffers.values()), optim
 
 
-def _holds_values(t: torch.Tensor) -> bool:
+def holds_values(t: torch.Tensor) -> bool:
     """Not training state: a tensor on the meta device (torch.func's functional_call
     template of an ensemble, a model built empty), or a lazy module's parameter before its
     first forward (``UninitializedParameter``: any read of it raises; torchrl's ``MLP``

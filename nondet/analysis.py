@@ -250,6 +250,7 @@ def finding_facts(div: Divergence, capture: Capture,
         framework=framework,
         op=op, phase=div.phase, kind=div.kind, entry_kind=div.entry_kind,
         reads_uninitialized=div.reads_uninitialized,
+        explained=div.explained,  # False: its inputs differed, yet no earlier op's output
         custom_op=bool(is_torch and div.kind == "op" and namespace
                        and namespace not in ("aten", "prims", "c10d", "_c10d_functional")),
     )
@@ -281,9 +282,12 @@ def with_suggestions(found: Comparison, capture: Capture) -> tuple[Comparison, l
     if div is None:
         return found, []
     div = with_notes(div, *seed_diff.library_generator_notes(div, capture))
+    sites = seed_diff.library_generator_facts(capture.facts)
+    set_line = capture.facts.get(f"{channel.OPTIMIZER_PARAMS_SET}.line")
+    if set_line:  # the line that gave an optimizer a set of parameters (owners.py)
+        sites = {**sites, f"{channel.OPTIMIZER_PARAMS_SET}.line": [set_line]}
     return replace(found, first_divergence=div), recipe.suggest(
-        finding_facts(div, capture, found.environment_differences),
-        sites=seed_diff.library_generator_facts(capture.facts))
+        finding_facts(div, capture, found.environment_differences), sites=sites)
 
 
 def summary_of_capture(c: Capture) -> RunSummary:

@@ -63,6 +63,9 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
                  "tf.config.threading.set_intra_op_parallelism_threads(1)"),
     Intervention("torch.dataloader_in_order", "patch",
                  "every DataLoader made with in_order=True"),
+    Intervention("torch.stable_tensor_hash", "patch",
+                 "tensors hash by a number given in the order they are first hashed, not by "
+                 "address: a set of tensors iterates in the same order in every run"),
     Intervention("tf.data_deterministic", "patch",
                  "every tf.data Options given with_options() made deterministic=True"),
     Intervention("tf.image_stateless", "patch",
@@ -183,6 +186,27 @@ def _torch_dataloader_in_order(_seed: int) -> None:
     DataLoader.__init__ = __init__  # type: ignore[method-assign]
 
 
+def _torch_stable_tensor_hash(_seed: int) -> None:
+    import itertools
+
+    import torch
+    from torch.overrides import has_torch_function_unary
+
+    original: Any = torch.Tensor.__hash__
+    numbers = itertools.count(1)
+
+    def __hash__(self: torch.Tensor) -> int:
+        if has_torch_function_unary(self):
+            return int(original(self))
+        # unique per live tensor like id(), so a set never compares two tensors with ==
+        number: int | None = self.__dict__.get("_nondet_hash")
+        if number is None:
+            number = self.__dict__["_nondet_hash"] = next(numbers)
+        return number
+
+    torch.Tensor.__hash__ = __hash__  # type: ignore[method-assign]
+
+
 def _tf_data_deterministic(_seed: int) -> None:
     import tensorflow as tf
 
@@ -281,6 +305,7 @@ _CHILD: dict[str, Callable[[int], None]] = {
     "tf.op_determinism": _tf_op_determinism,
     "tf.one_thread": _tf_one_thread,
     "torch.dataloader_in_order": _torch_dataloader_in_order,
+    "torch.stable_tensor_hash": _torch_stable_tensor_hash,
     "tf.data_deterministic": _tf_data_deterministic,
     "numpy.seed_unseeded_generators": _numpy_seed_unseeded_generators,
     "tf.generator_from_seed": _tf_generator_from_seed,

@@ -283,3 +283,25 @@ def test_the_text_report_marks_the_verified_fix_with_its_cost() -> None:
                                        ": the runs repeat; cost 1.07x step time")
     assert text._verification(lost) == "not verified: torch.set_num_threads(1): did not help"
     assert text._verification(code) == "a code change: cannot be applied from outside"
+
+
+def test_stable_tensor_hash_makes_a_set_of_tensors_iterate_alike_at_other_addresses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """PY-TENSOR-SET-ORDER's verification: a set of tensors iterates by id() (memory
+    address: another order in another run); patched, by the order they were first hashed."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.Tensor, "__hash__", torch.Tensor.__hash__)  # restored after
+    interventions._torch_stable_tensor_hash(0)
+    kept = []
+
+    def order_in_a_set(spacing: int) -> list[int]:
+        made = []
+        for i in range(40):
+            made.append(torch.nn.Parameter(torch.zeros(1)))
+            kept.append(torch.zeros(1 + spacing * i % 5))  # other addresses for the next
+        index = {id(t): i for i, t in enumerate(made)}
+        return [index[id(t)] for t in set(made)]
+
+    assert order_in_a_set(1) == order_in_a_set(3)
+    made = [torch.zeros(1) for _ in range(3)]
+    assert made[1] in set(made) and torch.zeros(1) not in set(made)

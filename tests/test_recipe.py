@@ -171,3 +171,12 @@ def test_a_shared_table_entering_a_child_process_is_hogwild() -> None:
     loaded = _ids(kind="entry", entry_kind="external", phase="init",
                   op="tensor from a storage (aten.set_)", child_process=True)
     assert loaded[0] == "PT-LOADED-FILE", loaded
+
+
+def test_an_optimizer_given_a_set_explains_an_op_whose_inputs_came_in_another_order() -> None:
+    facts = {"torch.optimizer_params_set": True}
+    assert _ids(op="aten._foreach_norm.Scalar", device="cpu", phase="optimizer",
+                explained=False, **facts)[0] == "PY-TENSOR-SET-ORDER"
+    # a race found by the injection rule (inputs equal) keeps its own cause
+    assert "PY-TENSOR-SET-ORDER" not in _ids(op="aten._foreach_norm.Scalar", device="cpu",
+                                             phase="optimizer", explained=True, **facts)

@@ -19,6 +19,7 @@ lifecycle itself (rows, probes, finish, hook-error containment) is ``base.StepLi
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,11 +29,11 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from nondet import loop_end
+from nondet import channel, loop_end
 from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.step_thread import STEP_THREAD
-from nondet.frameworks.torch import children, comm, compiled, cuda
+from nondet.frameworks.torch import children, comm, compiled, cuda, owners
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
@@ -40,6 +41,7 @@ from nondet.frameworks.torch.kept import KeptOutputs
 from nondet.frameworks.torch.ops import CaptureMode, OpRecorder, tensors_in
 from nondet.frameworks.torch.state import Named as Tensors
 from nondet.frameworks.torch.state import (
+    holds_values,
     module_paths,
     named_state,
     torch_environment,
@@ -63,6 +65,8 @@ class TorchBackend(StepLifecycle):
         self.module_ids: dict[int, int] = {}  # id(module) -> string id of its path
         self.roots: list[torch.nn.Module] = []
         self.param_names: dict[int, str] = {}  # id(tensor) -> "encoder.weight"
+        # parameters an optimizer got before their model was called: "model.0.weight"
+        self.owner_names: dict[int, str] = {}
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         # made on another thread while the step owner ran: out of the step state until the
         # owner changes (Note [State made on another thread] in frameworks/step_thread.py)
@@ -112,6 +116,17 @@ class TorchBackend(StepLifecycle):
                 with self.guarded():
                     held = STEP_THREAD.foreign()
                     (self.held_optimizers if held else self.optimizers).append(weakref.ref(opt))
+                    self.owner_names.update(owners.owner_names(
+                        (p for group in opt.param_groups for p in group["params"]),
+                        self.param_names, sys._getframe(1)))
+                    if owners.given_a_set(args, kwargs):
+                        where = self.session.sources.here(2)
+                        # its order (memory addresses) is the order foreach ops and
+                        # clip_grad_norm_ sum the parameters in
+                        self.session.send_facts({
+                            channel.OPTIMIZER_PARAMS_SET: True,
+                            f"{channel.OPTIMIZER_PARAMS_SET}.line":
+                                self.session.string(where) if where >= 0 else ""})
                     self.optimizer_made = True
                     if not self.started:
                         self.start_training()
@@ -183,7 +198,8 @@ class TorchBackend(StepLifecycle):
             self.verified_step = self.session.step
             for root in self.roots:
                 for t in (*root.parameters(), *root.buffers()):
-                    self.recorder.forget(t)
+                    if holds_values(t):  # a lazy module's parameter: nothing to forget yet
+                        self.recorder.forget(t)
 
     def _register_root(self, root: torch.nn.Module) -> None:
         # The first root's paths are relative ("encoder.mixer"); later roots (a loss module,
@@ -310,7 +326,7 @@ class TorchBackend(StepLifecycle):
             self.roots += self.held_roots
             self.optimizers += self.held_optimizers
             self.held_roots, self.held_optimizers = [], []
-        return named_state(self.roots, self.optimizers, self.param_names)
+        return named_state(self.roots, self.optimizers, self.param_names, self.owner_names)
 
     def _grad_snapshot(self) -> Named:
         params, _, _ = self._named_state()
@@ -347,7 +363,8 @@ class TorchBackend(StepLifecycle):
 
     def _final_params_fp(self) -> int | None:
         params, _, _ = named_state(self.roots + self.held_roots,
-                                   self.optimizers + self.held_optimizers, self.param_names)
+                                   self.optimizers + self.held_optimizers, self.param_names,
+                                   self.owner_names)
         with self.paused_capture():
             # Read afresh, never from the fingerprint cache: another process (Hogwild workers
             # on shared memory) or thread may have changed them without bumping the version

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from nondet.frameworks.torch.hostwords import raw_bytes
 from nondet.frameworks.torch.leaves import local_tensor
@@ -20,33 +21,57 @@ _NP_DTYPES: dict[torch.dtype, Any] = {}  # NumPy's dtype for each torch dtype to
 
 def named_state(roots: list[torch.nn.Module],
                 optimizers: list[weakref.ref[torch.optim.Optimizer]],
-                param_names: dict[int, str]) -> tuple[Named, Named, Named]:
+                param_names: dict[int, str],
+                owner_names: dict[int, str] | None = None) -> tuple[Named, Named, Named]:
     """Named parameters, buffers and optimizer state, in a stable order. Parameters an
-    optimizer updates but no root module owns are named after their optimizer slot."""
+    optimizer updates but no root module owns are named after their owner's variable
+    (``owner_names``, in its order), else after their optimizer slot; optimizer state
+    follows the parameters' order, never the slot order (Note [Parameters an optimizer is
+    given in another order] in owners.py)."""
     params: dict[int, tuple[str, torch.Tensor]] = {}
     buffers: dict[int, tuple[str, torch.Tensor]] = {}
     for root in roots:
-        # A tensor on the meta device holds no values (torch.func's functional_call template
-        # of an ensemble, a model built empty): never training state.
         for p in root.parameters():
-            if not p.is_meta:
+            if holds_values(p):
                 params.setdefault(id(p), (param_names.get(id(p), "?"), p))
         for b in root.buffers():
-            if not b.is_meta:
+            if holds_values(b):
                 buffers.setdefault(id(b), (param_names.get(id(b), "?"), b))
-    optim: Named = []
-    for oi, ref in enumerate(optimizers):
-        opt = ref()
-        if opt is None:
-            continue
+    live = [opt for opt in (ref() for ref in optimizers) if opt is not None]
+    owners = owner_names or {}
+    loose: list[tuple[int, int, str, torch.Tensor]] = []  # (owner rank, slot, name, p)
+    seen = set(params)
+    for oi, opt in enumerate(live):
         for gi, group in enumerate(opt.param_groups):
-            for pi, p in enumerate(group["params"]):
-                name = param_names.get(id(p)) or f"optimizer{oi}.group{gi}.param{pi}"
-                params.setdefault(id(p), (name, p))
-                state = opt.state.get(p, {})
-                for key in sorted(state, key=str):
-                    optim.append((f"{name}:{key}", state[key]))
+            for pi, t in enumerate(group["params"]):
+                if id(t) in seen or not holds_values(t):
+                    continue
+                seen.add(id(t))
+                name = param_names.get(id(t)) or owners.get(id(t))
+                rank = 0 if name else 1  # named ones first, in their owner's order
+                loose.append((rank, len(loose), name or f"optimizer{oi}.group{gi}.param{pi}", t))
+    order = {name: i for i, name in enumerate(owners.values())}
+    loose.sort(key=lambda x: (x[0], order.get(x[2], x[1]) if x[0] == 0 else x[1]))
+    for _, _, name, t in loose:
+        params[id(t)] = (name, t)
+    optim: Named = []
+    for opt in live:
+        members = {id(t) for group in opt.param_groups for t in group["params"]}
+        for name, t in params.values():
+            if id(t) not in members:
+                continue
+            state = opt.state.get(t, {})
+            for key in sorted(state, key=str):
+                optim.append((f"{name}:{key}", state[key]))
     return list(params.values()), list(buffers.values()), optim
+
+
+def holds_values(t: torch.Tensor) -> bool:
+    """Not training state: a tensor on the meta device (torch.func's functional_call
+    template of an ensemble, a model built empty), or a lazy module's parameter before its
+    first forward (``UninitializedParameter``: any read of it raises; torchrl's ``MLP``
+    without ``in_features`` is made of ``LazyLinear``s). It joins once materialized."""
+    return not t.is_meta and not isinstance(t, (UninitializedParameter, UninitializedBuffer))
 
 
 def module_paths(root: torch.nn.Module, prefix: str) -> Iterator[tuple[str, Any]]:

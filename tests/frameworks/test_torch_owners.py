@@ -1,0 +1,62 @@
+"""Parameters an optimizer is given before their model was called (owners.py, state.py):
+named after the module variable that owns them and listed in its order, so an optimizer
+given them in another order (``set(model.parameters())`` iterates by memory address, which
+differs from run to run) has the same step state. Before, the init row and the optimizer
+state followed the slot order: a deterministic script was reported nondeterministic."""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from nondet.frameworks.torch import owners  # noqa: E402
+from nondet.frameworks.torch.state import named_state  # noqa: E402
+
+
+def _state_in_slot_order(model: torch.nn.Module, order: list[int]
+                         ) -> tuple[list[str], list[str], list[int]]:
+    """Names of the parameters and of the optimizer state, and the parameters' identities,
+    for an optimizer given the model's parameters in ``order`` (made here, one frame below
+    the caller whose local ``model`` owns them)."""
+    params = list(model.parameters())
+    opt = torch.optim.SGD([params[i] for i in order], lr=0.1, momentum=0.9)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()  # a momentum buffer per parameter
+    found = owners.owner_names((p for g in opt.param_groups for p in g["params"]), {},
+                               sys._getframe(1))
+    named, _, optim = named_state([], [weakref.ref(opt)], {}, found)
+    return [n for n, _ in named], [n for n, _ in optim], [id(t) for _, t in named]
+
+
+def test_an_optimizer_given_parameters_in_another_order_has_the_same_state_order() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    listed = _state_in_slot_order(model, [0, 1, 2, 3])
+    shuffled = _state_in_slot_order(model, [3, 1, 0, 2])
+    assert listed == shuffled
+    names, optim, _ = listed
+    assert names == ["model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"]
+    assert optim == [f"{n}:momentum_buffer" for n in names]
+
+
+def test_parameters_no_module_variable_owns_keep_their_slot_names() -> None:
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    found = owners.owner_names(opt.param_groups[0]["params"], {}, sys._getframe())
+    named, _, _ = named_state([], [weakref.ref(opt)], {}, found)
+    assert [n for n, _ in named] == ["optimizer0.group0.param0"]
+
+
+def test_a_lazy_modules_parameters_join_the_state_once_materialized() -> None:
+    """torchrl's MLP without in_features is LazyLinears: at the init row (its first call)
+    the parameters are UninitializedParameters, whose every read raises; hashing one was
+    nondet's internal error (exit 3) in every such script."""
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    before, _, _ = named_state([model], [], {})
+    assert [tuple(t.shape) for _, t in before] == [(2, 4), (2,)]
+    model(torch.ones(1, 3))
+    after, _, _ = named_state([model], [], {})
+    assert [tuple(t.shape) for _, t in after] == [(4, 3), (4,), (2, 4), (2,)]

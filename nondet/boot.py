@@ -34,10 +34,13 @@ from nondet.session import ChildConfig, Session
 
 
 def _exit_code(exc: SystemExit) -> int:
+    """The status ``python script.py`` ends with for this ``sys.exit``: the operating
+    system keeps the low 8 bits (``sys.exit(256)`` is a success, not "failed with exit
+    code 0"), and Python exits 255 for a number too big for a C long."""
     if exc.code is None:
         return 0
     if isinstance(exc.code, int):
-        return exc.code
+        return exc.code & 0xFF if -2**63 <= exc.code < 2**63 else 255
     print(exc.code, file=sys.stderr)
     return 1
 

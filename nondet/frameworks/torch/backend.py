@@ -46,7 +46,7 @@ from nondet.frameworks.torch.state import (
     torch_facts,
 )
 from nondet.frameworks.torch.stepstate import Named, StateFingerprints
-from nondet.records import Kind, Phase
+from nondet.records import INIT_STEP, Kind, Phase
 
 
 class TorchBackend(StepLifecycle):
@@ -299,7 +299,7 @@ class TorchBackend(StepLifecycle):
             self.paused, self.recorder.active = was_paused, was_active and not self.disabled
 
     # -- step-level state ------------------------------------------------------------------------
-    def _named_state(self) -> tuple[Tensors, Tensors, Tensors]:
+    def _named_state(self, content_order: bool = False) -> tuple[Tensors, Tensors, Tensors]:
         """The step state's named tensors; held state joins once the step count has changed
         owner since it was held, or is about to at this step's end (the gradients are read
         before it) (Note [State made on another thread])."""
@@ -310,7 +310,10 @@ class TorchBackend(StepLifecycle):
             self.roots += self.held_roots
             self.optimizers += self.held_optimizers
             self.held_roots, self.held_optimizers = [], []
-        return named_state(self.roots, self.optimizers, self.param_names)
+        if not content_order:
+            return named_state(self.roots, self.optimizers, self.param_names)
+        with self.paused_capture():  # reading the values is nondet's work, never an op
+            return named_state(self.roots, self.optimizers, self.param_names, content_order)
 
     def _grad_snapshot(self) -> Named:
         params, _, _ = self._named_state()
@@ -319,7 +322,7 @@ class TorchBackend(StepLifecycle):
                                         detailed=self.session.captures_ops())
 
     def _step_state(self, step: int, detailed: bool) -> StepState:
-        params, buffers, optim = self._named_state()
+        params, buffers, optim = self._named_state(content_order=step == INIT_STEP)
         grads = self.grads if self.grads is not None else self._grad_snapshot()
         with self.paused_capture():
             state, loss = self.state_fps.step_state(params, buffers, optim, grads,

@@ -4,6 +4,7 @@ versions and determinism switches in force. Plain functions over torch objects: 
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -20,9 +21,17 @@ _NP_DTYPES: dict[torch.dtype, Any] = {}  # NumPy's dtype for each torch dtype to
 
 def named_state(roots: list[torch.nn.Module],
                 optimizers: list[weakref.ref[torch.optim.Optimizer]],
-                param_names: dict[int, str]) -> tuple[Named, Named, Named]:
+                param_names: dict[int, str],
+                content_order: bool = False) -> tuple[Named, Named, Named]:
     """Named parameters, buffers and optimizer state, in a stable order. Parameters an
-    optimizer updates but no root module owns are named after their optimizer slot."""
+    optimizer updates but no root module owns are named after their optimizer slot; with
+    ``content_order`` (the init row: the optimizer is usually made before the model's first
+    call names its parameters) the slots are ordered by their values first.
+
+    Note [A set of parameters]: ``SGD(list(set(model.parameters())))`` gives the optimizer
+    its tensors in an order of ``id()``, which differs from run to run while training does
+    not. Optimizer state is therefore ordered by parameter name, not by the optimizer's
+    list; unnamed slots, by shape and bytes (equal values in any order hash the same)."""
     params: dict[int, tuple[str, torch.Tensor]] = {}
     buffers: dict[int, tuple[str, torch.Tensor]] = {}
     for root in roots:
@@ -40,13 +49,26 @@ def named_state(roots: list[torch.nn.Module],
         if opt is None:
             continue
         for gi, group in enumerate(opt.param_groups):
-            for pi, p in enumerate(group["params"]):
+            slots = list(group["params"])
+            if content_order:
+                slots.sort(key=_content_key)
+            for pi, p in enumerate(slots):
                 name = param_names.get(id(p)) or f"optimizer{oi}.group{gi}.param{pi}"
                 params.setdefault(id(p), (name, p))
                 state = opt.state.get(p, {})
                 for key in sorted(state, key=str):
                     optim.append((f"{name}:{key}", state[key]))
+    optim.sort(key=lambda item: item[0])  # Note [A set of parameters]
     return list(params.values()), list(buffers.values()), optim
+
+
+def _content_key(p: torch.Tensor) -> tuple[Any, ...]:
+    """A key that orders tensors by what they hold, the same in every run (an unnamed
+    parameter's only run-independent identity). Once per run: at the init row."""
+    if p.is_meta or p.layout != torch.strided:
+        return (1, str(p.dtype), tuple(p.shape), b"")
+    t = local_tensor(p).detach().cpu().contiguous()
+    return (0, str(p.dtype), tuple(p.shape), hashlib.sha256(raw_bytes(t).tobytes()).digest())
 
 
 def module_paths(root: torch.nn.Module, prefix: str) -> Iterator[tuple[str, Any]]:

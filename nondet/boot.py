@@ -22,6 +22,7 @@ from nondet import (
     exit_place,
     fdguard,
     frameworks,
+    importpath,
     interventions,
     loop_end,
     pyhooks,
@@ -84,12 +85,12 @@ def main() -> int:
     try:
         if config.module:
             sys.argv = [config.module, *config.args]
-            sys.path.insert(0, os.getcwd())
+            importpath.as_plain_python(config.startup_env, os.getcwd())
             runpy.run_module(config.module, run_name="__main__", alter_sys=True)
         else:
             script = os.path.abspath(str(config.script))
             sys.argv = [script, *config.args]
-            sys.path.insert(0, os.path.dirname(script))
+            importpath.as_plain_python(config.startup_env, importpath.script_entry(script))
             runpy.run_path(script, run_name="__main__")
         loop_end.send(session)  # ended on its own: how its step loop ended, if known
     except StopRun:

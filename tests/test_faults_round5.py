@@ -4,7 +4,12 @@ optimizer given its parameters in a set's order (a false alarm)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +71,56 @@ def test_unnamed_parameters_at_init_are_ordered_by_their_values() -> None:
     for group_a, group_b in zip(a, b, strict=True):
         assert [n for n, _ in group_a] == [n for n, _ in group_b]
         assert all(torch.equal(x, y) for (_, x), (_, y) in zip(group_a, group_b, strict=True))
+
+
+_PROBE = """
+import json, os, sys
+with open(os.path.join(os.path.dirname(__file__), "..", "seen-%d.json" % os.getpid()), "w") as f:
+    json.dump({"path": sys.path, "env": [os.environ.get("PYTHONPATH"),
+                                         os.environ.get("PYTHONSAFEPATH")],
+               "tests": __import__("tests.util").util.WHERE}, f)
+"""
+
+
+def test_a_run_imports_what_python_script_py_would(tmp_path: Path) -> None:
+    # Trials: `nondet run sub/train.py` from a directory holding a scratch `signal.py`:
+    # "the script failed in run a: RuntimeError" raised in nondet/boot.py's `import signal`
+    # (`-m nondet.boot` put the working directory first); a script importing its own
+    # `tests/util.py` (no __init__.py): "No module named 'tests.util'" (nondet's checkout
+    # was first on PYTHONPATH, its `tests` package won). Plain python ran both.
+    (tmp_path / "signal.py").write_text("raise RuntimeError('a scratch signal.py')\n")
+    (tmp_path / "sub" / "tests").mkdir(parents=True)
+    (tmp_path / "sub" / "tests" / "util.py").write_text("WHERE = 'the script'\n")
+    (tmp_path / "sub" / "probe.py").write_text(_PROBE)
+    env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(tmp_path / "lib")}
+    env.pop("PYTHONSAFEPATH", None)
+    plain = subprocess.run([sys.executable, "sub/probe.py"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0, plain.stderr
+    want = [json.loads(p.read_text()) for p in tmp_path.glob("seen-*.json")]
+    for p in tmp_path.glob("seen-*.json"):
+        p.unlink()
+    # -P: the nondet command's own process must not import the scratch signal.py either
+    done = subprocess.run([sys.executable, "-P", "-m", "nondet", "run", "-q", "sub/probe.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    seen = [json.loads(p.read_text()) for p in tmp_path.glob("seen-*.json")]
+    assert "script failed" not in done.stderr, done.stderr
+    assert len(seen) == 2 and all(s == want[0] for s in seen), (seen, want, done.stderr)
+
+
+def test_a_directory_with_a_main_is_a_script_as_for_python(tmp_path: Path) -> None:
+    # Trial: `nondet run appdir` (appdir/__main__.py trains; `python appdir` runs it):
+    # "not a script file: appdir", exit 2
+    from nondet.errors import NondetError
+    from nondet.importpath import script_entry
+    from nondet.runspec import Target
+
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("print('trains')\n")
+    (tmp_path / "empty").mkdir()
+    Target(str(tmp_path / "app"), None).check()
+    with pytest.raises(NondetError, match="not a script file"):
+        Target(str(tmp_path / "empty"), None).check()
+    # runpy puts the directory itself first on sys.path, as python does; a file: its parent
+    assert script_entry(str(tmp_path / "app")) is None
+    assert script_entry(str(tmp_path / "app" / "__main__.py")) == str(tmp_path / "app")

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from nondet import __version__
+from nondet.outdir import named_like_invocation
 from nondet.records import COMM_DTYPE, OP_DTYPE
 from nondet.store import probe
 from nondet.store.checks import (
@@ -175,6 +176,16 @@ class Capture:
         return self._dumps
 
 
+def _not_found(path: Path) -> str:
+    folder = path.parent
+    if named_like_invocation(folder) and not folder.exists():
+        # a run's capture whose invocation directory went while nondet ran: the script
+        # removed .nondet (or --out), as a clean-up or a `rm -rf` of its outputs
+        return (f"capture not found: {path}: the directory {folder} was deleted while "
+                "nondet ran (by the script?); give --out a directory the script leaves alone")
+    return f"capture not found: {path}"
+
+
 def open_capture(path: str | Path) -> Capture:
     """Open and check a capture, or raise NondetError with a one-line reason (exit 2).
 
@@ -182,7 +193,7 @@ def open_capture(path: str | Path) -> Capture:
     (``nondet.store.probe``): libhdf5 can crash or loop on a damaged file."""
     path = Path(path)
     if not path.exists():
-        raise error(f"capture not found: {path}")
+        raise error(_not_found(path))
     refuse_special(path)
     probed = not probe.trusted(path) and probe.probe(path, _read_all)
     capture = _open(path)

@@ -124,3 +124,31 @@ def test_a_directory_with_a_main_is_a_script_as_for_python(tmp_path: Path) -> No
     # runpy puts the directory itself first on sys.path, as python does; a file: its parent
     assert script_entry(str(tmp_path / "app")) is None
     assert script_entry(str(tmp_path / "app" / "__main__.py")) == str(tmp_path / "app")
+
+
+def test_captures_whose_directory_the_script_deleted_are_said_to_be_gone(
+        tmp_path: Path) -> None:
+    # Trial: a script running `shutil.rmtree(".nondet")` at step 1: "nondet: error: capture
+    # not found: .nondet/20261124-233231-6891/run-a.h5", as if nondet had lost it
+    from nondet.errors import NondetError
+    from nondet.store import open_capture
+
+    with pytest.raises(NondetError, match=r"20261124-233231-6891 was deleted while nondet "
+                                          r"ran \(by the script\?\); give --out"):
+        open_capture(tmp_path / "20261124-233231-6891" / "run-a.h5")
+    with pytest.raises(NondetError) as raised:  # a path the user typed: as before
+        open_capture(tmp_path / "typo" / "run-a.h5")
+    assert str(raised.value) == f"capture not found: {tmp_path / 'typo' / 'run-a.h5'}"
+
+
+def test_a_users_random_hash_seed_ranks_the_hash_recipe_first() -> None:
+    # Trial: `PYTHONHASHSEED=random nondet run` of a script whose token ids come from a set
+    # of strings (nondet keeps the user's setting): found, but the first fix was
+    # [PY-THIRDPARTY-RNG] cv2.setRNGSeed(...), PY-HASHSEED only under "also"
+    from nondet import recipe
+
+    entry = {"framework": "torch", "kind": "entry", "entry_kind": "python_value",
+             "phase": "forward", "op": "python_value:torch.tensor"}
+    salted = recipe.suggest({**entry, "python.hash_salted": True})
+    assert salted[0].recipe.id == "PY-HASHSEED"
+    assert recipe.suggest({**entry, "python.hash_salted": False})[0].recipe.id != "PY-HASHSEED"

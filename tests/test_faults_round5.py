@@ -152,3 +152,40 @@ def test_a_users_random_hash_seed_ranks_the_hash_recipe_first() -> None:
     salted = recipe.suggest({**entry, "python.hash_salted": True})
     assert salted[0].recipe.id == "PY-HASHSEED"
     assert recipe.suggest({**entry, "python.hash_salted": False})[0].recipe.id != "PY-HASHSEED"
+
+
+def test_a_lazy_modules_parameters_before_its_first_call_are_not_state_yet() -> None:
+    # An optimizer made before a LazyLinear's first call holds UninitializedParameters,
+    # which raise on every read: the init row raised inside the run (exit 3)
+    from nondet.frameworks.torch.state import named_state
+
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for content_order in (False, True):
+        params, _, _ = named_state([model], [weakref.ref(opt)], {}, content_order)
+        assert [tuple(p.shape) for _, p in params] == [(1, 4), (1,)]
+
+
+_LAZY = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    loss = model(torch.ones(4, 5)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.e2e
+def test_a_lazy_module_trains_under_nondet(tmp_path: Path) -> None:
+    # Trial: the same script (plain python: runs) ended "nondet: internal error:
+    # InternalChildError: ... Attempted to use an uninitialized parameter", exit 3 (the
+    # init row, then the root's first call forgetting its parameters' fingerprints)
+    pytest.importorskip("torch")
+    (tmp_path / "lazy.py").write_text(_LAZY)
+    done = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", "--no-verify",
+                           "lazy.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "NO_COLOR": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr

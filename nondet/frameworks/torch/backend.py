@@ -40,6 +40,7 @@ from nondet.frameworks.torch.kept import KeptOutputs
 from nondet.frameworks.torch.ops import CaptureMode, OpRecorder, tensors_in
 from nondet.frameworks.torch.state import Named as Tensors
 from nondet.frameworks.torch.state import (
+    holds_values,
     module_paths,
     named_state,
     torch_environment,
@@ -183,7 +184,8 @@ class TorchBackend(StepLifecycle):
             self.verified_step = self.session.step
             for root in self.roots:
                 for t in (*root.parameters(), *root.buffers()):
-                    self.recorder.forget(t)
+                    if holds_values(t):
+                        self.recorder.forget(t)
 
     def _register_root(self, root: torch.nn.Module) -> None:
         # The first root's paths are relative ("encoder.mixer"); later roots (a loss module,

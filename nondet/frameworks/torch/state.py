@@ -35,13 +35,11 @@ def named_state(roots: list[torch.nn.Module],
     params: dict[int, tuple[str, torch.Tensor]] = {}
     buffers: dict[int, tuple[str, torch.Tensor]] = {}
     for root in roots:
-        # A tensor on the meta device holds no values (torch.func's functional_call template
-        # of an ensemble, a model built empty): never training state.
         for p in root.parameters():
-            if not p.is_meta:
+            if holds_values(p):
                 params.setdefault(id(p), (param_names.get(id(p), "?"), p))
         for b in root.buffers():
-            if not b.is_meta:
+            if holds_values(b):
                 buffers.setdefault(id(b), (param_names.get(id(b), "?"), b))
     optim: Named = []
     for oi, ref in enumerate(optimizers):
@@ -49,7 +47,7 @@ def named_state(roots: list[torch.nn.Module],
         if opt is None:
             continue
         for gi, group in enumerate(opt.param_groups):
-            slots = list(group["params"])
+            slots = [p for p in group["params"] if holds_values(p)]
             if content_order:
                 slots.sort(key=_content_key)
             for pi, p in enumerate(slots):
@@ -62,13 +60,26 @@ def named_state(roots: list[torch.nn.Module],
     return list(params.values()), list(buffers.values()), optim
 
 
+def holds_values(t: torch.Tensor) -> bool:
+    """Whether a tensor is training state yet: not on the meta device (torch.func's
+    functional_call template of an ensemble, a model built empty), not a LazyModule's
+    parameter before its first call (every read of it raises: an optimizer made before the
+    dry run holds them; they become parameters in place)."""
+    lazy = (torch.nn.parameter.UninitializedParameter, torch.nn.parameter.UninitializedBuffer)
+    return not isinstance(t, lazy) and not t.is_meta
+
+
 def _content_key(p: torch.Tensor) -> tuple[Any, ...]:
     """A key that orders tensors by what they hold, the same in every run (an unnamed
     parameter's only run-independent identity). Once per run: at the init row."""
-    if p.is_meta or p.layout != torch.strided:
-        return (1, str(p.dtype), tuple(p.shape), b"")
-    t = local_tensor(p).detach().cpu().contiguous()
-    return (0, str(p.dtype), tuple(p.shape), hashlib.sha256(raw_bytes(t).tobytes()).digest())
+    try:
+        if p.is_meta or p.layout != torch.strided:
+            return (1, str(p.dtype), tuple(p.shape), b"")
+        t = local_tensor(p).detach().cpu().contiguous()
+        digest = hashlib.sha256(raw_bytes(t).tobytes()).digest()
+    except Exception:  # a tensor subclass that cannot be read so: its slot's order stays
+        return (2, "", (), b"")
+    return (0, str(p.dtype), tuple(p.shape), digest)
 
 
 def module_paths(root: torch.nn.Module, prefix: str) -> Iterator[tuple[str, Any]]:

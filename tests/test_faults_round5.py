@@ -189,3 +189,15 @@ def test_a_lazy_module_trains_under_nondet(tmp_path: Path) -> None:
                            "lazy.py"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "NO_COLOR": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("args", "code"), [(["fixes"], 0), (["show", "nothere.h5"], 2)])
+def test_pythoninspect_leaves_the_commands_exit_code(tmp_path: Path, args: list[str],
+                                                     code: int) -> None:
+    # Trial: `PYTHONINSPECT=1 nondet run base.py` (stdin closed, as in CI): "deterministic",
+    # then a "SystemExit: 0" traceback and exit 1 -- "nondeterminism found"
+    done = subprocess.run([sys.executable, "-m", "nondet", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL,
+                          env={**os.environ, "NO_COLOR": "1", "PYTHONINSPECT": "1"})
+    assert done.returncode == code and "Traceback" not in done.stderr, done.stderr

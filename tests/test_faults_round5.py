@@ -201,3 +201,17 @@ def test_pythoninspect_leaves_the_commands_exit_code(tmp_path: Path, args: list[
                           stdin=subprocess.DEVNULL,
                           env={**os.environ, "NO_COLOR": "1", "PYTHONINSPECT": "1"})
     assert done.returncode == code and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_json_report_given_as_a_capture_is_named_as_such(tmp_path: Path) -> None:
+    # Trial: `nondet show report.json` (its captures since moved): "cannot read report.json:
+    # not an HDF5 file or truncated (...); re-capture it with `nondet run`"
+    from nondet.errors import NondetError
+    from nondet.store import open_capture
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"nondet_report_version": 1, "verdict": "deterministic",
+                                  "runs": [{"path": str(tmp_path / "moved" / "run-a.h5")}]}))
+    with pytest.raises(NondetError, match=r"report.json is a JSON report of nondet's, not a "
+                                          r"capture: `nondet report .*moved or deleted"):
+        open_capture(report)

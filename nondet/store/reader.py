@@ -5,6 +5,7 @@ read."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,30 @@ def _not_found(path: Path) -> str:
     return f"capture not found: {path}"
 
 
+def _refuse_report(path: Path) -> None:
+    """A JSON report of nondet's given where a capture goes (``nondet show report.json``)
+    was "not an HDF5 file or truncated ...; re-capture it": say what it is instead."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return  # the HDF5 open says why
+    if not (head.lstrip().startswith(b"{") and b'"nondet_report_version"' in head):
+        return
+    try:
+        runs = json.loads(path.read_text(encoding="utf-8")).get("runs") or []
+        captures = [str(r["path"]) for r in runs if isinstance(r, dict) and "path" in r]
+    except (OSError, ValueError, AttributeError, TypeError):
+        captures = []
+    named = ""
+    if captures:
+        gone = [c for c in captures if not Path(c).exists()]
+        named = f"; the captures it names: {', '.join(captures[:2])}" + (
+            " (not there now: moved or deleted)" if gone else "")
+    raise error(f"{path} is a JSON report of nondet's, not a capture: `nondet report {path} "
+                f"--html PATH` renders it again{named}")
+
+
 def open_capture(path: str | Path) -> Capture:
     """Open and check a capture, or raise NondetError with a one-line reason (exit 2).
 
@@ -195,6 +220,7 @@ def open_capture(path: str | Path) -> Capture:
     if not path.exists():
         raise error(_not_found(path))
     refuse_special(path)
+    _refuse_report(path)
     probed = not probe.trusted(path) and probe.probe(path, _read_all)
     capture = _open(path)
     capture.verified = probed  # the child read all of it: no need to again

@@ -269,6 +269,8 @@ def finding_facts(div: Divergence, capture: Capture,
         facts[kind] = bool(capture.facts.get(kind))
     for d in env_differences or ():
         facts[f"env_differs.{d['key'].removeprefix('env.')}"] = True
+    # the user's own PYTHONHASHSEED=random (kept, as asked): str hashes salted in every run
+    facts["python.hash_salted"] = capture.env.get("env.PYTHONHASHSEED") == "random"
     for key in ("backend", "group_size", "ddp_bucket"):  # a collective finding (collective.py)
         if div.collective and div.collective.get(key) is not None:
             facts[f"comm.{key}"] = div.collective[key]

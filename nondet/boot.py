@@ -22,6 +22,7 @@ from nondet import (
     exit_place,
     fdguard,
     frameworks,
+    importpath,
     interventions,
     loop_end,
     pyhooks,
@@ -34,10 +35,13 @@ from nondet.session import ChildConfig, Session
 
 
 def _exit_code(exc: SystemExit) -> int:
+    """The status ``python script.py`` ends with for this ``sys.exit``: the operating
+    system keeps the low 8 bits (``sys.exit(256)`` is a success, not "failed with exit
+    code 0"), and Python exits 255 for a number too big for a C long."""
     if exc.code is None:
         return 0
     if isinstance(exc.code, int):
-        return exc.code
+        return exc.code & 0xFF if -2**63 <= exc.code < 2**63 else 255
     print(exc.code, file=sys.stderr)
     return 1
 
@@ -81,12 +85,12 @@ def main() -> int:
     try:
         if config.module:
             sys.argv = [config.module, *config.args]
-            sys.path.insert(0, os.getcwd())
+            importpath.as_plain_python(config.startup_env, os.getcwd())
             runpy.run_module(config.module, run_name="__main__", alter_sys=True)
         else:
             script = os.path.abspath(str(config.script))
             sys.argv = [script, *config.args]
-            sys.path.insert(0, os.path.dirname(script))
+            importpath.as_plain_python(config.startup_env, importpath.script_entry(script))
             runpy.run_path(script, run_name="__main__")
         loop_end.send(session)  # ended on its own: how its step loop ended, if known
     except StopRun:

@@ -90,6 +90,11 @@ def start(root: Path) -> Invocation:
     return invocation
 
 
+def named_like_invocation(path: Path) -> bool:
+    """True for a path named as this module names invocation directories (it may be gone)."""
+    return bool(_NAME.match(path.name))
+
+
 def is_invocation(path: Path) -> bool:
     """True only for a directory nondet made: the name pattern and nondet's marker in it."""
     if path.is_symlink() or not path.is_dir() or not _NAME.match(path.name):

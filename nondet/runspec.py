@@ -17,11 +17,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from nondet import environment, readback
+from nondet import environment, importpath, readback
 from nondet.errors import NondetError
 from nondet.session import CONFIG_ENV, ChildConfig
 
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 #: When this nondet invocation began (real time): a file newer than this that a run reads
 #: was written by one of its runs (``readback``).
 _INVOCATION_STARTED = time.time()
@@ -43,6 +42,8 @@ class Target:
             path = Path(self.script)
             if not path.exists():
                 raise NondetError(f"script not found: {self.script}")
+            if path.is_dir() and (path / "__main__.py").is_file():
+                return  # python runs a directory by its __main__.py, and so do we
             if not path.is_file():
                 raise NondetError(f"not a script file: {self.script}")
 
@@ -120,13 +121,12 @@ def child_config(target: Target, plan: Plan, seed: int) -> ChildConfig:
 
 def child_env(config: ChildConfig, extra_env: dict[str, str]) -> dict[str, str]:
     """A recorded run's environment: ours, the interventions, its config, a fixed
-    PYTHONHASHSEED (unless the user set one) and nondet importable."""
+    PYTHONHASHSEED (unless the user set one) and nondet importable (``importpath``)."""
     env = {**os.environ, **extra_env}
+    config.startup_env = importpath.startup_env(env)
     env[CONFIG_ENV] = config.to_env()
     env.setdefault(readback.STARTED_ENV, str(_INVOCATION_STARTED))
     env.setdefault("PYTHONHASHSEED", str(config.seed % 2**32))
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
     return env
 
 

@@ -69,6 +69,9 @@ class ChildConfig:
     # the rest of the run may record no ops (``decline_op_steps``); the pipeline then finds
     # the op by re-running the differing step, as it does for later steps
     ops_optional: bool = False
+    # the user's values of the variables set to start the run, put back before the script
+    # (nondet.importpath)
+    startup_env: dict[str, str | None] = field(default_factory=dict)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

@@ -54,6 +54,27 @@ _register()
 
 def main() -> None:
     """Console-script entry point: exit codes as the README lists them."""
+    try:
+        _main()
+    except SystemExit as exc:
+        if sys.flags.inspect or os.environ.get("PYTHONINSPECT"):
+            # PYTHONINSPECT=1 (or `python -i`): Python would print this SystemExit as a
+            # traceback and start a prompt, which on a closed stdin ends with status 1 --
+            # "nondeterminism found" -- whatever the verdict. A command ends with its code.
+            _exit_now(exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1)
+        raise
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _main() -> None:
     _reopen_closed_standard_streams()
     if not isinstance(sys.stdout, ReaderMayGo):  # `nondet check ... | head -1`
         sys.stdout = ReaderMayGo(sys.stdout)

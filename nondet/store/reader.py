@@ -5,12 +5,14 @@ read."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from nondet import __version__
+from nondet.outdir import named_like_invocation
 from nondet.records import COMM_DTYPE, OP_DTYPE
 from nondet.store import probe
 from nondet.store.checks import (
@@ -180,6 +182,40 @@ class Capture:
         return self._dumps
 
 
+def _not_found(path: Path) -> str:
+    folder = path.parent
+    if named_like_invocation(folder) and not folder.exists():
+        # a run's capture whose invocation directory went while nondet ran: the script
+        # removed .nondet (or --out), as a clean-up or a `rm -rf` of its outputs
+        return (f"capture not found: {path}: the directory {folder} was deleted while "
+                "nondet ran (by the script?); give --out a directory the script leaves alone")
+    return f"capture not found: {path}"
+
+
+def _refuse_report(path: Path) -> None:
+    """A JSON report of nondet's given where a capture goes (``nondet show report.json``)
+    was "not an HDF5 file or truncated ...; re-capture it": say what it is instead."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return  # the HDF5 open says why
+    if not (head.lstrip().startswith(b"{") and b'"nondet_report_version"' in head):
+        return
+    try:
+        runs = json.loads(path.read_text(encoding="utf-8")).get("runs") or []
+        captures = [str(r["path"]) for r in runs if isinstance(r, dict) and "path" in r]
+    except (OSError, ValueError, AttributeError, TypeError):
+        captures = []
+    named = ""
+    if captures:
+        gone = [c for c in captures if not Path(c).exists()]
+        named = f"; the captures it names: {', '.join(captures[:2])}" + (
+            " (not there now: moved or deleted)" if gone else "")
+    raise error(f"{path} is a JSON report of nondet's, not a capture: `nondet report {path} "
+                f"--html PATH` renders it again{named}")
+
+
 def open_capture(path: str | Path) -> Capture:
     """Open and check a capture, or raise NondetError with a one-line reason (exit 2).
 
@@ -187,8 +223,9 @@ def open_capture(path: str | Path) -> Capture:
     (``nondet.store.probe``): libhdf5 can crash or loop on a damaged file."""
     path = Path(path)
     if not path.exists():
-        raise error(f"capture not found: {path}")
+        raise error(_not_found(path))
     refuse_special(path)
+    _refuse_report(path)
     probed = not probe.trusted(path) and probe.probe(path, _read_all)
     capture = _open(path)
     capture.verified = probed  # the child read all of it: no need to again

@@ -82,18 +82,30 @@ class GraphOp:
     data: bool = False  # recorded every step, outside the op window
     values: tuple[int, ...] = ()  # output fingerprint values of the last execution
     keys: Any = None  # OpKeys, made at the first collection (traced.collect)
+    graph: int = 0  # id of the graph traced (producers and aliases are in the same graph)
     alias: int | None = None  # a repeated variable read: the table index of the earlier one
 
 class OpKeys:
     """An op's descriptions as ``combine`` words (masked to 64 bits), made at its first
     collection: per hashed output, its description; per derived output, the op type's
-    code and its description (Note [Derived fingerprints])."""
+    code and its description (Note [Derived fingerprints]); and its known inputs as
+    (producer, output position), read by ``inputs`` without a table look-up per input
+    and call."""
 
-    __slots__ = ("derived", "meta")
+    __slots__ = ("derived", "meta", "sources")
 
-    def __init__(self, op: GraphOp) -> None:
+    def __init__(self, op: GraphOp, table: list[GraphOp]) -> None:
         self.meta = [tuple(x & MASK64 for x in m) for m in op.meta]
         self.derived = [((op.code & MASK64), *m) for m in self.meta]
+        # producers come before the op in the table, which only grows
+        self.sources = [(table[index], position) for index, position in op.producers
+                        if 0 <= index < len(table)]
+
+    def inputs(self) -> list[int]:
+        """The fingerprint values of the op's inputs in the call just collected: of those
+        whose producer is known and ran."""
+        return [values[position] for producer, position in self.sources
+                if position < len(values := producer.values)]
 
 
 _WORD_PACKERS: dict[int, struct.Struct] = {}
@@ -107,16 +119,6 @@ def combine_words(words: tuple[int, ...]) -> int:
         packer = _WORD_PACKERS[len(words)] = struct.Struct(f"<{len(words)}Q")
     return int.from_bytes(hashlib.blake2b(packer.pack(*words), digest_size=8).digest(),
                           "little") or 1
-
-
-def value_of(table: list[GraphOp], producer: tuple[int, int]) -> int | None:
-    """The fingerprint value of a producer's output in the call just collected (None: not
-    known, or it did not run)."""
-    index, position = producer
-    if index < 0 or index >= len(table):
-        return None
-    values = table[index].values
-    return values[position] if position < len(values) else None
 
 
 def joined(values: Sequence[int]) -> int:

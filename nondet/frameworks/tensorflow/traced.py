@@ -51,6 +51,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_functional_ops
 
@@ -76,7 +77,6 @@ from nondet.frameworks.tensorflow.graph import (
     joined,
     numel,
     under_strategy,
-    value_of,
     xla_compiled,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, static_plan
@@ -112,6 +112,7 @@ class GraphRecorder:
         self.table: list[GraphOp] = []
         self.where: dict[tuple[int, str], tuple[int, int]] = {}  # (graph, tensor) -> producer
         self.next_slot = 0
+        self.slot_graphs: list[int] = []  # per slot: the id of the graph that writes it
         self.records: list[tuple[Any, ...]] = []
         self.active = False
         self.updates_seen = 0
@@ -177,7 +178,7 @@ class GraphRecorder:
             name_id=self.session.intern(name), module=module, source=source, slots=[],
             meta=[describe(t) for t in numeric], producers=producers,
             derived=op_type in DERIVED_OPS and not entry, code=name_code(op_type),
-            numel=numel(numeric[0]) if numeric else -1, data=data,
+            numel=numel(numeric[0]) if numeric else -1, data=data, graph=gid,
         )
         for position, t in enumerate(numeric):  # positions count hashed outputs, as op.values
             self.where[(gid, t.name)] = (index, position)
@@ -196,7 +197,7 @@ class GraphRecorder:
             if hashable(t):
                 writes = list(late)
                 if not op.derived:
-                    slot = self._slot()
+                    slot = self._slot(gid)
                     op.slots.append(slot)
                     writes.append(self._write(t, slot, always=data))
                 with tf.control_dependencies(writes):
@@ -225,11 +226,11 @@ class GraphRecorder:
                                         else f"{op.type}{NODE_SEP}{op.name}"),
             module=module, source=source, slots=[], meta=[],
             producers=[self.where.get((gid, i.name), (-1, 0)) for i in op.inputs
-                       if hashable(i)], code=name_code(op.type))
+                       if hashable(i)], code=name_code(op.type), graph=gid)
         index = len(self.table)
         self.table.append(record)
         for position, output in enumerate(o for o in op.outputs if hashable(o)):
-            slot = self._slot()
+            slot = self._slot(gid)
             record.slots.append(slot)
             record.meta.append(describe(output))
             late.append(self._write(output, slot, always=False))
@@ -244,10 +245,11 @@ class GraphRecorder:
         steps = self.session.config.op_steps
         return steps is None or max(steps, default=INIT_STEP - 1) >= self.session.step
 
-    def _slot(self) -> int:
+    def _slot(self, graph: int) -> int:
         if self.next_slot >= CAPACITY:  # SLOT_MARGIN makes this a nondet bug
             raise RuntimeError(f"more than {CAPACITY} graph outputs traced")
         slot, self.next_slot = self.next_slot, self.next_slot + 1
+        self.slot_graphs.append(graph)
         return slot
 
     def _stop_instrumenting(self) -> None:
@@ -339,11 +341,21 @@ class GraphRecorder:
         active = self.active
         table = self.table
         stored_all = values.tolist()
+        # Graphs that wrote nothing did not run in this call (a tf.function's first trace,
+        # which made its variables, runs once; Keras traces graphs it never runs): none of
+        # their ops can have a value, since producers and aliases are in the op's own graph.
+        # Skipping them whole halved this loop on the narrow benchmark model, whose
+        # first trace is half the table (docs/benchmarks.md).
+        slot_graphs = self.slot_graphs
+        live = {slot_graphs[s] for s in np.flatnonzero(values).tolist()}
         for op in table:
             op.values = ()
+            if op.graph not in live:
+                continue
             keys = op.keys
             if keys is None:
-                keys = op.keys = OpKeys(op)
+                keys = op.keys = OpKeys(op, table)
+            ins = None
             if op.alias is not None:  # a repeated read: the earlier read's value (reads.py)
                 op.values = table[op.alias].values
                 if not op.values:
@@ -351,11 +363,10 @@ class GraphRecorder:
             elif op.derived:
                 if not active:
                     continue
-                parents = [v for v in (value_of(table, p) for p in op.producers)
-                           if v is not None]
-                if not parents:
+                ins = keys.inputs()
+                if not ins:
                     continue
-                op.values = tuple(combine_words((*parents, *m)) for m in keys.derived)
+                op.values = tuple(combine_words((*ins, *m)) for m in keys.derived)
             else:
                 stored = [stored_all[s] for s in op.slots]
                 if not any(stored):
@@ -365,7 +376,8 @@ class GraphRecorder:
             if op.data:
                 data.extend(Fp(v) for v in op.values)
             if active:
-                ins = [v for v in (value_of(table, p) for p in op.producers) if v is not None]
+                if ins is None:
+                    ins = keys.inputs()
                 self.records.append((op.kind, op.phase, 0, op.name_id, op.module, op.source,
                                      joined(op.values), joined(ins), op.numel))
         return data, new_updates

@@ -19,16 +19,16 @@ demo:
 	$(BIN)/nondet run fixtures/torch/index_put_backward.py; code=$$?; \
 	  if [ $$code -ne 1 ]; then echo "demo: expected exit code 1 (nondeterminism found), got $$code"; exit 1; fi
 
-# One process by default (the CI's command): about 32 minutes here (2026-11-24).
-# `make test XDIST="-n 2 --dist loadfile"` runs two pytest workers (pytest-xdist, in the test
-# extra), each given whole files: about 20 minutes, green once; in another run a worker
-# aborted (a test closed a range of descriptors that held an earlier test's gloo descriptor,
-# since fixed) and xdist then waited for good, so it is not yet the gate.
-XDIST ?=
+# Two pytest workers by default (pytest-xdist), each given whole files (module fixtures made
+# once, a file's tests in order); XDIST= for one process. Never hangs: a test over 600 s is
+# stopped (pytest-timeout, pyproject.toml), a worker that dies ends the run as failed
+# (--max-worker-restart 0), and `timeout` ends pytest itself after 60 minutes.
+XDIST ?= -n 2 --dist loadfile --max-worker-restart 0
+SUITE_LIMIT ?= 3600
 
 test: install lint typecheck
 	./tools/ensure-chromium
-	$(BIN)/python -m pytest -q $(XDIST) --durations=20
+	timeout --kill-after=30 $(SUITE_LIMIT) $(BIN)/python -m pytest -q $(XDIST) --durations=50
 
 lint:
 	$(BIN)/ruff check nondet tests fixtures bench

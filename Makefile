@@ -19,16 +19,21 @@ demo:
 	$(BIN)/nondet run fixtures/torch/index_put_backward.py; code=$$?; \
 	  if [ $$code -ne 1 ]; then echo "demo: expected exit code 1 (nondeterminism found), got $$code"; exit 1; fi
 
-# One process by default (the CI's command): about 32 minutes here (2026-11-24).
-# `make test XDIST="-n 2 --dist loadfile"` runs two pytest workers (pytest-xdist, in the test
-# extra), each given whole files: about 20 minutes, green once; in another run a worker
-# aborted (a test closed a range of descriptors that held an earlier test's gloo descriptor,
-# since fixed) and xdist then waited for good, so it is not yet the gate.
-XDIST ?=
+# Two pytest workers by default (pytest-xdist), each given whole files (module fixtures made
+# once, a file's tests in order); XDIST= for one process. Never hangs: a test over 600 s is
+# stopped (pytest-timeout, pyproject.toml); a worker that dies (a timeout, an abort, a kill)
+# fails its test and ends the run (--max-worker-restart 0: xdist's restart re-runs the crashed
+# test's file and could wait for good); pytest itself is stopped after SUITE_LIMIT seconds
+# (80 min, inside CI's 90: a hang no test sees, e.g. in xdist itself).
+XDIST ?= -n 2 --dist loadfile --max-worker-restart 0
+SUITE_LIMIT ?= 4800
 
 test: install lint typecheck
 	./tools/ensure-chromium
-	$(BIN)/python -m pytest -q $(XDIST) --durations=20
+	timeout --signal=INT --kill-after=60 $(SUITE_LIMIT) \
+	  $(BIN)/python -m pytest -q $(XDIST) --durations=50; code=$$?; \
+	  if [ $$code -eq 124 ]; then echo "make test: pytest ran over $(SUITE_LIMIT) s and was stopped"; fi; \
+	  exit $$code
 
 lint:
 	$(BIN)/ruff check nondet tests fixtures bench

@@ -20,31 +20,6 @@ REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "fixtures"
 
 
-# Parametrized tests whose cases share nothing (no module fixture, each its own `nondet run`
-# under its own tmp_path): under `--dist loadfile` each case is a work unit of its own, so
-# both workers take them. Whole, test_torch_fixtures.py's 27 runs kept one worker busy for
-# the suite's last stretch while the other sat idle (docs/benchmarks.md, h-suite round 2).
-SPLIT_CASES = (
-    "tests/e2e/test_torch_fixtures.py::test_fixture[",
-    "tests/e2e/test_tf_fixtures.py::test_fixture[",
-)
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """xdist's file scheduling, with the cases of ``SPLIT_CASES`` handed out one by one."""
-    if config.getoption("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class _SplitCases(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            if nodeid.startswith(SPLIT_CASES):
-                return nodeid
-            return str(super()._split_scope(nodeid))
-
-    return _SplitCases(config, log)
-
-
 @pytest.fixture(autouse=True)
 def _plain_console(monkeypatch: pytest.MonkeyPatch) -> None:
     # Deterministic rendering: no colour, fixed width (as hatch's tests do).

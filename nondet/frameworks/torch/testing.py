@@ -72,7 +72,10 @@ class RecordMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        return self.recorder.dispatch(func, args, kwargs or {})
+        try:
+            return self.recorder.dispatch(func, args, kwargs or {})
+        finally:
+            self.recorder.op_out = None  # as CaptureMode: the op's output is not kept alive
 
 
 def recorder(keep: bool = False) -> OpRecorder:

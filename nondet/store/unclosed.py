@@ -38,18 +38,13 @@ def lookup3(data: bytes, initval: int = 0) -> int:
         a = (a + int.from_bytes(data[i:i + 4], "little")) & _MASK
         b = (b + int.from_bytes(data[i + 4:i + 8], "little")) & _MASK
         c = (c + int.from_bytes(data[i + 8:i + 12], "little")) & _MASK
-        a = (a - c) & _MASK ^ _rot(c, 4)
-        c = (c + b) & _MASK
-        b = (b - a) & _MASK ^ _rot(a, 6)
-        a = (a + c) & _MASK
-        c = (c - b) & _MASK ^ _rot(b, 8)
-        b = (b + a) & _MASK
-        a = (a - c) & _MASK ^ _rot(c, 16)
-        c = (c + b) & _MASK
-        b = (b - a) & _MASK ^ _rot(a, 19)
-        a = (a + c) & _MASK
-        c = (c - b) & _MASK ^ _rot(b, 4)
-        b = (b + a) & _MASK
+        for r1, r2, r3 in ((4, 6, 8), (16, 19, 4)):  # lookup3's mix(), in two halves
+            a = (a - c) & _MASK ^ _rot(c, r1)
+            c = (c + b) & _MASK
+            b = (b - a) & _MASK ^ _rot(a, r2)
+            a = (a + c) & _MASK
+            c = (c - b) & _MASK ^ _rot(b, r3)
+            b = (b + a) & _MASK
         i += 12
     if i == n:
         return c

@@ -28,6 +28,7 @@ import builtins
 import io
 import os
 import stat
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,9 @@ _OWN_DIR = ".nondet"
 # mtime granularity: a file written in the second the invocation started still counts
 _SLACK = 1.0
 
+#: Directories of installed packages (any environment's): never the script's state.
+_PACKAGE_DIRS = frozenset({"site-packages", "dist-packages"})
+
 #: Paths remembered as checked (a script reading a million files does not grow it further).
 _CHECKED_MAX = 100_000
 
@@ -77,6 +81,10 @@ def install(session: Session, run_started: float | None = None) -> None:
         return  # not started by a nondet parent that says when (an old one, a test)
     started = time.time() if run_started is None else run_started
     cwd = os.path.abspath(os.getcwd()) + os.sep
+    # the Python environment (a venv inside the project): installed packages, never the
+    # script's state; `pip install` just before nondet left fresh metadata there
+    installed = tuple({os.path.abspath(p) + os.sep
+                       for p in (sys.prefix, sys.exec_prefix, sys.base_prefix)})
     seen: set[str] = set()
     checked: set[str] = set()
     wrote: list[str] = []  # the twin's race (pair_notes): what this run opened for writing
@@ -111,7 +119,9 @@ def install(session: Session, run_started: float | None = None) -> None:
                 # start, so a file that was not another run's output cannot become one
                 checked.add(real)
             shown = real[len(cwd):]
-            if shown.split(os.sep, 1)[0] == _OWN_DIR:
+            parts = shown.split(os.sep)
+            if (parts[0] == _OWN_DIR or real.startswith(installed)
+                    or not _PACKAGE_DIRS.isdisjoint(parts)):
                 return
             st = os.stat(real)
             mtime = st.st_mtime

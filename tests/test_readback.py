@@ -186,3 +186,17 @@ def test_a_cache_one_run_of_the_pair_builds_and_the_other_reads_is_named(
         assert not race, report["notes"]
         return
     assert len(race) == 1 and "wrote while both ran" in race[0], (result.stdout, report)
+
+
+def test_installed_packages_inside_the_project_are_not_the_scripts_state(
+        tmp_path: Path) -> None:
+    # Trial: `make demo` (pip install -e into the project's .venv, then `nondet run` within
+    # the second): "a run read .venv/lib/python3.11/site-packages/nondet-0.1.0.dist-info/
+    # entry_points.txt, written by an earlier run of this nondet invocation"
+    now = time.time()
+    meta = tmp_path / "env" / "lib" / "site-packages" / "pkg-1.0.dist-info" / "entry_points.txt"
+    _written(meta, now - 5)
+    _written(tmp_path / "cache.bin", now - 5)
+    code = f"open('cache.bin', 'rb').read(); open({str(meta)!r}, 'rb').read()"
+    facts = _run(tmp_path, code, run_started=now, invocation=now - 20)
+    assert list(facts) == [f"capture_note.{readback.FACT}:cache.bin"]

@@ -278,6 +278,9 @@ def _torch_draw_notes(capture: Capture) -> list[str]:
     later = (f"before the script's first seeding call ({seeds[0][1]})" if seeds
              else "and the script never seeds torch")
     what = f" ({op})" if isinstance(op, str) and op else ""
+    outer = draw.get("from")
+    if isinstance(outer, str) and outer:
+        what += f", called from {outer},"
     return [f"{site} draws from torch's default random generator{what} {later}: nondet "
             "seeded both runs alike (--seed), so they repeated, but run on its own the "
             "script draws these numbers (initial weights, masks, shuffles) from fresh "

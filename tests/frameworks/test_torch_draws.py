@@ -24,7 +24,9 @@ class _Session:
     def __init__(self, fail: bool = False) -> None:
         self.facts: dict[str, Any] = {}
         self.step_listeners: list[Any] = []
-        self.sources = SimpleNamespace(here=lambda depth=2: 0)
+        # the innermost user frame is "train.py:7", the outermost (this file's) "train.py:30"
+        self.sources = SimpleNamespace(here=lambda depth=2: 0, user_file=lambda f: f == __file__,
+                                       intern_location=lambda f, line: 1)
         self.fail = fail
 
     def send_facts(self, facts: dict[str, Any]) -> None:
@@ -33,7 +35,7 @@ class _Session:
         self.facts.update(facts)
 
     def string(self, sid: int) -> str:
-        return "train.py:7"
+        return ["train.py:7", "train.py:30"][sid]
 
 
 @pytest.fixture
@@ -62,7 +64,8 @@ def watched(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_a_model_built_before_seeding_is_named(watched: Any) -> None:
     session, watch = watched()
     torch.nn.Linear(3, 2)
-    assert session.facts[draws.FACT] == {"site": "train.py:7", "op": "kaiming_uniform_"}
+    assert session.facts[draws.FACT] == {"site": "train.py:7", "op": "kaiming_uniform_",
+                                         "from": "train.py:30"}
     assert not watch.watching
 
 
@@ -110,9 +113,10 @@ def _capture(facts: dict[str, Any]) -> Any:
 def test_the_note_names_the_draw_and_the_first_seeding_call() -> None:
     seeded = {"seed#0": {"api": "torch.manual_seed", "site": "train.py:9", "library": "",
                          "package": "", "calls": [[3, -1, "0"]]}}
-    draw = {draws.FACT: {"site": "train.py:7", "op": "uniform_"}}
+    draw = {draws.FACT: {"site": "train.py:7", "op": "uniform_", "from": "train.py:8"}}
     [note] = seed_diff.unseeded_script_notes(_capture({**draw, **seeded}))
     assert note.startswith("train.py:7 draws") and "first seeding call (train.py:9)" in note
+    assert "called from train.py:8" in note
     assert "[PT-RNG]" in note
     [never] = seed_diff.unseeded_script_notes(_capture(draw))
     assert "never seeds torch" in never

@@ -7,7 +7,9 @@ from fresh entropy in every process. The verdict alone would hide that (trl's SF
 builds the model before ``Trainer`` calls ``set_seed``). This module names the line of the
 first such draw as the fact ``torch.unseeded_draw``::
 
-    {"site": "train.py:12", "op": "uniform_"}
+    {"site": "model.py:12", "op": "uniform_", "from": "train.py:30"}
+
+(``from``: the outermost line of the user's files that led there, when it is another.)
 
 ``seed_diff.unseeded_script_notes`` turns it into a note (the two runs did repeat, so it is
 no finding: Note [A draw before the first seeding is a note] there).
@@ -34,6 +36,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -134,11 +137,27 @@ class DrawWatch:
             if where < 0:
                 self._baseline = state  # no frame of the user's: nothing to name
                 return
-            self._session.send_facts({FACT: {"site": self._session.string(where),
-                                             "op": name}})
+            fact = {"site": self._session.string(where), "op": name}
+            outer = self._outermost_user_line()
+            if outer >= 0 and outer != where:
+                fact["from"] = self._session.string(outer)  # the model's line in the script
+            self._session.send_facts({FACT: fact})
             self.stop()
         except Exception:
             self.stop()
+
+    def _outermost_user_line(self) -> int:
+        """String id of the outermost frame in the user's files (the script's own line that
+        led to the draw, ``model = Net()``), or -1."""
+        sources = self._session.sources
+        frame: FrameType | None = sys._getframe(2)
+        outer: FrameType | None = None
+        while frame is not None:
+            if sources.user_file(frame.f_code.co_filename):
+                outer = frame
+            frame = frame.f_back
+        return -1 if outer is None else sources.intern_location(outer.f_code.co_filename,
+                                                                outer.f_lineno)
 
     def _seed_changed(self) -> bool:
         return int(torch.initial_seed()) != self._seed

@@ -122,7 +122,10 @@ class TorchBackend(StepLifecycle):
                     self.owner_names.update(owners.owner_names(
                         (p for group in opt.param_groups for p in group["params"]),
                         self.param_names, sys._getframe(1)))
-                    if owners.given_a_set(args, kwargs):
+                    order = {pid: i for i, pid in enumerate(
+                        dict.fromkeys([*self.param_names, *self.owner_names]))}
+                    if owners.given_a_set(args, kwargs) or owners.set_ordered(
+                            (group["params"] for group in opt.param_groups), order):
                         where = self.session.sources.here(2)
                         # its order (memory addresses) is the order foreach ops and
                         # clip_grad_norm_ sum the parameters in

@@ -96,6 +96,17 @@ class DrawWatch:
         listeners = getattr(session, "step_listeners", None)  # the child's Session has them
         if isinstance(listeners, list):
             listeners.append(lambda _step: self.stop())
+        # A mode cannot leave the stack from inside its own handler (where a draw is found):
+        # it goes at the next module call (before torch.compile would trace one) at the latest.
+        from torch.nn.modules import module as nn_module
+
+        self._hook: Any = nn_module.register_module_forward_pre_hook(self._module_call)
+
+    def _module_call(self, module: Any, args: Any) -> None:
+        self._pop()
+        if self._mode is None and self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
     @property
     def watching(self) -> bool:

@@ -51,7 +51,8 @@ FRESH_FACT = "readback.read_fresh"
 MAX_PAIR_FILES = 64
 #: nondet's own output directory (the captures): never the script's state.
 _OWN_DIR = ".nondet"
-# mtime granularity: a file written in the second the invocation started still counts
+# mtime granularity: on a file system keeping whole seconds, a file written in the second
+# the invocation started still counts
 _SLACK = 1.0
 
 #: Directories of installed packages (any environment's): never the script's state.
@@ -125,7 +126,10 @@ def install(session: Session, run_started: float | None = None) -> None:
                 return
             st = os.stat(real)
             mtime = st.st_mtime
-            if invocation - _SLACK <= mtime < started:
+            # the slack only where the file system keeps whole seconds: with finer times,
+            # a script saved (or generated) just before `nondet run` is no run's output
+            slack = _SLACK if mtime == int(mtime) else 0.0
+            if invocation - slack <= mtime < started:
                 seen.add(real)
                 session.send_facts({f"capture_note.{FACT}:{shown}": note_text(shown)})
             elif mtime >= started and shown not in wrote and len(fresh) < MAX_PAIR_FILES \

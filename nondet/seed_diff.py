@@ -232,10 +232,21 @@ KERAS_PYTHON_SEED_NOTE = (
     "tf.random.set_seed")
 
 
+#: Run a's fact (``frameworks/torch/draws.py``): the first draw from torch's default
+#: generator made before the script seeded it.
+TORCH_UNSEEDED_DRAW = "torch.unseeded_draw"
+
+#: torch's seeding calls, made by the script or by a library that seeds for it.
+TORCH_SEEDS = frozenset({"torch.manual_seed", "keras.utils.set_random_seed"})
+
+
 def unseeded_script_notes(capture: Capture) -> list[str]:
     """A TensorFlow script that never seeds the global random state repeats under nondet
     (which seeds it) and not on its own: the verdict alone would hide that. So does one
-    that seeds TensorFlow alone while Keras 3 draws its default seeds from Python."""
+    that seeds TensorFlow alone while Keras 3 draws its default seeds from Python, and a
+    torch script that draws before it seeds."""
+    if capture.facts.get("framework") == "torch":
+        return _torch_draw_notes(capture)
     if capture.facts.get("framework") != "tensorflow":
         return []
     apis = {api for api, _, _ in seed_calls(capture)}
@@ -244,3 +255,35 @@ def unseeded_script_notes(capture: Capture) -> list[str]:
     if capture.facts.get(KERAS_DEFAULT_SEED) is True and not apis & PYTHON_SEEDS:
         return [KERAS_PYTHON_SEED_NOTE]
     return []
+
+
+# Note [A draw before the first seeding is a note]
+# The two runs nondet compares were seeded alike before the script started, and they
+# repeated: "nondeterministic" (exit 1) would claim a difference between them that did not
+# happen, and DESIGN.md gives the verdict to the training state of the compared runs only.
+# What the user needs is still said: their plain runs draw those numbers from fresh entropy
+# (torch 2.x seeds its default generator so in every process), so weights, masks and
+# shuffles drawn before the first seeding differ from one plain run to the next. It is a
+# note with the line of the first such draw and the fix (PT-RNG), as the TensorFlow
+# counterpart above is; `nondet check` stays green, as for an unseeded TensorFlow script.
+
+
+def _torch_draw_notes(capture: Capture) -> list[str]:
+    draw = capture.facts.get(TORCH_UNSEEDED_DRAW)
+    if not isinstance(draw, dict) or not isinstance(draw.get("site"), str):
+        return []
+    site, op = draw["site"], draw.get("op")
+    seeds = sorted((calls[0][0], site_) for (api, site_, _), calls in seed_calls(capture).items()
+                   if api in TORCH_SEEDS and calls)
+    later = (f"before the script's first seeding call ({seeds[0][1]})" if seeds
+             else "and the script never seeds torch")
+    what = f" ({op})" if isinstance(op, str) and op else ""
+    outer = draw.get("from")
+    if isinstance(outer, str) and outer:
+        what += f", called from {outer},"
+    return [f"{site} draws from torch's default random generator{what} {later}: nondet "
+            "seeded both runs alike (--seed), so they repeated, but run on its own the "
+            "script draws these numbers (initial weights, masks, shuffles) from fresh "
+            "entropy each time, and its plain runs differ [PT-RNG]: call "
+            "torch.manual_seed(0) (or transformers.set_seed / lightning.seed_everything) "
+            "before the first model, layer or random tensor is made"]

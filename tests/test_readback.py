@@ -87,6 +87,18 @@ def test_data_older_than_the_invocation_and_own_writes_stay_quiet(tmp_path: Path
     assert facts == {readback.WROTE_FACT: ["old_ckpt.pkl", "mine.log", "fd.bin"]}, facts
 
 
+def test_a_file_saved_just_before_the_invocation_is_no_runs_output(tmp_path: Path) -> None:
+    """A script (or its data) written a moment before `nondet run` started: the mtime has
+    sub-second precision, so the one-second slack for coarse file systems does not apply
+    (round 7: FSDP2's script, saved and run at once, was "written by an earlier run")."""
+    now = time.time()
+    _written(tmp_path / "train.py", now - 20.3)
+    _written(tmp_path / "coarse.pkl", float(int(now - 20)))  # whole seconds: still counts
+    code = "open('train.py', 'rb').read()\npickle.load(open('coarse.pkl', 'rb'))"
+    facts = _run(tmp_path, code, run_started=now, invocation=now - 20)
+    assert list(facts) == [f"capture_note.{readback.FACT}:coarse.pkl"], facts
+
+
 def test_a_file_written_by_another_while_the_run_went_is_listed(tmp_path: Path) -> None:
     now = time.time()
     _written(tmp_path / "features.pkl", now + 2)  # the twin wrote it after this run started

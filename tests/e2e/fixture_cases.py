@@ -111,6 +111,17 @@ def check_verified(intervention: str, result: subprocess.CompletedProcess[str],
     assert any("run-a-fix1.h5" in c for c in report["captures"])
 
 
+def check_draw_note(case: Case, report: dict[str, Any]) -> None:
+    """A deterministic case declaring ``note=PT-RNG`` (a draw before the script seeds
+    torch) gets that note at its marked line; every other one (seeding first) none."""
+    drawn = [n for n in report["notes"] if "[PT-RNG]" in n]
+    if case.expected.get("note") == "PT-RNG":
+        rel = case.script.relative_to(REPO)
+        assert drawn and drawn[0].startswith(f"{rel}:{case.source_line} "), report["notes"]
+    else:
+        assert not drawn, drawn
+
+
 def check_finding(case: Case, result: subprocess.CompletedProcess[str],
                   report: dict[str, Any] | None) -> dict[str, Any] | None:
     """The report and exit code say exactly what the fixture declares; returns the finding."""
@@ -120,6 +131,7 @@ def check_finding(case: Case, result: subprocess.CompletedProcess[str],
     if want["kind"] == "none":
         assert result.returncode == 0, result.stdout + result.stderr
         assert report["verdict"] == "deterministic" and found is None
+        check_draw_note(case, report)
         return None
     assert result.returncode == 1, result.stdout + result.stderr
     assert report["verdict"] == "nondeterministic"

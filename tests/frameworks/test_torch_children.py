@@ -34,3 +34,14 @@ def test_a_child_whose_recording_cannot_start_runs_its_target_as_is(tmp_path: Pa
 def test_the_wrapped_target_survives_pickling_for_a_spawned_child(tmp_path: Path) -> None:
     main = pickle.loads(pickle.dumps(children.ChildMain(double, _config(tmp_path / "gone"))))
     assert main.target is double and main(4) == 8
+
+
+def test_a_lazy_module_handed_to_a_child_is_state_once_materialized() -> None:
+    """A ``LazyLinear`` handed to a child before its first call: its parameters hold no
+    values yet (any read raises), so they are not the tensors the child may change; the
+    start hook read them and nondet failed (exit 3, round 7)."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 1))
+    found = children._tensors_in([model, {"x": torch.ones(2)}, torch.empty(2, device="meta")])
+    assert [tuple(t.shape) for t in found] == [(1, 4), (1,), (2,)]

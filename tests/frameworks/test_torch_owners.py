@@ -60,3 +60,48 @@ def test_a_lazy_modules_parameters_join_the_state_once_materialized() -> None:
     model(torch.ones(1, 3))
     after, _, _ = named_state([model], [], {})
     assert [tuple(t.shape) for _, t in after] == [(4, 3), (4,), (2, 4), (2,)]
+
+
+def test_a_list_in_a_sets_order_is_told_from_one_put_in_order() -> None:
+    """``list(set(model.parameters()))``: no set reaches the optimizer, but the list's order
+    is the set's (memory addresses). Its group is set-ordered; the module's own order and a
+    deliberate order a set would not give are not (round 7)."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])
+    params = list(model.parameters())
+    order = {id(p): i for i, p in enumerate(params)}
+
+    def ids(ps: list[torch.Tensor]) -> list[int]:
+        return [id(p) for p in ps]
+
+    as_set = list(set(params))
+    assert ids(as_set) != ids(params)  # 10 tensors: a set's order is not the module's
+    assert owners.set_ordered([as_set], order)
+    assert not owners.set_ordered([params], order)
+    reordered = params[::-1]  # a deliberate order
+    assert ids(as_set) != ids(reordered)
+    assert not owners.set_ordered([reordered], order)
+    assert owners.set_ordered([params[:2], as_set], order)  # any group
+
+
+class _Proxy:
+    """A lazy proxy whose every attribute lookup fails (as one not yet resolved may)."""
+
+    def __getattribute__(self, name: str) -> object:
+        raise RuntimeError(f"not resolved: {name}")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no comparing")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_the_frame_walk_never_runs_the_users_objects() -> None:
+    """The walk over the optimizer's callers' variables meets anything: a proxy whose
+    ``__class__`` raises, objects that refuse ``==`` and hashing, a large dict. It must
+    neither raise nor call them (a hook raising into the script is the worst bug)."""
+    proxy = _Proxy()
+    table = {i: str(i) for i in range(100_000)}
+    model = torch.nn.Linear(3, 2)
+    found = owners.owner_names(list(model.parameters()), {}, sys._getframe())
+    assert sorted(found.values()) == ["model.bias", "model.weight"]
+    assert proxy is not None and len(table) == 100_000

@@ -33,7 +33,7 @@ from nondet import channel, loop_end
 from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.step_thread import STEP_THREAD
-from nondet.frameworks.torch import children, comm, compiled, cuda, owners
+from nondet.frameworks.torch import children, comm, compiled, cuda, draws, owners
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
@@ -82,7 +82,10 @@ class TorchBackend(StepLifecycle):
         self.entries = DataEntries(self)
         torch.manual_seed(session.config.seed)
         self._install_hooks()
-        torch_seeding.install(session)  # after nondet's own seeding above
+        # after nondet's own seeding above; the recording wrappers go outermost (they name
+        # the frame that called them)
+        draws.install(session, session.config.seed)
+        torch_seeding.install(session)
         session.send_meta({"env": torch_environment(initialized=False)})
         self._sync_capture()
 
@@ -119,7 +122,10 @@ class TorchBackend(StepLifecycle):
                     self.owner_names.update(owners.owner_names(
                         (p for group in opt.param_groups for p in group["params"]),
                         self.param_names, sys._getframe(1)))
-                    if owners.given_a_set(args, kwargs):
+                    order = {pid: i for i, pid in enumerate(
+                        dict.fromkeys([*self.param_names, *self.owner_names]))}
+                    if owners.given_a_set(args, kwargs) or owners.set_ordered(
+                            (group["params"] for group in opt.param_groups), order):
                         where = self.session.sources.here(2)
                         # its order (memory addresses) is the order foreach ops and
                         # clip_grad_norm_ sum the parameters in

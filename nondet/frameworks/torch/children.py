@@ -40,6 +40,7 @@ from nondet.frameworks.base import Session, StopRun
 from nondet.frameworks.fp import group_fp
 from nondet.frameworks.torch.cache import FingerprintCache
 from nondet.frameworks.torch.shared import in_shared_memory
+from nondet.frameworks.torch.state import holds_values
 from nondet.records import INIT_STEP
 
 
@@ -66,10 +67,13 @@ def _tensors_in(values: Iterable[Any], depth: int = 2) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     for value in values:
         if isinstance(value, torch.nn.Module):
-            found.extend(value.parameters())
-            found.extend(value.buffers())
+            # a lazy module's parameters before its first call (any read raises) and meta
+            # tensors hold no values yet: not state the child can change (state.py)
+            found.extend(t for t in value.parameters() if holds_values(t))
+            found.extend(t for t in value.buffers() if holds_values(t))
         elif isinstance(value, torch.Tensor):
-            found.append(value)
+            if holds_values(value):
+                found.append(value)
         elif depth > 0 and isinstance(value, (tuple, list)):
             found.extend(_tensors_in(value, depth - 1))
         elif depth > 0 and isinstance(value, dict):

@@ -197,6 +197,11 @@ class OpRecorder(FingerprintCache):
             outputs = [t for t in outputs if not any(t is a for a in aux)]
             for t in aux:
                 self.remember(t, Fp(value=0))
+        if info.partly_written:  # garbage outside the part written (optable.PARTLY_WRITTEN)
+            partly = aux_tensors(out, info.partly_written)
+            outputs = [t for t in outputs if not any(t is a for a in partly)]
+            for t in partly:
+                self.remember(t, Fp(uninit=True))
         out_fps: list[Fp] = []
         if info.comm:  # still being written until the work's wait: read later (comm.py)
             written_by = comm.ENTRY_PREFIX + str(func)

@@ -75,6 +75,15 @@ AUX_OUTPUTS: dict[str, tuple[int, ...]] = {
     "miopen_rnn": (3,),
 }
 
+#: Outputs that are a buffer argument returned after the op wrote only a part of it (the
+#: schema declares no alias), by op and position: remembered as uninitialized memory, never
+#: hashed. FSDP2's ``fsdp::all_gather_copy_in`` copies its rank's shard into the
+#: ``torch.empty`` all-gather output and returns that whole buffer; the other ranks' parts
+#: hold garbage until the all-gather fills them (hashed, it "differed" in every 2-rank run).
+PARTLY_WRITTEN: dict[str, tuple[int, ...]] = {
+    "all_gather_copy_in": (1,),
+}
+
 
 def aux_tensors(out: Any, positions: tuple[int, ...]) -> list[Any]:
     """The auxiliary outputs at ``positions`` of an op's return value (AUX_OUTPUTS)."""
@@ -105,6 +114,7 @@ class OpInfo:
     #: its outputs are hashed (not derived, uninitialized or wrapped), so a difference there
     #: can be measured from kept copies
     measured: bool = True
+    partly_written: tuple[int, ...] = ()  # outputs left uninitialized (PARTLY_WRITTEN)
 
 
 
@@ -143,5 +153,5 @@ def op_info(func: Any, name_id: int) -> OpInfo:
                   frozenset(over_args), frozenset(over_kwargs), uninit, int(flags),
                   from_storage, handle, base in MOVE_OPS, pointwise, name_code(str(func)),
                   AUX_OUTPUTS.get(base, ()), comm.is_comm(func),
-                  not (pointwise or uninit or from_storage))
+                  not (pointwise or uninit or from_storage), PARTLY_WRITTEN.get(base, ()))
 

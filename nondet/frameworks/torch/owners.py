@@ -10,12 +10,17 @@ deterministic script (a false alarm), and optimizer state, kept in slot order, d
 every step. Here the parameters are named after the module that owns them, found among the
 variables of the frames that made the optimizer (``model.0.weight``), so the init row lists
 them in that module's order; optimizer state follows the parameters' order (state.py).
+The optimizer given a set, or groups listed in another order than their modules', is a fact
+with its line: an order-sensitive sum over the list (``clip_grad_norm_``, a foreach or
+fused update) then gets PY-TENSOR-SET-ORDER first (the set's order is its cause).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from types import FrameType
+from typing import cast
 
 import torch
 
@@ -31,13 +36,17 @@ def owner_names(params: Iterable[torch.Tensor], named: dict[int, str],
     own parameter order (dicts keep it)."""
     wanted = {id(p) for p in params if id(p) not in named}
     found: dict[int, str] = {}
+    seen: set[int] = set()  # modules already listed (one module, many variables)
     depth = 0
     while frame is not None and wanted and depth < _DEPTH:
-        for var, value in list(frame.f_locals.items()):
-            if not isinstance(value, torch.nn.Module):
+        for var, value in _locals(frame):
+            # type(), not isinstance(): a proxy's __class__ may raise or lie; only real
+            # modules own parameters. Only ids are compared: no user __eq__/__hash__ runs.
+            if not issubclass(type(value), torch.nn.Module) or id(value) in seen:
                 continue
+            seen.add(id(value))
             try:
-                members = list(value.named_parameters())
+                members = list(cast(torch.nn.Module, value).named_parameters())
             except Exception:  # a module whose parameters cannot be listed yet: not an owner
                 continue
             for path, p in members:
@@ -46,6 +55,35 @@ def owner_names(params: Iterable[torch.Tensor], named: dict[int, str],
                     found[id(p)] = f"{var}.{path}"
         frame, depth = frame.f_back, depth + 1
     return found
+
+
+def _locals(frame: FrameType) -> list[tuple[str, object]]:
+    """A frame's variables (a module frame's are its globals: a script's may be many; a
+    dict read in C, no user code runs), or none when they cannot be read."""
+    try:
+        return list(frame.f_locals.items())
+    except Exception:
+        return []
+
+
+def set_ordered(groups: Iterable[Sequence[torch.Tensor]], order: dict[int, int]) -> bool:
+    """Some parameter group lists its parameters in a set's order, not in the order of the
+    modules that own them (``order``: id -> position in module order), as
+    ``list(set(model.parameters()))`` does: a set of tensors iterates by their memory
+    addresses, so the order differs between runs. A list put in another order on purpose
+    (a head's parameters first) is not: it iterates otherwise than a set of it would."""
+    for group in groups:
+        known = [p for p in group if id(p) in order]
+        seq = [order[id(p)] for p in known]
+        if len(seq) < 2 or all(a < b for a, b in itertools.pairwise(seq)):
+            continue
+        try:  # a set made from them in module order (as set(model.parameters()) was made)
+            as_set = set(sorted(known, key=lambda p: order[id(p)]))
+        except Exception:  # a tensor subclass whose __hash__ refuses: no set was made of it
+            continue
+        if [id(p) for p in as_set] == [id(p) for p in known]:
+            return True
+    return False
 
 
 def given_a_set(args: tuple[object, ...], kwargs: dict[str, object]) -> bool:

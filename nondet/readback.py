@@ -149,11 +149,12 @@ def install(session: Session, run_started: float | None = None) -> None:
                 return
             st = os.stat(real)
             mtime = st.st_mtime
+            if not stat.S_ISREG(st.st_mode):
+                return  # a directory listed (rmtree, BackupAndRestore's cleanup) is no read
             if invocation - _SLACK <= mtime < started:
                 seen.add(real)
                 session.send_facts({f"capture_note.{FACT}:{shown}": note_text(shown)})
-            elif mtime >= started and shown not in wrote and len(fresh) < MAX_PAIR_FILES \
-                    and stat.S_ISREG(st.st_mode):  # a directory listed (rmtree) is no read
+            elif mtime >= started and shown not in wrote and len(fresh) < MAX_PAIR_FILES:
                 # written while this run went, not by its own opens: the twin's, or a C
                 # writer's of its own (torch.save); pair_notes asks the twin which
                 fresh.append(shown)

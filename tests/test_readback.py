@@ -217,7 +217,11 @@ def test_files_frameworks_read_in_c_are_checked_like_opens(tmp_path: Path) -> No
             "readback.cache_file('old')\n"
             "readback.cache_file('twin')\n"
             "readback.cache_file('missing')\n"  # not there yet: this run or the twin builds it
-            "readback.cache_file('missing')\n")
+            "readback.cache_file('missing')\n"
+            # BackupAndRestore's rmtree of an earlier run's directory: a listing, no read
+            "os.close(os.open('backup', os.O_RDONLY))\n")
+    (tmp_path / "backup").mkdir()
+    os.utime(tmp_path / "backup", (now - 5, now - 5))
     facts = _run(tmp_path, code, run_started=now, invocation=now - 20)
     ckpt = os.path.join("mgr", "ckpt-2.index")
     assert facts.pop(f"capture_note.{readback.FACT}:{ckpt}") == readback.note_text(ckpt)

@@ -21,7 +21,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from nondet import frameworks, seeding, standin
+from nondet import early_draws, frameworks, seeding, standin
 from nondet import session as session_module
 from nondet.generator_use import GeneratorUse
 from nondet.session import Session
@@ -146,6 +146,7 @@ def _note_keras_default_seeds(session: Session, log: seeding.SeedLog) -> None:
     if original is None:
         return
     sent = [False]
+    early = early_draws.EarlyDraws(session, log)
 
     def make_default_seed() -> Any:
         if not sent[0] and session_module.current() is session:
@@ -154,6 +155,7 @@ def _note_keras_default_seeds(session: Session, log: seeding.SeedLog) -> None:
                 session.send_facts({KERAS_DEFAULT_SEED: True})
             except Exception:
                 log.failed()
+        early.drawn(early_draws.KERAS_DEFAULT, sys._getframe(1))
         return original()
 
     # imported by name into each backend's random module too: replace every reference

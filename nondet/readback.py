@@ -25,11 +25,13 @@ in the reading run would have done through ``open`` too, so never a false note.
 from __future__ import annotations
 
 import builtins
+import functools
 import io
 import os
 import stat
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nondet import session as session_module
@@ -49,6 +51,9 @@ MAX_FILES = 8
 WROTE_FACT = "readback.wrote"
 FRESH_FACT = "readback.read_fresh"
 MAX_PAIR_FILES = 64
+#: Fact: tf.data cache files (``Dataset.cache(filename)``, by prefix) this run was to use
+#: that did not exist when it started or were written since (``pair_notes``).
+CACHE_FACT = "readback.tf_cache"
 #: nondet's own output directory (the captures): never the script's state.
 _OWN_DIR = ".nondet"
 # mtime granularity: on a file system keeping whole seconds, a file written in the second
@@ -62,6 +67,25 @@ _PACKAGE_DIRS = frozenset({"site-packages", "dist-packages"})
 _CHECKED_MAX = 100_000
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+#: The installed run's watches of files frameworks read in C, which framework hooks report
+#: (``file_read``, ``cache_file``); None outside a run started by a nondet parent.
+_READ_WATCH: Callable[[str], None] | None = None
+_CACHE_WATCH: Callable[[str], None] | None = None
+
+
+def file_read(path: str) -> None:
+    """The script reads ``path`` in C (a TensorFlow checkpoint, a Keras ``.weights.h5``):
+    checked as an ``open`` for reading would be. Never raises."""
+    if _READ_WATCH is not None:
+        _READ_WATCH(path)
+
+
+def cache_file(prefix: str) -> None:
+    """A ``tf.data`` cache at ``prefix`` (``Dataset.cache(filename)``) is to be used: TensorFlow
+    reads a finished one (``prefix.index``) in C, never through ``open``. Never raises."""
+    if _CACHE_WATCH is not None:
+        _CACHE_WATCH(prefix)
 
 
 def note_text(path: str) -> str:
@@ -126,20 +150,49 @@ def install(session: Session, run_started: float | None = None) -> None:
                 return
             st = os.stat(real)
             mtime = st.st_mtime
+            if not stat.S_ISREG(st.st_mode):
+                return  # a directory listed (rmtree, BackupAndRestore's cleanup) is no read
             # the slack only where the file system keeps whole seconds: with finer times,
             # a script saved (or generated) just before `nondet run` is no run's output
             slack = _SLACK if mtime == int(mtime) else 0.0
             if invocation - slack <= mtime < started:
                 seen.add(real)
                 session.send_facts({f"capture_note.{FACT}:{shown}": note_text(shown)})
-            elif mtime >= started and shown not in wrote and len(fresh) < MAX_PAIR_FILES \
-                    and stat.S_ISREG(st.st_mode):  # a directory listed (rmtree) is no read
+            elif mtime >= started and shown not in wrote and len(fresh) < MAX_PAIR_FILES:
                 # written while this run went, not by its own opens: the twin's, or a C
                 # writer's of its own (torch.save); pair_notes asks the twin which
                 fresh.append(shown)
                 session.send_facts({FRESH_FACT: list(fresh)})
         except Exception:
             pass  # a hook never raises into the script; an unreadable path is the script's
+
+    cached: list[str] = []
+    cache_seen: set[str] = set()
+
+    def cache_watch(prefix: str) -> None:
+        # Only a path's first cache of this run counts: a later one may read this run's own.
+        if session_module.current() is not session or len(cache_seen) >= MAX_PAIR_FILES:
+            return
+        try:
+            index = os.path.abspath(prefix) + ".index"
+            shown = _shown(index, cwd)
+            if shown is None or index in cache_seen:
+                return
+            cache_seen.add(index)
+            check(index, True)  # an earlier run's cache: the read-back note
+            try:
+                fresh_file = os.stat(index).st_mtime >= started
+            except OSError:
+                fresh_file = True  # not there yet: this run or its twin will write it
+            if fresh_file:
+                cached.append(shown[:-len(".index")])
+                session.send_facts({CACHE_FACT: list(cached)})
+        except Exception:
+            pass  # a hook never raises into the script
+
+    global _CACHE_WATCH, _READ_WATCH
+    _CACHE_WATCH = cache_watch
+    _READ_WATCH = functools.partial(check, reading=True)
 
     original_open = builtins.open
 
@@ -188,6 +241,15 @@ def pair_notes(a: Capture, b: Capture) -> list[str]:
                 "built if missing, a checkpoint), so they did not compute the same thing and "
                 "the verdict may hide a difference in how that file is made; delete it and "
                 "build it before running nondet, or give each run a file of its own")
+    theirs = _paths(b.facts.get(CACHE_FACT))
+    for path in (p for p in _paths(a.facts.get(CACHE_FACT)) if p in theirs):
+        notes.append(
+            f"runs a and b both cached a tf.data pipeline to {path} (Dataset.cache), which "
+            "neither found when it started: TensorFlow reads a finished cache instead of "
+            "building it again, so the run that got there second trained on the data the "
+            "other one cached, and the stages before the cache were not compared; delete "
+            "the cache files and build them before running nondet, or cache in memory "
+            "(Dataset.cache() without a file name) to compare them")
     return notes
 
 

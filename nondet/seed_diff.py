@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nondet import early_draws
 from nondet.clock import CLOCK_FACT
 from nondet.generator_use import USE_FACT
 from nondet.pyhooks import KERAS_DEFAULT_SEED, LIBRARY_UNSEEDED
@@ -249,12 +250,13 @@ def unseeded_script_notes(capture: Capture) -> list[str]:
         return _torch_draw_notes(capture)
     if capture.facts.get("framework") != "tensorflow":
         return []
-    apis = {api for api, _, _ in seed_calls(capture)}
+    calls = seed_calls(capture)
+    apis = {api for api, _, _ in calls}
     if not apis & TF_GLOBAL_SEEDS:
         return [UNSEEDED_TF_NOTE]
     if capture.facts.get(KERAS_DEFAULT_SEED) is True and not apis & PYTHON_SEEDS:
         return [KERAS_PYTHON_SEED_NOTE]
-    return []
+    return early_draws.notes_for(capture.facts, calls)
 
 
 # Note [A draw before the first seeding is a note]

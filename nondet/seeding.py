@@ -262,6 +262,10 @@ class SeedLog:
             self.failed()
         return args, kwargs
 
+    def seeded(self, apis: frozenset[str]) -> bool:
+        """The script (or a library it called) made one of the seeding calls ``apis``."""
+        return any(api in apis for api, _, _ in self._sites)
+
     def nested(self) -> bool:
         """Inside a recorded seeding call (its own seeding calls are not recorded again)."""
         return bool(getattr(self._local, "depth", 0))

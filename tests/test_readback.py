@@ -212,3 +212,49 @@ def test_installed_packages_inside_the_project_are_not_the_scripts_state(
     code = f"open('cache.bin', 'rb').read(); open({str(meta)!r}, 'rb').read()"
     facts = _run(tmp_path, code, run_started=now, invocation=now - 20)
     assert list(facts) == [f"capture_note.{readback.FACT}:cache.bin"]
+
+
+def test_files_frameworks_read_in_c_are_checked_like_opens(tmp_path: Path) -> None:
+    """h-realtf round 7: a TensorFlow checkpoint restored, a Keras .weights.h5 loaded and a
+    tf.data cache found are read in C, never through ``open``: the later runs (narrowing,
+    verification) resumed from the first pair's files with nothing said. The framework
+    hooks (``frameworks.tensorflow.file_reads``) report them here."""
+    now = time.time()
+    _written(tmp_path / "mgr" / "ckpt-2.index", now - 5)  # an earlier run's checkpoint
+    _written(tmp_path / "ck.weights.h5", now - 3600)  # the script's input, older: quiet
+    _written(tmp_path / "old.index", now - 3600)  # a cache there before nondet: quiet
+    _written(tmp_path / "twin.index", now + 2)  # a cache the twin finished while this ran
+    code = ("readback.file_read('mgr/ckpt-2.index')\n"
+            "readback.file_read('ck.weights.h5')\n"
+            "readback.cache_file('old')\n"
+            "readback.cache_file('twin')\n"
+            "readback.cache_file('missing')\n"  # not there yet: this run or the twin builds it
+            "readback.cache_file('missing')\n"
+            # BackupAndRestore's rmtree of an earlier run's directory: a listing, no read
+            "os.close(os.open('backup', os.O_RDONLY))\n")
+    (tmp_path / "backup").mkdir()
+    os.utime(tmp_path / "backup", (now - 5, now - 5))
+    facts = _run(tmp_path, code, run_started=now, invocation=now - 20)
+    ckpt = os.path.join("mgr", "ckpt-2.index")
+    assert facts.pop(f"capture_note.{readback.FACT}:{ckpt}") == readback.note_text(ckpt)
+    assert facts == {readback.CACHE_FACT: ["twin", "missing"],
+                     readback.FRESH_FACT: ["twin.index"]}
+
+
+def test_pair_notes_name_a_tf_data_cache_both_runs_meant_to_build(tmp_path: Path) -> None:
+    """Both runs of the pair found no cache file: TensorFlow reads a finished cache and
+    refuses a second writer, so one run trained on what the other cached (rn_cache in
+    FINDINGS round 7: an unseeded generator before the cache, "deterministic", no note)."""
+    steps = step_rows({"step": 0})
+
+    def pair(a: list[str], b: list[str]) -> list[str]:
+        ca = write_capture(tmp_path / "run-a.h5", steps, facts={readback.CACHE_FACT: a},
+                           attrs={"label": "a"})
+        cb = write_capture(tmp_path / "run-b.h5", steps, facts={readback.CACHE_FACT: b},
+                           attrs={"label": "b"})
+        return readback.pair_notes(open_capture(ca), open_capture(cb))
+
+    notes = pair(["cache/train"], ["cache/val", "cache/train"])
+    assert len(notes) == 1 and notes[0].startswith(
+        "runs a and b both cached a tf.data pipeline to cache/train"), notes
+    assert pair(["cache/train"], []) == []

@@ -12,7 +12,7 @@ pytest.importorskip("tensorflow")
 
 from nondet.analysis import compare_pair
 from nondet.seed_diff import KERAS_PYTHON_SEED_NOTE, UNSEEDED_TF_NOTE
-from tests.frameworks.test_tf_capture import run_script
+from tests.frameworks.test_tf_capture import line_of, run_script
 
 BODY = """
 import os
@@ -42,3 +42,37 @@ def test_a_script_that_never_seeds_tensorflow_is_told_so(
     assert report.verdict == "deterministic"
     told = [n for n in report.notes if n in (UNSEEDED_TF_NOTE, KERAS_PYTHON_SEED_NOTE)]
     assert told == ([noted] if noted else [])
+    assert not [n for n in report.notes if "before the script seeds it" in n]
+
+
+EARLY = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import keras
+import numpy as np
+import tensorflow as tf
+x = np.random.default_rng(0).random((64, 4), dtype=np.float32)
+kept = keras.layers.Dense(1, kernel_initializer=keras.initializers.Ones())  # no draw
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])  # MODEL
+noise = tf.random.normal((64, 4))  # NOISE
+keras.utils.set_random_seed(1)  # SEED
+x = x + 0.01 * noise.numpy()
+model.compile("sgd", "mse")
+model.fit(x, x[:, :1], batch_size=32, epochs=1, verbose=0, shuffle=True)
+"""
+
+
+def test_randomness_drawn_before_the_script_seeds_is_noted(tmp_path: Path) -> None:
+    """h-realtf round 7: a model built (and a tf.random op run) before the script's
+    keras.utils.set_random_seed differ between plain runs, while nondet's runs, seeded
+    before the script starts, match: "deterministic" alone hid it (no note before)."""
+    capture, _ = run_script(tmp_path, EARLY, header="")
+    report = compare_pair(capture, capture)
+    assert report.verdict == "deterministic"
+    early = [n for n in report.notes if "before the script seeds it" in n]
+    model, noise, seed = (line_of(tmp_path, m) for m in ("# MODEL", "# NOISE", "# SEED"))
+    assert len(early) == 2, report.notes
+    keras_note, tf_note = sorted(early, key=lambda n: "TensorFlow random op" in n)
+    assert f"train.py:{model} Keras drew a default seed" in keras_note
+    assert f"keras.utils.set_random_seed at {tmp_path / 'train.py'}:{seed}" in keras_note
+    assert f"train.py:{noise} a TensorFlow random op" in tf_note

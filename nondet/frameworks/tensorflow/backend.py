@@ -29,7 +29,7 @@ import tensorflow as tf
 from nondet import channel, frameworks
 from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
-from nondet.frameworks.tensorflow import data, hooks, image_random
+from nondet.frameworks.tensorflow import data, file_reads, hooks, image_random
 from nondet.frameworks.tensorflow import seeding as tf_seeding
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
@@ -82,9 +82,11 @@ class TFBackend(StepLifecycle):
             self.recorder = TFOpRecorder(self)
             self._creator_scope = hooks.install(self)  # kept referenced: see hooks.install
             data.install(self)  # tf.data options, Keras PyDataset workers
+            file_reads.install()  # caches and checkpoints read in C, for readback
             image_random.install(self)  # where stateful tf.image.random_* ops are called
             tf_seeding.install(session)  # after nondet's own seeding above
             frameworks.after_import("keras", functools.partial(hooks.install_keras, self))
+            frameworks.after_import("keras", file_reads.install_keras)
             frameworks.after_import("tf_keras", functools.partial(hooks.install_tf_keras, self))
             session.send_meta({"env": tf_environment()})
             self._sync_capture()

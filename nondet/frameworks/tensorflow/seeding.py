@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
 import tensorflow as tf
 
-from nondet import seeding
+from nondet import early_draws, seeding
 from nondet.frameworks.base import Session
 
 
@@ -37,3 +38,21 @@ def install(session: Session) -> None:
         return original_from_seed(cls, seed, alg)
 
     generator.from_seed = classmethod(from_seed)
+    _note_early_draws(session, log)
+
+
+def _note_early_draws(session: Session, log: seeding.SeedLog) -> None:
+    """A random op without ``seed=`` run before the script's ``tf.random.set_seed``
+    (``early_draws``). Ops look ``random_seed.get_seed`` up on the module at each call."""
+    from tensorflow.python.framework import random_seed
+
+    original = random_seed.get_seed
+    early = early_draws.EarlyDraws(session, log)
+
+    @functools.wraps(original)
+    def get_seed(op_seed: Any) -> Any:
+        if op_seed is None:
+            early.drawn(early_draws.TF_GLOBAL, sys._getframe(1))
+        return original(op_seed)
+
+    random_seed.get_seed = get_seed

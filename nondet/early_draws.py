@@ -1,0 +1,116 @@
+"""Random draws a script makes before it seeds the generator they come from.
+
+nondet seeds every run before the script starts (DESIGN.md section 3), so a layer built
+(its initializer seeded) or a random op run before the script's own ``set_random_seed``
+draws the same values in both runs, while the script run on its own draws new ones each
+time: two nondet runs match and two plain runs do not. The child records the first such
+draw per kind (with the user's line that led to it) as a fact; ``notes_for`` turns it into
+a note when the script does seed that generator later (a script that never seeds at all
+gets ``seed_diff``'s "seeds neither" note instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from nondet import seeding
+from nondet import session as session_module
+from nondet.frameworks.base import Session
+
+#: Fact key prefix: ``rng.drawn_before_seeding.<kind>`` -> {"site": "train.py:12"}.
+FACT_PREFIX = "rng.drawn_before_seeding."
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One generator a script can draw from before seeding it."""
+
+    name: str
+    what: str  # what was drawn, for the note
+    seeds: frozenset[str]  # the seeding APIs (as ``seeding`` records them) that fix it
+
+
+#: Keras 3's default seeds come from Python's ``random`` (``make_default_seed``): every
+#: layer, initializer and random op made without ``seed=``.
+KERAS_DEFAULT = Kind("keras_default_seed", "Keras drew a default seed from Python's random "
+                     "(a layer, initializer or random op made without seed=)",
+                     frozenset({"random.seed", "keras.utils.set_random_seed"}))
+#: TensorFlow's op-level random ops (``tf.random.normal``, ``Dataset.shuffle``, legacy
+#: initializers) without ``seed=`` take their seed from the global one.
+TF_GLOBAL = Kind("tf_global_seed", "a TensorFlow random op without seed= drew from the "
+                 "global seed (tf.random.*, an unseeded shuffle or initializer)",
+                 frozenset({"tf.random.set_seed", "keras.utils.set_random_seed"}))
+KINDS = {kind.name: kind for kind in (KERAS_DEFAULT, TF_GLOBAL)}
+
+
+class EarlyDraws:
+    """The child's side: ``drawn`` is called from a draw hook; cheap once seeded."""
+
+    def __init__(self, session: Session, log: seeding.SeedLog) -> None:
+        self._session = session
+        self._log = log
+        self._done: set[str] = set()  # kinds sent, or seeded by the script already
+
+    def drawn(self, kind: Kind, frame: FrameType | None) -> None:
+        """A draw of ``kind`` made from ``frame``. Never raises into the script."""
+        if kind.name in self._done:
+            return
+        try:
+            if session_module.current() is not self._session or self._log.disabled:
+                return
+            if self._log.seeded(kind.seeds):
+                self._done.add(kind.name)  # later draws come after the script's seed
+                return
+            site = self._user_site(frame)
+            if site is not None:
+                self._done.add(kind.name)
+                self._session.send_facts({FACT_PREFIX + kind.name: {"site": site}})
+        except Exception:
+            self._log.failed()
+
+    def _user_site(self, frame: FrameType | None) -> str | None:
+        """The user's line the draw came from; None when nondet drew (its own hashing or
+        seeding) or no user frame is on the stack (an import of a framework)."""
+        while frame is not None:
+            name = frame.f_globals.get("__name__", "")
+            if isinstance(name, str) and name.split(".", 1)[0] == "nondet":
+                return None
+            if self._log.is_users(frame):
+                sid = self._session.sources.intern_location(frame.f_code.co_filename,
+                                                            frame.f_lineno)
+                return self._session.string(sid)
+            frame = frame.f_back
+        return None
+
+
+def first_site(calls: dict[tuple[str, str, str], list[tuple[int, int, str]]],
+               apis: frozenset[str]) -> tuple[str, str] | None:
+    """(api, site) of the earliest recorded call of one of ``apis`` (``seed_diff.seed_calls``
+    form), or None."""
+    best: tuple[int, str, str] | None = None
+    for (api, site, _), rows in calls.items():
+        if api in apis and rows and (best is None or rows[0][0] < best[0]):
+            best = (rows[0][0], api, site)
+    return None if best is None else (best[1], best[2])
+
+
+def notes_for(facts: dict[str, Any],
+              calls: dict[tuple[str, str, str], list[tuple[int, int, str]]]) -> list[str]:
+    """One note per kind drawn before the script seeded it, when the script seeds it at
+    all (``calls`` is the capture's seeding calls, ``seed_diff.seed_calls``)."""
+    notes = []
+    for name, kind in KINDS.items():
+        fact = facts.get(FACT_PREFIX + name)
+        site = fact.get("site") if isinstance(fact, dict) else None
+        seeded = first_site(calls, kind.seeds)
+        if not isinstance(site, str) or seeded is None:
+            continue
+        api, seed_site = seeded
+        notes.append(
+            f"at {site} {kind.what} before the script seeds it ({api} at "
+            f"{seed_site or 'a library'}): nondet seeded both runs before the script "
+            "started, so these two runs match, but the script run on its own draws "
+            f"different values there each time: call {api} before {site}")
+    return notes

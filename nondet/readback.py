@@ -125,7 +125,7 @@ def install(session: Session, run_started: float | None = None) -> None:
                 return
             st = os.stat(real)
             mtime = st.st_mtime
-            if invocation - _SLACK <= mtime < started:
+            if _since(invocation, st) and mtime < started:
                 seen.add(real)
                 session.send_facts({f"capture_note.{FACT}:{shown}": note_text(shown)})
             elif mtime >= started and shown not in wrote and len(fresh) < MAX_PAIR_FILES \
@@ -154,6 +154,16 @@ def install(session: Session, run_started: float | None = None) -> None:
     builtins.open = open_
     io.open = open_
     os.open = os_open
+
+
+def _since(invocation: float, st: os.stat_result) -> bool:
+    """Whether a file was written at or after the invocation began. The slack is for file
+    systems that keep whole seconds only (their mtime is rounded down); on one that keeps
+    finer times, a file written a moment before nondet started (`cp train.py x.py && nondet
+    run x.py`, the script a CI step just wrote) is older than the invocation, and counting
+    it noted every run's own script as "written by an earlier run" (a false note)."""
+    coarse = st.st_mtime_ns % 1_000_000_000 == 0
+    return st.st_mtime >= invocation - (_SLACK if coarse else 0.0)
 
 
 def _shown(file: Any, cwd: str) -> str | None:

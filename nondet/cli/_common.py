@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import platform
 import signal
@@ -22,21 +23,36 @@ from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import ExitCode
 
 
+class SafeConsole(Console):
+    """A console that never passes a control character of its text to the terminal.
+
+    Paths, script names, exception messages and module names come from the user's program
+    or a capture; an ESC in one (a script named ``$'a\\x1b[2Jb.py'``) reached the terminal
+    raw from progress lines and error messages. Styles are added by rich after this, so
+    colour still works; line breaks are kept (messages may span lines)."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        from nondet.report.text import printable
+
+        super().print(*(printable(o, newlines=True) if isinstance(o, str) else o
+                        for o in objects), **kwargs)
+
+
 class App:
     """Shared state of one invocation (consoles; stdout for results, stderr for progress)."""
 
     def __init__(self) -> None:
         # Piped output gets a roomy fixed width (rich would use 80) unless COLUMNS says.
         width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 120)
-        self.out = Console(highlight=False, soft_wrap=True, width=width)
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.out = SafeConsole(highlight=False, soft_wrap=True, width=width)
+        self.err = SafeConsole(stderr=True, highlight=False, soft_wrap=True)
 
 
 @contextmanager
 def handle_errors() -> Iterator[None]:
     """One line and exit 2 for user errors, a log and exit 3 for bugs, 130 for Ctrl-C,
     143 for SIGTERM."""
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = SafeConsole(stderr=True, highlight=False, soft_wrap=True)
     _terminate_on_sigterm()
     errors.watch_sigint()
     try:
@@ -52,7 +68,9 @@ def handle_errors() -> Iterator[None]:
         err.print("nondet: interrupted")
         sys.exit(ExitCode.INTERRUPTED)
     except click.ClickException as exc:
-        exc.show()
+        shown = io.StringIO()  # the usage error quotes what was typed: control bytes too
+        exc.show(file=shown)
+        err.print(shown.getvalue().rstrip("\n"), markup=False)
         sys.exit(ExitCode.USAGE)
     except NondetError as exc:
         err.print(f"[bold red]nondet: error:[/] {_escape(str(exc))}")

@@ -1,0 +1,109 @@
+"""Faults, sixth round (FINDINGS.md): text from the user's program reaching the terminal raw,
+a script written just before nondet started noted as another run's output, and more."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nondet import readback
+from nondet.cli._common import SafeConsole
+from nondet.progress import Progress
+from tests.conftest import run_cli
+from tests.test_readback import _run
+
+_CLEAR = "\x1b[2J"  # "clear the screen": what a hostile name would do to the terminal
+
+
+def test_a_scripts_name_and_its_error_reach_the_terminal_escaped(tmp_path: Path) -> None:
+    # Trial: a script named $'a\x1b[2Jb.py' raising RuntimeError("boom\x1b[2J\rEVIL"): the
+    # progress line and the traceback under the error passed the ESC through, and the
+    # error's summary was "EVIL" (splitlines cut the message at the carriage return)
+    script = tmp_path / f"a{_CLEAR}b.py"
+    script.write_text('raise RuntimeError("boom\\x1b[2J\\x1b]0;title\\x07\\rEVIL")\n')
+    result = run_cli("run", "--no-verify", script.name, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "\x1b" not in result.stderr + result.stdout
+    assert "\x07" not in result.stderr and "\rEVIL" not in result.stderr
+    assert "(exit code 1): RuntimeError: boom" in result.stderr
+
+
+def test_a_usage_error_quoting_a_hostile_argument_is_escaped_on_a_terminal(
+        tmp_path: Path) -> None:
+    # click's usage error quotes the value typed (`--apply $'x\x1b[2J'`); click strips escape
+    # sequences only when stderr is no terminal, so on one they arrived raw
+    main, terminal = pty.openpty()
+    try:
+        result = subprocess.run([sys.executable, "-m", "nondet", "run", "--apply", f"x{_CLEAR}",
+                                 "train.py"], cwd=tmp_path, stderr=terminal,
+                                stdout=subprocess.DEVNULL, timeout=60)
+        os.close(terminal)
+        shown = b""
+        while select.select([main], [], [], 1)[0]:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: the terminal's other side is closed and drained
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(main)
+    assert result.returncode == 2
+    assert b"Invalid value for --apply" in shown
+    assert _CLEAR.encode() not in shown
+
+
+def test_the_consoles_replace_control_characters_and_keep_their_styles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    buffer = io.StringIO()
+    console = SafeConsole(file=buffer, force_terminal=True, color_system="standard",
+                          highlight=False)
+    console.print(f"[red]nondet:[/] a{_CLEAR}b\rc\nd")
+    shown = buffer.getvalue()
+    assert _CLEAR not in shown and "\r" not in shown
+    assert "\x1b[31m" in shown  # rich's own colour is still drawn
+    assert "\nd" in shown  # a message may span lines
+
+
+def test_a_live_status_line_replaces_control_characters(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TERM", "xterm")  # rich draws no live display on a dumb terminal
+    buffer = io.StringIO()
+    console = SafeConsole(file=buffer, force_terminal=True, color_system=None)
+    with Progress(console) as progress:
+        progress.status(f"run a of a{_CLEAR}b.py: step 1")
+        progress.status(f"run a of a{_CLEAR}b.py: step 2")  # an update, not a new status
+        console.print("a line")  # draws the live status above it
+    assert _CLEAR not in buffer.getvalue()
+
+
+def test_a_script_written_a_moment_before_nondet_started_is_no_runs_output(
+        tmp_path: Path) -> None:
+    # Trial: `cp base.py x.py; nondet run x.py` noted "a run read x.py, written by an earlier
+    # run of this nondet invocation ... verified above does not show the fix works" for a
+    # deterministic script: the one-second slack for coarse file systems counted the script
+    now = time.time()
+    invocation = now - 10
+    fine = tmp_path / "train_copy.py"
+    fine.write_text("x = 1\n")
+    moment = int((invocation - 0.4) * 1e9)
+    os.utime(fine, ns=(moment, moment))
+    # the same moment on a file system that keeps whole seconds: may be a run's (rounded)
+    coarse = tmp_path / "coarse.py"
+    coarse.write_text("x = 1\n")
+    whole = int(invocation) * 1_000_000_000
+    os.utime(coarse, ns=(whole, whole))
+    code = "open('train_copy.py').read(); open('coarse.py').read()"
+    facts = _run(tmp_path, code, run_started=now, invocation=invocation)
+    keys = [k for k in facts if k.startswith(f"capture_note.{readback.FACT}")]
+    assert keys == [f"capture_note.{readback.FACT}:coarse.py"]

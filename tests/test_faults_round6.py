@@ -12,10 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import click
 import pytest
 
 from nondet import readback
+from nondet.cli import _common
 from nondet.cli._common import SafeConsole
+from nondet.cli._options import invocation
 from nondet.progress import Progress
 from tests.conftest import run_cli
 from tests.test_readback import _run
@@ -107,3 +110,19 @@ def test_a_script_written_a_moment_before_nondet_started_is_no_runs_output(
     facts = _run(tmp_path, code, run_started=now, invocation=invocation)
     keys = [k for k in facts if k.startswith(f"capture_note.{readback.FACT}")]
     assert keys == [f"capture_note.{readback.FACT}:coarse.py"]
+
+
+def test_an_interrupted_invocation_says_how_to_compare_what_it_recorded(
+        tmp_path: Path) -> None:
+    # Trial: a script that trains and then never ends (a server, `while True: sleep`),
+    # stopped with Ctrl-C: "nondet: interrupted", and nothing said the two captures hold the
+    # steps both runs recorded, comparable with `nondet diff`
+    with pytest.raises(KeyboardInterrupt) as interrupt, invocation(tmp_path / "my out") as own:
+        for label in "ab":
+            (own / f"run-{label}.h5").write_bytes(b"")
+        raise KeyboardInterrupt
+    abort = click.exceptions.Abort()  # click wraps Ctrl-C in its own Abort
+    abort.__context__ = interrupt.value
+    line = _common._kept(abort)
+    assert f"`nondet diff '{own / 'run-a.h5'}' '{own / 'run-b.h5'}'`" in line
+    assert _common._kept(KeyboardInterrupt()) == ""  # before any directory was made

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import platform
+import shlex
 import signal
 import sys
 import tempfile
@@ -60,12 +61,12 @@ def handle_errors() -> Iterator[None]:
         yield
     except Terminated as exc:
         err.print(f"nondet: terminated ({signal.Signals(exc.signum).name}); runs stopped, "
-                  "captures written so far closed and marked interrupted")
+                  "captures written so far closed and marked interrupted" + _kept(exc))
         sys.exit(ExitCode.TERMINATED)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        err.print("nondet: interrupted")
+    except click.exceptions.Abort as exc:
+        err.print("nondet: interrupted" + _kept(exc))
         sys.exit(ExitCode.INTERRUPTED)
     except click.ClickException as exc:
         shown = io.StringIO()  # the usage error quotes what was typed: control bytes too
@@ -78,8 +79,8 @@ def handle_errors() -> Iterator[None]:
             for line in exc.details.splitlines()[-15:]:
                 err.print(f"  | {_escape(line)}")
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        err.print("nondet: interrupted; captures written so far are kept")
+    except KeyboardInterrupt as exc:
+        err.print("nondet: interrupted; captures written so far are kept" + _kept(exc))
         sys.exit(ExitCode.INTERRUPTED)
     except SystemExit:
         raise
@@ -91,6 +92,26 @@ def handle_errors() -> Iterator[None]:
             _internal_error(err, exc)
         err.print(f"[bold red]nondet: error:[/] {_escape(trouble)}")
         sys.exit(ExitCode.USAGE)
+
+
+def _kept(exc: BaseException) -> str:
+    """Where an interrupted invocation's captures are and how to read them: the steps both
+    runs recorded still answer the question (a script that trains and then never ends is
+    stopped with Ctrl-C; the message said only "interrupted")."""
+    seen: BaseException | None = exc
+    while seen is not None and not hasattr(seen, "kept_in"):
+        seen = seen.__cause__ or seen.__context__  # click's Abort wraps the interrupt
+    if seen is None:
+        return ""
+    from nondet.outdir import display
+
+    folder = Path(seen.kept_in)
+    pair = [folder / f"run-{label}.h5" for label in "ab"]
+    if not all(p.is_file() for p in pair):
+        return f"; they are in {display(folder)}"
+    return (f"; `nondet diff {shlex.quote(display(pair[0]))} {shlex.quote(display(pair[1]))}` "
+            "compares the steps both "
+            "runs recorded")
 
 
 def _internal_error(err: Console, exc: BaseException) -> NoReturn:

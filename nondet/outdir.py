@@ -135,6 +135,27 @@ def _in_use(path: Path) -> bool:
     return True
 
 
+def writer_running(capture: Path) -> bool:
+    """Whether ``capture`` lies in the directory of another nondet invocation still running
+    on this machine (its marker's pid is alive and is a nondet). With file locking off
+    (``HDF5_USE_FILE_LOCKING=FALSE``, common on network file systems) HDF5 cannot tell a
+    capture being written from one whose writer was killed; this can."""
+    folder = capture.parent
+    if not is_invocation(folder):
+        return False
+    try:
+        data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+        pid = int(data.get("pid", -1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+    if pid == os.getpid() or data.get("host") != socket.gethostname() or not _in_use(folder):
+        return False
+    try:  # the pid may have been reused since that nondet ended
+        return b"nondet" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # cannot tell (no /proc): the pid is alive
+
+
 def prune(root: Path, *, keep: int, current: str = "") -> list[Path]:
     """Remove old invocation directories beyond the newest ``keep``; returns those removed.
 

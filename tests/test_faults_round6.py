@@ -4,9 +4,11 @@ a script written just before nondet started noted as another run's output, and m
 from __future__ import annotations
 
 import io
+import json
 import os
 import pty
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -15,13 +17,16 @@ from pathlib import Path
 import click
 import pytest
 
-from nondet import readback
+from nondet import outdir, readback
 from nondet.cli import _common
 from nondet.cli._common import SafeConsole
 from nondet.cli._options import invocation
+from nondet.errors import NondetError
 from nondet.progress import Progress
+from nondet.store import open_capture
 from tests.conftest import run_cli
 from tests.test_readback import _run
+from tests.test_unclosed_capture import _killed_capture
 
 _CLEAR = "\x1b[2J"  # "clear the screen": what a hostile name would do to the terminal
 
@@ -126,3 +131,26 @@ def test_an_interrupted_invocation_says_how_to_compare_what_it_recorded(
     line = _common._kept(abort)
     assert f"`nondet diff '{own / 'run-a.h5'}' '{own / 'run-b.h5'}'`" in line
     assert _common._kept(KeyboardInterrupt()) == ""  # before any directory was made
+
+
+def test_a_capture_a_running_nondet_writes_is_not_read_with_locking_off(
+        tmp_path: Path) -> None:
+    # Trial: `HDF5_USE_FILE_LOCKING=FALSE nondet show` (file locking is often off on network
+    # file systems) of a capture a live `nondet run` was writing: HDF5 could not tell it from
+    # a killed writer's, the overlay read it mid-write: "damaged capture ... re-capture it"
+    folder = tmp_path / "20261125-025515-4242"
+    folder.mkdir()
+    path = _killed_capture(folder / "run-a.h5")  # marked open for writing, as mid-write
+    writer = subprocess.Popen([sys.executable, "-c", "print(); import time; time.sleep(60)",
+                               "nondet"], stdout=subprocess.PIPE)  # a live nondet, as /proc says
+    try:
+        assert writer.stdout is not None
+        writer.stdout.readline()  # it runs python now (before, /proc showed the forked pytest)
+        (folder / outdir.MARKER).write_text(json.dumps(
+            {"magic": outdir.MAGIC, "pid": writer.pid, "host": socket.gethostname()}))
+        with pytest.raises(NondetError, match="another process is writing it"):
+            open_capture(path)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert open_capture(path).status == "interrupted"  # its writer gone: read as before

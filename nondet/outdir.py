@@ -56,6 +56,10 @@ def check_root(root: Path) -> None:
     existing = root
     while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
         existing = existing.parent
+    if existing.is_symlink() and not existing.exists():  # mkdir said only "File exists"
+        raise NondetError(f"--out {display(root)}: {display(existing)} is a symbolic link to "
+                          f"{display(os.readlink(existing))}, which does not exist or leads "
+                          "back to itself; make that directory, or give --out another")
     if existing.exists() and not existing.is_dir():
         raise NondetError(f"--out {display(root)}: {display(existing)} is a file, not a "
                           "directory; give --out a directory to write the captures into")

@@ -154,3 +154,15 @@ def test_a_capture_a_running_nondet_writes_is_not_read_with_locking_off(
         writer.kill()
         writer.wait()
     assert open_capture(path).status == "interrupted"  # its writer gone: read as before
+
+
+@pytest.mark.parametrize("target", ["elsewhere/gone", "loop"])
+def test_an_out_dir_through_a_broken_symlink_is_named_as_one(tmp_path: Path,
+                                                            target: str) -> None:
+    # Trial: `--out dangling` (a link to a directory not made yet, or to itself): "cannot
+    # write the captures into --out dangling: File exists"
+    (tmp_path / "loop").symlink_to(target)
+    for out in (tmp_path / "loop", tmp_path / "loop" / "sub"):
+        with pytest.raises(NondetError, match=r"is a symbolic link to .* does not exist or "
+                                              r"leads back to itself"):
+            outdir.check_root(out)

@@ -22,7 +22,9 @@ from nondet.cli import _common
 from nondet.cli._common import SafeConsole
 from nondet.cli._options import invocation
 from nondet.errors import NondetError
+from nondet.exitcodes import ExitCode
 from nondet.progress import Progress
+from nondet.report import ContextLine, Divergence, Report, text
 from nondet.store import open_capture
 from tests.conftest import run_cli
 from tests.test_readback import _run
@@ -166,3 +168,19 @@ def test_an_out_dir_through_a_broken_symlink_is_named_as_one(tmp_path: Path,
         with pytest.raises(NondetError, match=r"is a symbolic link to .* does not exist or "
                                               r"leads back to itself"):
             outdir.check_root(out)
+
+
+def test_a_huge_name_from_a_capture_is_clipped_in_the_text_report() -> None:
+    # Trial: a module named "m" * 300_000: the module row and every context row (padded to
+    # the longest module) printed 2.4 MB; the JSON report keeps the name whole
+    huge = "m" * 300_000 + ".end"
+    context = [ContextLine(index=i, op="aten.add_.Tensor", module=huge if i == 2 else "",
+                           source="train.py:9", state="same", focus=i == 2) for i in range(4)]
+    div = Divergence(kind="op", step=0, phase="backward", op="aten.index_put.default",
+                     op_index=2, module=huge, source="train.py:9", context=context)
+    report = Report(verdict="nondeterministic", exit_code=ExitCode.NONDETERMINISTIC,
+                    runs=[], first_divergence=div)
+    shown = text.lines(report)
+    assert max(len(line) for line in shown) < 400
+    assert any("…" in line and line.rstrip().endswith(".end") for line in shown)  # the end kept
+    assert report.to_json()["first_divergence"]["module"] == huge

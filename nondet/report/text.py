@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rich.markup import escape
@@ -34,6 +35,31 @@ def printable(text: str, *, newlines: bool = False) -> str:
     return text if newlines else _LINE_BREAKS.sub("\ufffd", text)
 
 
+#: Longest name from a capture shown whole (module paths of deep models stay well under it).
+NAME_MAX = 160
+
+
+def clip(text: str, limit: int = NAME_MAX) -> str:
+    """A name cut to ``limit`` characters, its start and its (most specific) end kept: a
+    300,000-character module name padded every context row to that width (2.4 MB printed)."""
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return f"{text[:head]}…{text[len(text) - (limit - head - 1):]}"
+
+
+def _clipped(div: Divergence) -> Divergence:
+    """``div`` with every name from the capture clipped (the JSON report keeps them whole)."""
+    def maybe(text: str | None) -> str | None:
+        return None if text is None else clip(text)
+
+    context = [replace(c, op=clip(c.op), module=clip(c.module), source=clip(c.source))
+               for c in div.context]
+    return replace(div, op=maybe(div.op), node=maybe(div.node), module=maybe(div.module),
+                   source=maybe(div.source), process=maybe(div.process),
+                   op_b=maybe(div.op_b), context=context)
+
+
 def render(report: Report, console: Console) -> None:
     for line in lines(report):
         console.print(line, highlight=False, soft_wrap=True)
@@ -41,7 +67,11 @@ def render(report: Report, console: Console) -> None:
 
 def lines(report: Report) -> list[str]:
     """The report as rich-markup lines (tests compare them with markup stripped); every
-    string in them that came from a capture is escaped and made printable."""
+    string in them that came from a capture is escaped, made printable and clipped."""
+    if report.first_divergence is not None or report.sources:
+        report = replace(report, first_divergence=report.first_divergence and _clipped(
+            report.first_divergence), sources=[replace(x, first_divergence=_clipped(
+                x.first_divergence)) for x in report.sources])
     out = [_verdict(report)]
     div = report.first_divergence
     if report.baseline:

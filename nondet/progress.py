@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from nondet.report.text import printable
+from nondet.printable import printable
 
 
 class Progress:

@@ -33,7 +33,7 @@ class SafeConsole(Console):
     colour still works; line breaks are kept (messages may span lines)."""
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
-        from nondet.report.text import printable
+        from nondet.printable import printable
 
         super().print(*(printable(o, newlines=True) if isinstance(o, str) else o
                         for o in objects), **kwargs)

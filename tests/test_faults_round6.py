@@ -24,7 +24,7 @@ from nondet.cli._options import invocation
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.progress import Progress
-from nondet.report import ContextLine, Divergence, Report, text
+from nondet.report import ContextLine, Divergence, Report, RunSummary, text
 from nondet.store import open_capture
 from tests.conftest import run_cli
 from tests.test_readback import _run
@@ -184,3 +184,15 @@ def test_a_huge_name_from_a_capture_is_clipped_in_the_text_report() -> None:
     assert max(len(line) for line in shown) < 400
     assert any("…" in line and line.rstrip().endswith(".end") for line in shown)  # the end kept
     assert report.to_json()["first_divergence"]["module"] == huge
+
+
+def test_a_deterministic_verdict_over_interrupted_runs_says_so() -> None:
+    # Trial: `nondet diff` of the captures a SIGTERM left after 52,629 and 52,597 tiny
+    # steps: "deterministic — 2 runs (52629, 52597 steps) are bitwise identical", as if to
+    # the end
+    runs = [RunSummary(path=f"run-{x}.h5", exit_code=143, steps=52_000 + i, complete=False,
+                       status="interrupted", label=x) for i, x in enumerate("ab")]
+    report = Report(verdict="deterministic", exit_code=ExitCode.DETERMINISTIC, runs=runs)
+    assert "interrupted: a, b" in text.lines(report)[0]
+    runs[1].status = runs[0].status = "complete"
+    assert "interrupted" not in text.lines(report)[0]  # the control

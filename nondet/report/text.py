@@ -75,6 +75,10 @@ def _verdict(report: Report) -> str:
     if div is None:
         steps = ", ".join(str(r.steps) for r in report.runs)
         detail = f"{len(report.runs)} runs ({steps} steps) are bitwise identical"
+        cut = [escape(r.label or r.path) for r in report.runs if r.status == "interrupted"]
+        if cut:  # `nondet diff` of what a Ctrl-C left: identical so far, not to the end
+            detail += (f" over the steps both recorded (interrupted: {', '.join(cut)}; what "
+                       "came after was not compared)")
         if report.op_records:
             detail += f", {report.op_records:,} op records compared"
         return f"[bold green]nondet: deterministic[/] — {detail}"

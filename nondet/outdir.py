@@ -56,6 +56,10 @@ def check_root(root: Path) -> None:
     existing = root
     while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
         existing = existing.parent
+    if existing.is_symlink() and not existing.exists():  # mkdir said only "File exists"
+        raise NondetError(f"--out {display(root)}: {display(existing)} is a symbolic link to "
+                          f"{display(os.readlink(existing))}, which does not exist or leads "
+                          "back to itself; make that directory, or give --out another")
     if existing.exists() and not existing.is_dir():
         raise NondetError(f"--out {display(root)}: {display(existing)} is a file, not a "
                           "directory; give --out a directory to write the captures into")
@@ -133,6 +137,27 @@ def _in_use(path: Path) -> bool:
     except OSError:
         return True  # exists, owned by someone else
     return True
+
+
+def writer_running(capture: Path) -> bool:
+    """Whether ``capture`` lies in the directory of another nondet invocation still running
+    on this machine (its marker's pid is alive and is a nondet). With file locking off
+    (``HDF5_USE_FILE_LOCKING=FALSE``, common on network file systems) HDF5 cannot tell a
+    capture being written from one whose writer was killed; this can."""
+    folder = capture.parent
+    if not is_invocation(folder):
+        return False
+    try:
+        data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+        pid = int(data.get("pid", -1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
+    if pid == os.getpid() or data.get("host") != socket.gethostname() or not _in_use(folder):
+        return False
+    try:  # the pid may have been reused since that nondet ended
+        return b"nondet" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # cannot tell (no /proc): the pid is alive
 
 
 def prune(root: Path, *, keep: int, current: str = "") -> list[Path]:

@@ -8,6 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from nondet.printable import printable
+
 
 class Progress:
     """Stages are printed as lines; statuses replace each other (throttled when not a TTY)."""
@@ -26,6 +28,7 @@ class Progress:
     def status(self, text: str) -> None:
         if self.quiet:
             return
+        text = printable(text)  # a status is drawn by rich's live display, not print()
         if self.console.is_terminal:
             if self._status is None:
                 self._status = self.console.status(escape(text))

@@ -152,10 +152,7 @@ def install(session: Session, run_started: float | None = None) -> None:
             mtime = st.st_mtime
             if not stat.S_ISREG(st.st_mode):
                 return  # a directory listed (rmtree, BackupAndRestore's cleanup) is no read
-            # the slack only where the file system keeps whole seconds: with finer times,
-            # a script saved (or generated) just before `nondet run` is no run's output
-            slack = _SLACK if mtime == int(mtime) else 0.0
-            if invocation - slack <= mtime < started:
+            if _since(invocation, st) and mtime < started:
                 seen.add(real)
                 session.send_facts({f"capture_note.{FACT}:{shown}": note_text(shown)})
             elif mtime >= started and shown not in wrote and len(fresh) < MAX_PAIR_FILES:
@@ -211,6 +208,16 @@ def install(session: Session, run_started: float | None = None) -> None:
     builtins.open = open_
     io.open = open_
     os.open = os_open
+
+
+def _since(invocation: float, st: os.stat_result) -> bool:
+    """Whether a file was written at or after the invocation began. The slack is for file
+    systems that keep whole seconds only (their mtime is rounded down); on one that keeps
+    finer times, a file written a moment before nondet started (`cp train.py x.py && nondet
+    run x.py`, the script a CI step just wrote) is older than the invocation, and counting
+    it noted every run's own script as "written by an earlier run" (a false note)."""
+    coarse = st.st_mtime_ns % 1_000_000_000 == 0
+    return st.st_mtime >= invocation - (_SLACK if coarse else 0.0)
 
 
 def _shown(file: Any, cwd: str) -> str | None:

@@ -258,7 +258,7 @@ def check_result(result: RunResult) -> RunResult:
         if shared is not None:  # the twin run's file, not the script: say so
             raise NondetError(f"run {result.label} failed because {shared}; its output is in "
                               f"{result.log_path}", details=result.log_tail())
-        last = _last_line(result.error) or _last_line(result.log_tail())
+        last = last_line(result.error) or last_line(result.log_tail())
         how = f"exit code {result.exit_code}" if result.exit_code >= 0 else \
             f"killed by signal {-result.exit_code}"
         raise ScriptFailed(
@@ -279,6 +279,9 @@ class InternalChildError(Exception):
         self.child_traceback = child_traceback
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+def last_line(text: str) -> str:
+    """The last non-empty line of a traceback (its exception). Split at newlines only: a
+    carriage return or form feed inside the exception's message is no line of its own
+    (``splitlines`` cut "RuntimeError: boom\\rEVIL" to "EVIL")."""
+    lines = [line.strip() for line in text.strip().split("\n") if line.strip()]
     return lines[-1] if lines else ""

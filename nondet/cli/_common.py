@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import os
 import platform
+import shlex
 import signal
 import sys
 import tempfile
@@ -22,21 +24,36 @@ from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import ExitCode
 
 
+class SafeConsole(Console):
+    """A console that never passes a control character of its text to the terminal.
+
+    Paths, script names, exception messages and module names come from the user's program
+    or a capture; an ESC in one (a script named ``$'a\\x1b[2Jb.py'``) reached the terminal
+    raw from progress lines and error messages. Styles are added by rich after this, so
+    colour still works; line breaks are kept (messages may span lines)."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        from nondet.printable import printable
+
+        super().print(*(printable(o, newlines=True) if isinstance(o, str) else o
+                        for o in objects), **kwargs)
+
+
 class App:
     """Shared state of one invocation (consoles; stdout for results, stderr for progress)."""
 
     def __init__(self) -> None:
         # Piped output gets a roomy fixed width (rich would use 80) unless COLUMNS says.
         width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 120)
-        self.out = Console(highlight=False, soft_wrap=True, width=width)
-        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.out = SafeConsole(highlight=False, soft_wrap=True, width=width)
+        self.err = SafeConsole(stderr=True, highlight=False, soft_wrap=True)
 
 
 @contextmanager
 def handle_errors() -> Iterator[None]:
     """One line and exit 2 for user errors, a log and exit 3 for bugs, 130 for Ctrl-C,
     143 for SIGTERM."""
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = SafeConsole(stderr=True, highlight=False, soft_wrap=True)
     _terminate_on_sigterm()
     errors.watch_sigint()
     try:
@@ -44,15 +61,17 @@ def handle_errors() -> Iterator[None]:
         yield
     except Terminated as exc:
         err.print(f"nondet: terminated ({signal.Signals(exc.signum).name}); runs stopped, "
-                  "captures written so far closed and marked interrupted")
+                  "captures written so far closed and marked interrupted" + _kept(exc))
         sys.exit(ExitCode.TERMINATED)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        err.print("nondet: interrupted")
+    except click.exceptions.Abort as exc:
+        err.print("nondet: interrupted" + _kept(exc))
         sys.exit(ExitCode.INTERRUPTED)
     except click.ClickException as exc:
-        exc.show()
+        shown = io.StringIO()  # the usage error quotes what was typed: control bytes too
+        exc.show(file=shown)
+        err.print(shown.getvalue().rstrip("\n"), markup=False)
         sys.exit(ExitCode.USAGE)
     except NondetError as exc:
         err.print(f"[bold red]nondet: error:[/] {_escape(str(exc))}")
@@ -60,8 +79,8 @@ def handle_errors() -> Iterator[None]:
             for line in exc.details.splitlines()[-15:]:
                 err.print(f"  | {_escape(line)}")
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        err.print("nondet: interrupted; captures written so far are kept")
+    except KeyboardInterrupt as exc:
+        err.print("nondet: interrupted; captures written so far are kept" + _kept(exc))
         sys.exit(ExitCode.INTERRUPTED)
     except SystemExit:
         raise
@@ -73,6 +92,26 @@ def handle_errors() -> Iterator[None]:
             _internal_error(err, exc)
         err.print(f"[bold red]nondet: error:[/] {_escape(trouble)}")
         sys.exit(ExitCode.USAGE)
+
+
+def _kept(exc: BaseException) -> str:
+    """Where an interrupted invocation's captures are and how to read them: the steps both
+    runs recorded still answer the question (a script that trains and then never ends is
+    stopped with Ctrl-C; the message said only "interrupted")."""
+    seen: BaseException | None = exc
+    while seen is not None and not hasattr(seen, "kept_in"):
+        seen = seen.__cause__ or seen.__context__  # click's Abort wraps the interrupt
+    if seen is None:
+        return ""
+    from nondet.outdir import display
+
+    folder = Path(seen.kept_in)
+    pair = [folder / f"run-{label}.h5" for label in "ab"]
+    if not all(p.is_file() for p in pair):
+        return f"; they are in {display(folder)}"
+    return (f"; `nondet diff {shlex.quote(display(pair[0]))} {shlex.quote(display(pair[1]))}` "
+            "compares the steps both "
+            "runs recorded")
 
 
 def _internal_error(err: Console, exc: BaseException) -> NoReturn:

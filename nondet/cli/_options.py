@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from nondet import outdir
-from nondet.errors import NondetError
+from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import EPILOG
 
 if TYPE_CHECKING:  # runspec (and the session config) loads only for run and check
@@ -327,6 +327,9 @@ def invocation(out_dir: Path) -> Iterator[Path]:
     made = outdir.start(out_dir)
     try:
         yield made.path
+    except (KeyboardInterrupt, Terminated) as exc:
+        exc.kept_in = made.path  # type: ignore[union-attr]  # where the message points
+        raise
     finally:
         outdir.finish(made)
 

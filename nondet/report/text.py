@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
-import re
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
 from nondet.fingerprint import short
+from nondet.printable import clip
+from nondet.printable import printable as printable  # re-exported: its users import it here
 from nondet.report import STATE_PARTS, Divergence, GrowthRow, Report
 
 if TYPE_CHECKING:
@@ -18,20 +20,16 @@ if TYPE_CHECKING:
 
 _LABEL = 10  # width of the left-hand labels
 
-# C0 controls but tab and newline, DEL, C1 controls (0x9b is a one-byte CSI), bidirectional
-# overrides (they reorder what a reader sees), surrogates and the XML 1.0 non-characters.
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e"
-                     "\u2066-\u2069\ud800-\udfff\ufffe\uffff]")
-_LINE_BREAKS = re.compile("[\n\u2028\u2029]")
+def _clipped(div: Divergence) -> Divergence:
+    """``div`` with every name from the capture clipped (the JSON report keeps them whole)."""
+    def maybe(text: str | None) -> str | None:
+        return None if text is None else clip(text)
 
-
-def printable(text: str, *, newlines: bool = False) -> str:
-    """Text from a capture or a script's output made safe to print, to a terminal or into XML:
-    control characters (the ESC that starts a terminal escape sequence included) become
-    U+FFFD, and so do line breaks unless ``newlines``. Replacing, never deleting, keeps
-    rich markup escaping (a backslash before a bracket) exactly as it was."""
-    text = _UNSAFE.sub("\ufffd", text)
-    return text if newlines else _LINE_BREAKS.sub("\ufffd", text)
+    context = [replace(c, op=clip(c.op), module=clip(c.module), source=clip(c.source))
+               for c in div.context]
+    return replace(div, op=maybe(div.op), node=maybe(div.node), module=maybe(div.module),
+                   source=maybe(div.source), process=maybe(div.process),
+                   op_b=maybe(div.op_b), context=context)
 
 
 def render(report: Report, console: Console) -> None:
@@ -41,7 +39,11 @@ def render(report: Report, console: Console) -> None:
 
 def lines(report: Report) -> list[str]:
     """The report as rich-markup lines (tests compare them with markup stripped); every
-    string in them that came from a capture is escaped and made printable."""
+    string in them that came from a capture is escaped, made printable and clipped."""
+    if report.first_divergence is not None or report.sources:
+        report = replace(report, first_divergence=report.first_divergence and _clipped(
+            report.first_divergence), sources=[replace(x, first_divergence=_clipped(
+                x.first_divergence)) for x in report.sources])
     out = [_verdict(report)]
     div = report.first_divergence
     if report.baseline:
@@ -73,6 +75,10 @@ def _verdict(report: Report) -> str:
     if div is None:
         steps = ", ".join(str(r.steps) for r in report.runs)
         detail = f"{len(report.runs)} runs ({steps} steps) are bitwise identical"
+        cut = [escape(r.label or r.path) for r in report.runs if r.status == "interrupted"]
+        if cut:  # `nondet diff` of what a Ctrl-C left: identical so far, not to the end
+            detail += (f" over the steps both recorded (interrupted: {', '.join(cut)}; what "
+                       "came after was not compared)")
         if report.op_records:
             detail += f", {report.op_records:,} op records compared"
         return f"[bold green]nondet: deterministic[/] — {detail}"

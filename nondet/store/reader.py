@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from nondet import __version__
-from nondet.outdir import named_like_invocation
+from nondet.outdir import named_like_invocation, writer_running
 from nondet.records import COMM_DTYPE, OP_DTYPE
 from nondet.store import probe
 from nondet.store.checks import (
@@ -32,7 +32,7 @@ from nondet.store.checks import (
     typed_attrs,
     typed_facts,
 )
-from nondet.store.unclosed import open_unclosed
+from nondet.store.unclosed import marked_open, open_unclosed
 from nondet.store.writer import (
     DIGEST_ATTR,
     FORMAT_MAJOR,
@@ -226,6 +226,10 @@ def open_capture(path: str | Path) -> Capture:
         raise error(_not_found(path))
     refuse_special(path)
     _refuse_report(path)
+    if marked_open(path) and writer_running(path):
+        # before the probe: with locking off, the superblock overlay read a file mid-write
+        # and called it "damaged capture; re-capture it"
+        raise error(_WRITING.format(path=path))
     probed = not probe.trusted(path) and probe.probe(path, _read_all)
     capture = _open(path)
     capture.verified = probed  # the child read all of it: no need to again
@@ -256,13 +260,16 @@ def _open(path: Path) -> Capture:
     return capture
 
 
+_WRITING = ("cannot read {path} yet: another process is writing it (a nondet run still going?); "
+            "read it once that run has ended")
+
+
 def _unopened(path: Path, exc: BaseException) -> str:
     """Why HDF5 would not open ``path``. A capture still being written, or left open by a
     nondet that was killed, is no damaged file: "re-capture it" was the wrong advice."""
     text = str(exc)
     if "unable to lock file" in text:
-        return (f"cannot read {path} yet: another process is writing it (a nondet run still "
-                "going?); read it once that run has ended")
+        return _WRITING.format(path=path)
     if "already open for write" in text:
         return (f"cannot read {path}: it is marked open for writing, by a nondet run still "
                 "going or by one that was killed (SIGKILL, the out-of-memory killer) before it "

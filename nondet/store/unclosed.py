@@ -80,6 +80,18 @@ def closed_superblock(head: bytes) -> bytes | None:
     return fixed + lookup3(fixed).to_bytes(4, "little")
 
 
+def marked_open(path: Path) -> bool:
+    """Whether ``path`` starts with a version 2 or 3 superblock whose open-for-writing flags
+    are set: its writer is still going, or was killed (no HDF5 call: read before any)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(12)
+    except OSError:
+        return False
+    return len(head) == 12 and head.startswith(_SIGNATURE) and head[8] in (2, 3) \
+        and head[11] != 0
+
+
 class OverlaidFile(io.RawIOBase):
     """A read-only file object over ``path`` whose first bytes read as ``head``."""
 

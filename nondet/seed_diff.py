@@ -286,6 +286,6 @@ def _torch_draw_notes(capture: Capture) -> list[str]:
     return [f"{site} draws from torch's default random generator{what} {later}: nondet "
             "seeded both runs alike (--seed), so they repeated, but run on its own the "
             "script draws these numbers (initial weights, masks, shuffles) from fresh "
-            "entropy each time, and its plain runs differ [PT-RNG]: call "
+            "entropy each time, so they differ from one plain run to the next [PT-RNG]: call "
             "torch.manual_seed(0) (or transformers.set_seed / lightning.seed_everything) "
             "before the first model, layer or random tensor is made"]

@@ -31,6 +31,10 @@ DERIVED_OPS = frozenset({
     "Relu6Grad", "EluGrad", "SeluGrad", "SigmoidGrad", "TanhGrad", "SoftplusGrad",
     "SqrtGrad", "RsqrtGrad", "BiasAdd", "Reshape", "ExpandDims", "Squeeze", "Transpose",
     "ZerosLike", "OnesLike", "Fill", "Pow", "SquaredDifference", "Floor", "Ceil", "Round",
+    # Copies of their input's values into a larger shape, and an elementwise remainder:
+    # the seven Tile outputs of a narrow benchmark step were 31% of its hashed words
+    # (docs/benchmarks.md, TensorFlow, "Eighth round"). Fingerprint scheme 4.
+    "Tile", "BroadcastTo", "FloorMod",
 })
 #: Ops whose outputs carry nothing to compare or that only plumb control flow.
 SKIPPED_OPS = frozenset({
@@ -84,6 +88,12 @@ class GraphOp:
     keys: Any = None  # OpKeys, made at the first collection (traced.collect)
     graph: int = 0  # id of the graph traced (producers and aliases are in the same graph)
     alias: int | None = None  # a repeated variable read: the table index of the earlier one
+    #: a derived read after a write: (index, position) of what it is derived from, in place
+    #: of ``producers`` (Note [Reads after a write] in reads.py)
+    bases: list[tuple[int, int]] | None = None
+    #: has a value whenever it runs: hashed, or derived from something that has one (a
+    #: derived op whose inputs are all unrecorded, e.g. a ``Fill`` of constants, has none)
+    valued: bool = True
 
 class OpKeys:
     """An op's descriptions as ``combine`` words (masked to 64 bits), made at its first
@@ -92,20 +102,25 @@ class OpKeys:
     (producer, output position), read by ``inputs`` without a table look-up per input
     and call."""
 
-    __slots__ = ("derived", "meta", "sources")
+    __slots__ = ("bases", "derived", "meta", "sources")
 
     def __init__(self, op: GraphOp, table: list[GraphOp]) -> None:
         self.meta = [tuple(x & MASK64 for x in m) for m in op.meta]
         self.derived = [((op.code & MASK64), *m) for m in self.meta]
         # producers come before the op in the table, which only grows
-        self.sources = [(table[index], position) for index, position in op.producers
-                        if 0 <= index < len(table)]
+        self.sources = _sources(op.producers, table)
+        self.bases = None if op.bases is None else _sources(op.bases, table)
 
-    def inputs(self) -> list[int]:
-        """The fingerprint values of the op's inputs in the call just collected: of those
-        whose producer is known and ran."""
-        return [values[position] for producer, position in self.sources
+    def inputs(self, sources: list[tuple[GraphOp, int]] | None = None) -> list[int]:
+        """The fingerprint values of the op's inputs (or of ``sources``) in the call just
+        collected: of those whose producer is known and ran."""
+        return [values[position] for producer, position in
+                (self.sources if sources is None else sources)
                 if position < len(values := producer.values)]
+
+
+def _sources(places: list[tuple[int, int]], table: list[GraphOp]) -> list[tuple[GraphOp, int]]:
+    return [(table[index], position) for index, position in places if 0 <= index < len(table)]
 
 
 _WORD_PACKERS: dict[int, struct.Struct] = {}

@@ -71,7 +71,6 @@ from nondet.frameworks.tensorflow.graph import (
     OpKeys,
     RecorderVariables,
     backward_graph,
-    combine_words,
     describe,
     entry_label,
     joined,
@@ -382,20 +381,18 @@ class GraphRecorder:
                 bases = ins if keys.bases is None else keys.inputs(keys.bases)
                 if not bases or (keys.bases is not None and len(bases) < len(keys.bases)):
                     continue
-                op.values = tuple(combine_words((*bases, *m)) for m in keys.derived)
+                op.values = keys.derive(bases)
             else:
                 stored = [stored_all[s] for s in op.slots]
                 if not any(stored):
                     continue  # did not run
-                op.values = tuple(combine_words(((v - 1) & MASK64, *m))
-                                  for v, m in zip(stored, keys.meta, strict=True))
+                op.values = keys.hashed(stored)
             if op.data:
                 data.extend(Fp(v) for v in op.values)
             if active:
                 if ins is None:
                     ins = keys.inputs()
-                self.records.append((op.kind, op.phase, 0, op.name_id, op.module, op.source,
-                                     joined(op.values), joined(ins), op.numel))
+                self.records.append((*keys.record, joined(op.values), joined(ins), op.numel))
         return data, new_updates
 
     @staticmethod

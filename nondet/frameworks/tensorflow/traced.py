@@ -30,7 +30,9 @@ consumer runs. Data ops, hashed every step, are not guarded.
 Outputs that are pure functions of their inputs (``DERIVED_OPS``) are not hashed: their
 fingerprints are derived from their inputs' (Note [Derived fingerprints] in
 torch/cache.py), on the host. The inputs of a graph op are known from the graph, so an
-input's fingerprint is its producer's: nothing extra is hashed for inputs.
+input's fingerprint is its producer's: nothing extra is hashed for inputs. A variable read
+right after a recorded write through the same handle is derived too (Note [Reads after a
+write] in reads.py).
 
 Limitations
 - Ops inside ``tf.cond``/``tf.while_loop`` bodies are not recorded one by one: the

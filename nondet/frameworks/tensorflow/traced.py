@@ -251,7 +251,7 @@ class GraphRecorder:
     def _valued(self, gid: int, t: Any) -> tuple[int, int] | None:
         """Where ``t`` was recorded in graph ``gid``, if that record has a value whenever it
         runs (``GraphOp.valued``), else None."""
-        place = self.where.get((gid, t.name))
+        place = self.where.get((gid, str(getattr(t, "name", ""))))
         return place if place is not None and self.table[place[0]].valued else None
 
     def _window_ahead(self) -> bool:

@@ -31,8 +31,10 @@ MASK64 = (1 << 64) - 1
 #: `nondet check` asks for a new baseline instead of reporting every step as different.
 #: Raise it whenever any backend's fingerprint of the same tensor changes. 3: a view read
 #: after its base was written keeps its derived fingerprint (torch/cache.py, Note [Views
-#: share their base's version]) instead of being hashed again.
-SCHEME = "3"
+#: share their base's version]) instead of being hashed again. 4: TensorFlow graphs derive
+#: ``Tile``, ``BroadcastTo`` and ``FloorMod`` outputs, and a variable read right after a
+#: write to it (tensorflow/reads.py, Note [Reads after a write]), instead of hashing them.
+SCHEME = "4"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device
 _CHUNK_KEY_OFFSET = 1 << 40  # chunk weights come from a disjoint part of the key stream

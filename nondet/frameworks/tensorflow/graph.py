@@ -31,6 +31,10 @@ DERIVED_OPS = frozenset({
     "Relu6Grad", "EluGrad", "SeluGrad", "SigmoidGrad", "TanhGrad", "SoftplusGrad",
     "SqrtGrad", "RsqrtGrad", "BiasAdd", "Reshape", "ExpandDims", "Squeeze", "Transpose",
     "ZerosLike", "OnesLike", "Fill", "Pow", "SquaredDifference", "Floor", "Ceil", "Round",
+    # Copies of their input's values into a larger shape, and an elementwise remainder:
+    # the seven Tile outputs of a narrow benchmark step were 31% of its hashed words
+    # (docs/benchmarks.md, TensorFlow, "Eighth round"). Fingerprint scheme 4.
+    "Tile", "BroadcastTo", "FloorMod",
 })
 #: Ops whose outputs carry nothing to compare or that only plumb control flow.
 SKIPPED_OPS = frozenset({
@@ -84,41 +88,80 @@ class GraphOp:
     keys: Any = None  # OpKeys, made at the first collection (traced.collect)
     graph: int = 0  # id of the graph traced (producers and aliases are in the same graph)
     alias: int | None = None  # a repeated variable read: the table index of the earlier one
+    #: a derived read after a write: (index, position) of what it is derived from, in place
+    #: of ``producers`` (Note [Reads after a write] in reads.py)
+    bases: list[tuple[int, int]] | None = None
+    #: has a value whenever it runs: hashed, or derived from something that has one (a
+    #: derived op whose inputs are all unrecorded, e.g. a ``Fill`` of constants, has none)
+    valued: bool = True
 
 class OpKeys:
-    """An op's descriptions as ``combine`` words (masked to 64 bits), made at its first
+    """An op's descriptions, packed as the tails of its ``combine`` words at its first
     collection: per hashed output, its description; per derived output, the op type's
     code and its description (Note [Derived fingerprints]); and its known inputs as
     (producer, output position), read by ``inputs`` without a table look-up per input
-    and call."""
+    and call. A fingerprint is then one blake2b of the packed leading words and a tail
+    (``combine_words((*lead, *tail))``, the same value): packing each description
+    again at every call was a third of ``collect`` (docs/benchmarks.md, TensorFlow,
+    "Eighth round")."""
 
-    __slots__ = ("derived", "meta", "sources")
+    __slots__ = ("bases", "derived", "meta", "record", "sources")
 
     def __init__(self, op: GraphOp, table: list[GraphOp]) -> None:
-        self.meta = [tuple(x & MASK64 for x in m) for m in op.meta]
-        self.derived = [((op.code & MASK64), *m) for m in self.meta]
+        metas = [tuple(x & MASK64 for x in m) for m in op.meta]
+        self.meta = [_pack(m) for m in metas]
+        self.derived = [_pack(((op.code & MASK64), *m)) for m in metas]
         # producers come before the op in the table, which only grows
-        self.sources = [(table[index], position) for index, position in op.producers
-                        if 0 <= index < len(table)]
+        self.sources = _sources(op.producers, table)
+        self.bases = None if op.bases is None else _sources(op.bases, table)
+        #: the fields of the op's records before its fingerprints (traced.collect)
+        self.record = (op.kind, op.phase, 0, op.name_id, op.module, op.source)
 
-    def inputs(self) -> list[int]:
-        """The fingerprint values of the op's inputs in the call just collected: of those
-        whose producer is known and ran."""
-        return [values[position] for producer, position in self.sources
+    def inputs(self, sources: list[tuple[GraphOp, int]] | None = None) -> list[int]:
+        """The fingerprint values of the op's inputs (or of ``sources``) in the call just
+        collected: of those whose producer is known and ran."""
+        return [values[position] for producer, position in
+                (self.sources if sources is None else sources)
                 if position < len(values := producer.values)]
+
+    def hashed(self, stored: list[int]) -> tuple[int, ...]:
+        """The fingerprints of the op's hashed outputs from their slots (content + 1)."""
+        return tuple(_digest(_PACK1((v - 1) & MASK64) + tail)
+                     for v, tail in zip(stored, self.meta, strict=True))
+
+    def derive(self, bases: list[int]) -> tuple[int, ...]:
+        """The derived fingerprints of the op's outputs from its inputs' (``bases``)."""
+        lead = _PACK1(bases[0]) if len(bases) == 1 else _pack(bases)
+        return tuple(_digest(lead + tail) for tail in self.derived)
+
+
+_PACK1 = struct.Struct("<Q").pack
+_blake2b = hashlib.blake2b
+
+
+def _digest(data: bytes) -> int:
+    """``combine_packed``: the fingerprint of packed words."""
+    return int.from_bytes(_blake2b(data, digest_size=8).digest(), "little") or 1
+
+
+def _pack(words: Sequence[int]) -> bytes:
+    packer = _WORD_PACKERS.get(len(words))
+    if packer is None:
+        packer = _WORD_PACKERS[len(words)] = struct.Struct(f"<{len(words)}Q")
+    return packer.pack(*words)
+
+
+def _sources(places: list[tuple[int, int]], table: list[GraphOp]) -> list[tuple[GraphOp, int]]:
+    return [(table[index], position) for index, position in places if 0 <= index < len(table)]
 
 
 _WORD_PACKERS: dict[int, struct.Struct] = {}
 
 
-def combine_words(words: tuple[int, ...]) -> int:
+def combine_words(words: Sequence[int]) -> int:
     """``fingerprint.combine`` of words already within 64 bits (the same value: its masking
     leaves them as they are), without the masking pass."""
-    packer = _WORD_PACKERS.get(len(words))
-    if packer is None:
-        packer = _WORD_PACKERS[len(words)] = struct.Struct(f"<{len(words)}Q")
-    return int.from_bytes(hashlib.blake2b(packer.pack(*words), digest_size=8).digest(),
-                          "little") or 1
+    return _digest(_pack(words))
 
 
 def joined(values: Sequence[int]) -> int:
@@ -128,7 +171,7 @@ def joined(values: Sequence[int]) -> int:
         return 0
     if len(values) == 1:
         return values[0]
-    return combine_words(tuple(values))
+    return combine_words(values)
 
 
 class RecorderVariables:

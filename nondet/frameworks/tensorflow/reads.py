@@ -21,16 +21,64 @@ possible write through any other resource tensor (a handle made or passed on ins
 graph) forgets every read of that graph. Writes from
 outside the graph while it runs (another thread's function) are not seen; nondet refuses
 scripts that train in two threads at once.
+
+Note [Reads after a write]
+A read of a captured handle right after a write to it (``AssignVariableOp``,
+``AssignAddVariableOp``, ``AssignSubVariableOp`` through the same handle, nothing that
+could write since) reads what the write left: the value written, or the earlier read's
+value plus or minus it (an elementwise kernel on every device, bitwise deterministic). Its
+fingerprint is then *derived* (Note [Derived fingerprints] in torch/cache.py) from those
+recorded fingerprints and the write's op type, with no guarded hash: Adam reads each
+moment again after adding to it, 32 of the narrow benchmark model's 89 hashed reads per
+step (docs/benchmarks.md, TensorFlow, "Eighth round"). Only when every value involved is
+recorded: the earlier read (for an add or subtract) and the written tensor's producer in
+the same graph; a constant or otherwise unrecorded value leaves the read hashed, so the
+fingerprint is always a function of the values that made it. Fingerprint scheme 4.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
 
+from nondet.fingerprint import name_code
+
 READ = "ReadVariableOp"
+#: Writes a later read can derive its fingerprint from (Note [Reads after a write]): per
+#: op type, whether the result depends on the value before (add, subtract) or replaces it.
+WRITES = {"AssignVariableOp": False, "AssignAddVariableOp": True,
+          "AssignSubVariableOp": True}
+#: Where a graph tensor was recorded: (op table index, output position), or None.
+Where = Callable[[Any], tuple[int, int] | None]
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a captured handle holds after a write: a read of it is derived from
+    ``sources`` (the earlier read's and the written value's records) and ``code``."""
+
+    code: int
+    sources: tuple[tuple[int, int], ...]
+    meta: Any  # the earlier read's description (an add or subtract keeps it)
+
+
+class _GraphReads:
+    """Per graph: the last read of each captured handle (table index, description), and
+    what a write through it left."""
+
+    __slots__ = ("reads", "written")
+
+    def __init__(self) -> None:
+        self.reads: dict[str, tuple[int, Any]] = {}
+        self.written: dict[str, Written] = {}
+
+    def clear(self) -> None:
+        self.reads.clear()
+        self.written.clear()
 
 
 class RepeatReads:
@@ -39,9 +87,9 @@ class RepeatReads:
     earlier read's op table index and description."""
 
     def __init__(self) -> None:
-        self._graphs: dict[int, tuple[weakref.ref[Any], dict[str, tuple[int, Any]]]] = {}
+        self._graphs: dict[int, tuple[weakref.ref[Any], _GraphReads]] = {}
 
-    def _reads(self, graph: Any) -> dict[str, tuple[int, Any]] | None:
+    def _reads(self, graph: Any) -> _GraphReads | None:
         """The remembered reads of ``graph`` (made empty for a graph not seen before;
         None: the graph cannot be weakly referenced, so nothing is remembered)."""
         got = self._graphs.get(id(graph))
@@ -52,27 +100,34 @@ class RepeatReads:
         except TypeError:
             return None
         self._graphs = {k: v for k, v in self._graphs.items() if v[0]() is not None}
-        reads: dict[str, tuple[int, Any]] = {}
+        reads = _GraphReads()
         self._graphs[id(graph)] = (ref, reads)
         return reads
 
-    def note(self, op_type: str, inputs: Any, graph: Any) -> None:
-        """An op is being traced: forget the reads it may invalidate (module docstring)."""
+    def note(self, op_type: str, inputs: Any, graph: Any, where: Where) -> None:
+        """An op is being traced: forget the reads it may invalidate (module docstring),
+        and remember what a write through a captured handle left (Note [Reads after a
+        write]); ``where`` finds a tensor's record in this graph."""
         if op_type == READ:
             return
-        resources = [t for t in (inputs or ()) if getattr(t, "dtype", None) == tf.resource]
+        inputs = list(inputs or ())
+        resources = [t for t in inputs if getattr(t, "dtype", None) == tf.resource]
         if not resources:
             return
         reads = self._reads(graph)
-        if not reads:
+        if reads is None or not (reads.reads or reads.written or op_type in WRITES):
             return
         captured = _captured(graph)
         for t in resources:
-            if id(t) in captured:
-                reads.pop(t.name, None)
-            else:
+            if id(t) not in captured:
                 reads.clear()
                 return
+            earlier = reads.reads.pop(t.name, None)
+            reads.written.pop(t.name, None)
+            if op_type in WRITES and len(inputs) == 2 and inputs[0] is t:
+                written = _written(op_type, earlier, where(inputs[1]))
+                if written is not None:
+                    reads.written[t.name] = written
 
     def earlier(self, inputs: Any, graph: Any, meta: Any) -> int | None:
         """The table index of an earlier read this ``ReadVariableOp`` repeats (same captured
@@ -81,17 +136,44 @@ class RepeatReads:
         if handle is None:
             return None
         reads = self._reads(graph)
-        hit = reads.get(handle.name) if reads else None
+        hit = reads.reads.get(handle.name) if reads else None
         return hit[0] if hit is not None and hit[1] == meta else None
 
+    def after_write(self, inputs: Any, graph: Any, meta: Any) -> Written | None:
+        """What this ``ReadVariableOp`` reads if it is the first read after a write its
+        fingerprint can be derived from (Note [Reads after a write]), else None."""
+        handle = _handle(inputs)
+        if handle is None:
+            return None
+        reads = self._reads(graph)
+        written = reads.written.get(handle.name) if reads else None
+        if written is None or (written.meta is not None and written.meta != meta):
+            return None
+        return written
+
     def remember(self, inputs: Any, graph: Any, index: int, meta: Any) -> None:
-        """A hashed read at table ``index``: later reads of its handle may reuse it."""
+        """A read at table ``index`` (hashed, or derived after a write): later reads of its
+        handle may reuse it."""
         handle = _handle(inputs)
         if handle is None or id(handle) not in _captured(graph):
             return
         reads = self._reads(graph)
         if reads is not None:
-            reads[handle.name] = (index, meta)
+            reads.reads[handle.name] = (index, meta)
+            reads.written.pop(handle.name, None)
+
+
+def _written(op_type: str, earlier: tuple[int, Any] | None,
+             value: tuple[int, int] | None) -> Written | None:
+    """What a write of a recorded ``value`` leaves, when a read can be derived from it."""
+    if value is None:
+        return None
+    code = name_code(op_type)
+    if not WRITES[op_type]:
+        return Written(code, (value,), None)
+    if earlier is None:
+        return None
+    return Written(code, ((earlier[0], 0), value), earlier[1])
 
 
 def _handle(inputs: Any) -> Any:

@@ -30,7 +30,9 @@ consumer runs. Data ops, hashed every step, are not guarded.
 Outputs that are pure functions of their inputs (``DERIVED_OPS``) are not hashed: their
 fingerprints are derived from their inputs' (Note [Derived fingerprints] in
 torch/cache.py), on the host. The inputs of a graph op are known from the graph, so an
-input's fingerprint is its producer's: nothing extra is hashed for inputs.
+input's fingerprint is its producer's: nothing extra is hashed for inputs. A variable read
+right after a recorded write through the same handle is derived too (Note [Reads after a
+write] in reads.py).
 
 Limitations
 - Ops inside ``tf.cond``/``tf.while_loop`` bodies are not recorded one by one: the
@@ -71,7 +73,6 @@ from nondet.frameworks.tensorflow.graph import (
     OpKeys,
     RecorderVariables,
     backward_graph,
-    combine_words,
     describe,
     entry_label,
     joined,
@@ -145,7 +146,9 @@ class GraphRecorder:
         by identities that depend on their fingerprint's write, so the write always runs
         (ops nothing depends on may be pruned from a function)."""
         outputs = list(outputs or ())
-        self.repeats.note(op_type, inputs, graph)  # before any return: writes count
+        gid = id(graph)
+        # before any return: writes count
+        self.repeats.note(op_type, inputs, graph, lambda t: self._valued(gid, t))
         if op_type in SKIPPED_OPS or op_type in LATE_OPS:
             return None
         if op_type not in DATA_OPS and (not self._window_ahead() or under_strategy()):
@@ -158,7 +161,6 @@ class GraphRecorder:
             return None
         backend = self.backend
         numeric = [t for t in outputs if hashable(t)]
-        gid = id(graph)
         late: list[Any] = []
         producers = [self._producer(gid, t, late) for t in (inputs or ()) if hashable(t)]
         module, source = backend.graph_origin(op_name, outputs[0] if outputs else None)
@@ -180,6 +182,9 @@ class GraphRecorder:
             derived=op_type in DERIVED_OPS and not entry, code=name_code(op_type),
             numel=numel(numeric[0]) if numeric else -1, data=data, graph=gid,
         )
+        if op.derived:
+            op.valued = any(self._valued(gid, t) is not None for t in inputs or ()
+                            if hashable(t))
         for position, t in enumerate(numeric):  # positions count hashed outputs, as op.values
             self.where[(gid, t.name)] = (index, position)
         if not numeric:
@@ -188,6 +193,11 @@ class GraphRecorder:
         if op_type == READ:  # a repeated read takes the earlier one's value (reads.py)
             op.alias = self.repeats.earlier(inputs, graph, op.meta)
             if op.alias is None:
+                written = self.repeats.after_write(inputs, graph, op.meta)
+                if written is not None and all(self.table[i].valued
+                                               for i, _ in written.sources):
+                    # Note [Reads after a write] in reads.py
+                    op.derived, op.code, op.bases = True, written.code, list(written.sources)
                 self.repeats.remember(inputs, graph, index, op.meta)
         if (op.derived or op.alias is not None) and not late:
             return None
@@ -237,6 +247,12 @@ class GraphRecorder:
             self.where[(gid, output.name)] = (index, position)
         record.numel = numel(op.outputs[0]) if op.outputs else -1
         return self.where.get((gid, t.name), (-1, 0))
+
+    def _valued(self, gid: int, t: Any) -> tuple[int, int] | None:
+        """Where ``t`` was recorded in graph ``gid``, if that record has a value whenever it
+        runs (``GraphOp.valued``), else None."""
+        place = self.where.get((gid, str(getattr(t, "name", ""))))
+        return place if place is not None and self.table[place[0]].valued else None
 
     def _window_ahead(self) -> bool:
         """Op-level capture is on now or at a later step: ops traced now need guards. A
@@ -364,22 +380,21 @@ class GraphRecorder:
                 if not active:
                     continue
                 ins = keys.inputs()
-                if not ins:
+                bases = ins if keys.bases is None else keys.inputs(keys.bases)
+                if not bases or (keys.bases is not None and len(bases) < len(keys.bases)):
                     continue
-                op.values = tuple(combine_words((*ins, *m)) for m in keys.derived)
+                op.values = keys.derive(bases)
             else:
                 stored = [stored_all[s] for s in op.slots]
                 if not any(stored):
                     continue  # did not run
-                op.values = tuple(combine_words(((v - 1) & MASK64, *m))
-                                  for v, m in zip(stored, keys.meta, strict=True))
+                op.values = keys.hashed(stored)
             if op.data:
                 data.extend(Fp(v) for v in op.values)
             if active:
                 if ins is None:
                     ins = keys.inputs()
-                self.records.append((op.kind, op.phase, 0, op.name_id, op.module, op.source,
-                                     joined(op.values), joined(ins), op.numel))
+                self.records.append((*keys.record, joined(op.values), joined(ins), op.numel))
         return data, new_updates
 
     @staticmethod

@@ -31,8 +31,8 @@ class StateFingerprints:
     def __init__(self, recorder: FingerprintCache, hasher: TorchHasher) -> None:
         self.recorder = recorder
         self.hasher = hasher
-        # Word views of each group's tensors, kept from step to step by address (gradients
-        # are often new tensors over the same memory each step)
+        # Word views of each group's tensors, kept from step to step; gradients too (a view
+        # owns no memory, so it keeps nothing alive; gradients kept across steps reuse it)
         self.views = {group: StateViews() for group in (Group.PARAM, Group.BUFFER,
                                                          Group.GRAD, Group.OPTIM)}
 

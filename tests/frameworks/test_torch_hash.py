@@ -320,6 +320,9 @@ def test_state_views_are_reused_only_while_they_are_the_tensors_bytes() -> None:
     first = check()
     reused = views.words(group)[0]
     assert reused is views.words(group)[0], "an unchanged tensor reuses its view"
+    group.reverse()  # every view reused, the descriptions kept packed in another order
+    check()
+    group.reverse()
     with torch.no_grad():
         p.add_(1)  # in place: the same memory, new values
     changed = check()

@@ -238,6 +238,17 @@ class FingerprintCache(StepRecords):
         ``views``: the group's word views kept across steps (parameters, buffers, optimizer
         state; hostwords.StateViews)."""
         contents = self.hasher.content_of_many(tensors, views=views).values()
+        packed = views.packed_meta(len(tensors)) if views is not None else None
+        if packed is not None and len(contents) == 1:
+            (content,) = contents
+            if type(content) is int:
+                # Every tensor is a plain CPU one, read on the host: the final value now,
+                # as Fp.finalize would compute it, with the descriptions packed once
+                # (kept with the views while they are reused).
+                fp = Fp()
+                fp.value = int.from_bytes(_blake2b(content.to_bytes(8, "little") + packed,
+                                                   digest_size=8).digest(), "little") or 1
+                return [fp]
         meta = views.meta(len(tensors)) if views is not None else None  # kept descriptions
         if meta is None:
             meta = tuple(x for t in tensors for x in _describe(t))

@@ -14,13 +14,14 @@ sum without writing any products. Three ways in:
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
-from nondet.fingerprint import host_content, word_size
+from nondet.fingerprint import host_content, pack_words, word_size
 from nondet.frameworks.torch.tensors import describe
 
 NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
@@ -62,8 +63,7 @@ def dense_cpu_words(t: torch.Tensor) -> np.ndarray | None:
             or t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_conj()
             or t.is_neg() or not t.is_contiguous()):
         return None
-    raw = raw_bytes(t)
-    return raw.view(NP_WORDS[word_size(raw.size)])
+    return _word_array(t)
 
 
 class _Words:
@@ -89,11 +89,17 @@ def dense_cpu_content(t: torch.Tensor) -> int | None:
             or t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_conj()
             or t.is_neg() or not t.is_contiguous()):
         return None
+    return host_content([_word_array(t)])
+
+
+def _word_array(t: torch.Tensor) -> np.ndarray:
+    """The words of a plain dense contiguous CPU tensor's memory, made in one NumPy call
+    (``raw_bytes`` and a ``view`` are two): valid while ``t`` keeps that memory."""
     nbytes = t.nbytes
     if nbytes == 0:
-        return host_content([np.zeros(0, dtype=np.uint8)])
+        return np.zeros(0, dtype=np.uint8)
     word = word_size(nbytes)
-    return host_content([np.asarray(_Words(t.data_ptr(), nbytes // word, _TYPESTR[word]))])
+    return np.asarray(_Words(t.data_ptr(), nbytes // word, _TYPESTR[word]))
 
 
 def host_words(t: torch.Tensor) -> np.ndarray:
@@ -110,6 +116,11 @@ def host_words(t: torch.Tensor) -> np.ndarray:
     return raw.view(NP_WORDS[word_size(raw.size)])
 
 
+#: A kept word view: (the tensor, weakly; its address, dtype and shape then; its words;
+#: its describe())
+_View = tuple["weakref.ref[torch.Tensor]", int, Any, Any, np.ndarray, tuple[int, ...]]
+
+
 class StateViews:
     """Word views of step-level state tensors, reused across steps (one per group).
 
@@ -122,22 +133,20 @@ class StateViews:
     it is made, so equal addresses mean it reads the tensor's current memory whatever
     happened to the storage in between. Views are dropped for tensors that leave the group;
     a view does not hold the memory it shows (``raw_bytes``) and is read only after those
-    checks, while the tensor is alive.
+    checks, while the tensor is alive. The group's descriptions are kept packed while
+    every tensor keeps its view, in the same order (``packed_meta``).
     """
 
     def __init__(self) -> None:
-        # id -> (tensor, address, dtype, shape, words, describe() of the tensor)
-        self._views: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any,
-                                     np.ndarray, tuple[int, ...]]] = {}
-        self._metas: list[tuple[int, ...]] | None = None
+        self._views: dict[int, _View] = {}  # by id of the tensor
+        self._entries: list[_View] | None = None  # of the last call, in its order
+        self._packed: bytes | None = None  # their descriptions packed, once
 
     def words(self, tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
         """The words of each tensor (None: not a plain dense contiguous CPU tensor)."""
         old, new = self._views, {}
         out: list[np.ndarray | None] = []
-        # describe() of each tensor, for ``meta``: kept with its view (the same plain CPU
-        # tensor with the same dtype and shape has the same description)
-        metas: list[tuple[int, ...]] | None = []
+        entries: list[_View] | None = []
         for t in tensors:
             key = id(t)
             entry = old.get(key)
@@ -147,32 +156,47 @@ class StateViews:
                     and not (t.is_complex() and (t.is_conj() or t.is_neg()))):
                 new[key] = entry
                 out.append(entry[4])
-                if metas is not None:
-                    metas.append(entry[5])
+                if entries is not None:
+                    entries.append(entry)
                 continue
             words = dense_cpu_words(t)
             out.append(words)
             if words is None:
-                metas = None  # described by the general path
+                entries = None  # described by the general path
                 continue
-            meta = describe(t)
-            if metas is not None:
-                metas.append(meta)
             try:
                 ref = weakref.ref(t)
             except TypeError:  # not weakly referenceable: not kept
+                entries = None
                 continue
-            new[key] = (ref, t.data_ptr(), t.dtype, t.shape, words, meta)
-        self._views, self._metas = new, metas
+            entry = (ref, t.data_ptr(), t.dtype, t.shape, words, describe(t))
+            new[key] = entry
+            if entries is not None:
+                entries.append(entry)
+        last = self._entries
+        if (entries is None or last is None or len(entries) != len(last)
+                or not all(map(operator.is_, entries, last))):
+            self._packed = None  # other descriptions, or in another order
+        self._views, self._entries = new, entries
         return out
 
     def meta(self, count: int) -> tuple[int, ...] | None:
         """``describe()`` of each tensor of the last ``words`` call (of ``count`` tensors),
         concatenated, or None where one of them is not a plain dense CPU tensor."""
-        metas = self._metas
-        if metas is None or len(metas) != count:
+        entries = self._entries
+        if entries is None or len(entries) != count:
             return None
-        return tuple(x for m in metas for x in m)
+        return tuple(x for entry in entries for x in entry[5])
+
+    def packed_meta(self, count: int) -> bytes | None:
+        """``meta(count)`` packed as ``combine`` packs it (fingerprint.pack_words), kept
+        while the group's tensors keep their views in the same order."""
+        if self._packed is None:
+            meta = self.meta(count)
+            if meta is None:
+                return None
+            self._packed = pack_words(meta)
+        return self._packed
 
     def clear(self) -> None:
-        self._views, self._metas = {}, None
+        self._views, self._entries, self._packed = {}, None, None

@@ -71,6 +71,9 @@ def holds_values(t: torch.Tensor) -> bool:
     template of an ensemble, a model built empty), or a lazy module's parameter before its
     first forward (``UninitializedParameter``: any read of it raises; torchrl's ``MLP``
     without ``in_features`` is made of ``LazyLinear``s). It joins once materialized."""
+    kind = type(t)
+    if kind is torch.nn.Parameter or kind is torch.Tensor:  # without Parameter's Python
+        return not t.is_meta  # isinstance check (its metaclass's), twice per tensor and step
     return not t.is_meta and not isinstance(t, (UninitializedParameter, UninitializedBuffer))
 
 

@@ -31,16 +31,17 @@ class StateFingerprints:
     def __init__(self, recorder: FingerprintCache, hasher: TorchHasher) -> None:
         self.recorder = recorder
         self.hasher = hasher
-        # Word views of the state groups that keep their tensors from step to step (not
-        # gradients: often new tensors each step, and a view would keep the old ones alive)
+        # Word views of each group's tensors, kept from step to step; gradients too (a view
+        # owns no memory, so it keeps nothing alive; gradients kept across steps reuse it)
         self.views = {group: StateViews() for group in (Group.PARAM, Group.BUFFER,
-                                                         Group.OPTIM)}
+                                                         Group.GRAD, Group.OPTIM)}
 
     def named(self, named: list[tuple[str, Any]], detailed: bool,
-              views: StateViews | None = None) -> Named:
-        """Fingerprints of named tensors (and numbers): one per tensor in steps with op
-        capture (the report can then name them), else one for the whole group, hashed as a
-        single concatenation (a few large ops instead of several small ones per tensor)."""
+              group: Group = Group.GRAD) -> Named:
+        """Fingerprints of named tensors (and numbers) of ``group``: one per tensor in steps
+        with op capture (the report can then name them), else one for the whole group,
+        hashed as a single concatenation (a few large ops instead of several small ones per
+        tensor)."""
         numbers: Named = [(n, Fp(value=scalar_value(v)), None) for n, v in named
                           if not isinstance(v, torch.Tensor)]
         tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
@@ -49,7 +50,7 @@ class StateFingerprints:
             out = [(n, self.of(t), t) for n, t in tensors]
         else:
             out = [("(group)", fp, None) for fp in self.recorder.fingerprint_many(
-                [t for _, t in tensors], views)]
+                [t for _, t in tensors], self.views[group])]
         return out + numbers
 
     def of(self, t: torch.Tensor) -> Fp:
@@ -62,14 +63,15 @@ class StateFingerprints:
                    ) -> tuple[StepState, float | None]:
         """The step's state row, and the loss read back with it (None: no loss scalar)."""
         groups: list[tuple[Group, Named]] = [
-            (Group.PARAM, self.named(params, detailed, self.views[Group.PARAM])),
-            (Group.BUFFER, self.named(buffers, detailed, self.views[Group.BUFFER])),
+            (Group.PARAM, self.named(params, detailed, Group.PARAM)),
+            (Group.BUFFER, self.named(buffers, detailed, Group.BUFFER)),
             (Group.GRAD, grads),
-            (Group.OPTIM, self.named(optim, detailed, self.views[Group.OPTIM])),
+            (Group.OPTIM, self.named(optim, detailed, Group.OPTIM)),
         ]
-        rng = [self.of(torch.get_rng_state())]
+        # a fresh copy of each generator's state: hashed, never cached (nothing reads it)
+        rng = [self.recorder.fingerprint(torch.get_rng_state())]
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            rng.extend(self.of(s) for s in torch.cuda.get_rng_state_all())
+            rng.extend(self.recorder.fingerprint(s) for s in torch.cuda.get_rng_state_all())
         keys = [(group, name, t) for group, items in (groups if detailed else [])
                 for name, _, t in items if t is not None]
         computed = self.hasher.stats_many([t for _, _, t in keys])
@@ -81,7 +83,9 @@ class StateFingerprints:
         # Every pending Fp of this step (data and losses too) and the float64 scalars still
         # on a device come back in one transfer per device (readback.py), never one per
         # tensor; statistics computed on the host (hoststats.py) are floats already.
-        scalars = [x for x in (params_sum, loss_scalar) if isinstance(x, torch.Tensor)]
+        params_sum = _on_host(params_sum)
+        loss_read = _on_host(loss_scalar) if loss_scalar is not None else None
+        scalars = [x for x in (params_sum, loss_read) if isinstance(x, torch.Tensor)]
         scalars += [x for pair in stats.values() if pair for x in pair
                     if isinstance(x, torch.Tensor)]
         values = iter(self.recorder.resolve(scalars))
@@ -90,7 +94,7 @@ class StateFingerprints:
             return next(values) if isinstance(x, torch.Tensor) else x
 
         params_value = value(params_sum)
-        loss = value(loss_scalar) if loss_scalar is not None else None
+        loss = value(loss_read) if loss_read is not None else None
         host_stats = {key: (value(pair[0]), value(pair[1])) for key, pair in stats.items()
                       if pair}
         state = StepState(
@@ -107,6 +111,15 @@ class StateFingerprints:
                 state.tensors.append(TensorRow(group, name, fp.value or 0, total, maxabs,
                                                t.numel() if t is not None else 0))
         return state, loss
+
+
+def _on_host(x: torch.Tensor | float) -> torch.Tensor | float:
+    """A plain CPU scalar's value read now (the same float: no device to wait for, and
+    cheaper than the read-back's bit-pattern round trip: ~50 us per step for the loss),
+    anything else as it is."""
+    if type(x) is torch.Tensor and x.is_cpu:
+        return float(x.item())
+    return x
 
 
 def _params_sum(params: list[tuple[str, Any]], known: dict[int, float]

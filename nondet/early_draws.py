@@ -72,11 +72,14 @@ class EarlyDraws:
 
     def _user_site(self, frame: FrameType | None) -> str | None:
         """The user's line the draw came from; None when nondet drew (its own hashing or
-        seeding) or no user frame is on the stack (an import of a framework)."""
+        seeding), when a module being imported drew (a library's import-time layers, below
+        the script's ``import`` line), or no user frame is on the stack."""
         while frame is not None:
             name = frame.f_globals.get("__name__", "")
             if isinstance(name, str) and name.split(".", 1)[0] == "nondet":
                 return None
+            if frame.f_code.co_filename.startswith("<frozen importlib"):
+                return None  # a library drawing while the script imports it: not the script
             if self._log.is_users(frame):
                 sid = self._session.sources.intern_location(frame.f_code.co_filename,
                                                             frame.f_lineno)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,7 +49,7 @@ def watched(monkeypatch: pytest.MonkeyPatch) -> Any:
         _STARTED.append(session)
         monkeypatch.setattr(session_module, "_CURRENT", session)
         torch.manual_seed(SEED)  # nondet's own seeding, before the watch starts
-        watch = draws.install(session, SEED)  # type: ignore[arg-type]
+        watch = draws.install(session, SEED, contextlib.nullcontext)  # type: ignore[arg-type]
         assert watch is not None
         return session, watch
 

@@ -84,7 +84,7 @@ class TorchBackend(StepLifecycle):
         self._install_hooks()
         # after nondet's own seeding above; the recording wrappers go outermost (they name
         # the frame that called them)
-        draws.install(session, session.config.seed)
+        draws.install(session, session.config.seed, self.paused_capture)
         torch_seeding.install(session)
         session.send_meta({"env": torch_environment(initialized=False)})
         self._sync_capture()

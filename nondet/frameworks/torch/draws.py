@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import FrameType
 from typing import Any
 
@@ -61,8 +62,11 @@ def _may_draw(name: str) -> bool:
     return any(part in name for part in _RANDOM_NAMES)
 
 
-def _state() -> bytes:
-    return bytes(torch.default_generator.get_state().numpy())
+def _state(paused: Callable[[], AbstractContextManager[None]]) -> bytes:
+    """The default generator's state, read unrecorded (``get_state`` makes a tensor: read
+    inside the capture, it was an entry of the script's init step)."""
+    with paused():
+        return bytes(torch.default_generator.get_state().numpy())
 
 
 class _Watch(TorchFunctionMode):
@@ -86,10 +90,12 @@ class _Watch(TorchFunctionMode):
 class DrawWatch:
     """The run's watch for the first unseeded draw (one per session)."""
 
-    def __init__(self, session: Session, seed: int) -> None:
+    def __init__(self, session: Session, seed: int,
+                 paused: Callable[[], AbstractContextManager[None]]) -> None:
         self._session = session
         self._seed = seed
-        self._baseline = _state()
+        self._paused = paused
+        self._baseline = _state(paused)
         self._mode: _Watch | None = _Watch(self._after)
         self._mode.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
         # the init row's end (training starts) ends the watch; later step ends retry a pop
@@ -138,7 +144,7 @@ class DrawWatch:
             if session_module.current() is not self._session or self._seed_changed():
                 self.stop()  # a forked child; or the script seeded by a path not wrapped
                 return
-            state = _state()
+            state = _state(self._paused)
             if state == self._baseline:
                 return
             if _importing():
@@ -178,11 +184,13 @@ class DrawWatch:
         self.stop()
 
 
-def install(session: Session, seed: int) -> DrawWatch | None:
+def install(session: Session, seed: int,
+            paused: Callable[[], AbstractContextManager[None]]) -> DrawWatch | None:
     """Start watching (right after nondet's own seeding); wraps torch's seeding calls so
-    that they end the watch. None when the watch cannot start (never raises)."""
+    that they end the watch; ``paused`` keeps nondet's own reads out of the capture. None
+    when the watch cannot start (never raises)."""
     try:
-        watch = DrawWatch(session, seed % 2**64)
+        watch = DrawWatch(session, seed % 2**64, paused)
     except Exception:
         return None
     for owner, name in _SEEDING:

@@ -111,15 +111,19 @@ def test_a_file_written_by_another_while_the_run_went_is_listed(tmp_path: Path) 
     assert facts == {readback.FRESH_FACT: ["features.pkl"], readback.WROTE_FACT: ["own.pkl"]}
 
 
-def test_pair_notes_name_a_file_one_run_read_and_the_other_wrote(tmp_path: Path) -> None:
+def _pair_notes(tmp_path: Path, facts_a: dict[str, Any], facts_b: dict[str, Any]
+                ) -> list[str]:
+    """``readback.pair_notes`` of two one-step captures with these facts."""
     steps = step_rows({"step": 0})
+    a = write_capture(tmp_path / "run-a.h5", steps, facts=facts_a, attrs={"label": "a"})
+    b = write_capture(tmp_path / "run-b.h5", steps, facts=facts_b, attrs={"label": "b"})
+    return readback.pair_notes(open_capture(a), open_capture(b))
 
+
+def test_pair_notes_name_a_file_one_run_read_and_the_other_wrote(tmp_path: Path) -> None:
     def pair(fresh_a: list[str], wrote_b: list[str]) -> list[str]:
-        a = write_capture(tmp_path / "run-a.h5", steps, facts={readback.FRESH_FACT: fresh_a},
-                          attrs={"label": "a"})
-        b = write_capture(tmp_path / "run-b.h5", steps, facts={readback.WROTE_FACT: wrote_b},
-                          attrs={"label": "b"})
-        return readback.pair_notes(open_capture(a), open_capture(b))
+        return _pair_notes(tmp_path, {readback.FRESH_FACT: fresh_a},
+                           {readback.WROTE_FACT: wrote_b})
 
     notes = pair(["cache/features.npy"], ["log.txt", "cache/features.npy"])
     assert len(notes) == 1 and notes[0].startswith(
@@ -245,14 +249,8 @@ def test_pair_notes_name_a_tf_data_cache_both_runs_meant_to_build(tmp_path: Path
     """Both runs of the pair found no cache file: TensorFlow reads a finished cache and
     refuses a second writer, so one run trained on what the other cached (rn_cache in
     FINDINGS round 7: an unseeded generator before the cache, "deterministic", no note)."""
-    steps = step_rows({"step": 0})
-
     def pair(a: list[str], b: list[str]) -> list[str]:
-        ca = write_capture(tmp_path / "run-a.h5", steps, facts={readback.CACHE_FACT: a},
-                           attrs={"label": "a"})
-        cb = write_capture(tmp_path / "run-b.h5", steps, facts={readback.CACHE_FACT: b},
-                           attrs={"label": "b"})
-        return readback.pair_notes(open_capture(ca), open_capture(cb))
+        return _pair_notes(tmp_path, {readback.CACHE_FACT: a}, {readback.CACHE_FACT: b})
 
     notes = pair(["cache/train"], ["cache/val", "cache/train"])
     assert len(notes) == 1 and notes[0].startswith(

@@ -81,3 +81,39 @@ class Stop(keras.callbacks.Callback):
 model.fit(Rows(), epochs=2, verbose=0, callbacks=[Stop()])""")
     c, _ = run_script(tmp_path, body)
     assert "self.rng" in str(c.facts.get(f"capture_note.{NOTE_KEY}"))
+
+
+class _Dataset:
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.rng = np.random.default_rng(1)
+
+
+def _draw(uid: int, i: int) -> int:  # Keras' get_index: the pool runs it for each batch
+    return int(_SEQUENCES[uid].rng.integers(100))
+
+
+_SEQUENCES = {0: _Dataset()}
+
+
+def test_a_pool_forked_while_the_epoch_begins_still_marks_the_draws() -> None:
+    """Keras' enqueuer thread forks the pool while the main thread is still inside the
+    dataset's on_epoch_begin; the workers must not inherit that as 'inside an epoch hook'
+    (the CI run where nothing was noted)."""
+    import os
+
+    from nondet.frameworks.tensorflow.shared_draws import SharedDraws
+
+    watch = SharedDraws()
+    watch.arm()
+    checked = watch.wrap(_draw, lambda: _SEQUENCES)
+    watch.epoch_hooks = 1  # the parent is inside on_epoch_begin when the pool forks
+    pid = os.fork()
+    if pid == 0:  # the pool's worker: one batch, then gone
+        try:
+            checked(0, 0)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert watch.seen() == "self.rng"

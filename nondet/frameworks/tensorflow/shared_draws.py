@@ -79,7 +79,7 @@ class SharedDraws:
             except Exception:
                 pass
             result = get_index(uid, i)
-            if before and hooks % 2 == 0 and watch.epoch_hooks == hooks:
+            if before and (watch._forked() or (hooks % 2 == 0 and watch.epoch_hooks == hooks)):
                 try:
                     watch._compare(before, watch._states(dataset))
                 except Exception:
@@ -87,6 +87,13 @@ class SharedDraws:
             return result
 
         return checked
+
+    def _forked(self) -> bool:
+        # The dataset's epoch hooks run in the parent. Keras' enqueuer thread forks the pool
+        # while the main thread may still be inside on_epoch_begin, so a worker's copy of
+        # ``epoch_hooks`` can be odd for good; its generators are its own copies, which
+        # the parent's hooks never move.
+        return os.getpid() != self._parent
 
     def seen(self) -> str | None:
         """What a call moved ("self.rng", "NumPy's global generator"), if any did."""
@@ -106,7 +113,7 @@ class SharedDraws:
                 states[f"self.{name}"] = pickle.dumps(value.get_state())
             elif isinstance(value, random.Random):
                 states[f"self.{name}"] = pickle.dumps(value.getstate())
-        if os.getpid() != self._parent:
+        if self._forked():
             # a forked worker runs one call at a time and nothing else draws there; in a
             # thread the run's other threads may draw from the global generators meanwhile
             states["NumPy's global generator (np.random.*)"] = pickle.dumps(

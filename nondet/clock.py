@@ -25,6 +25,7 @@ run a, so the two runs differ in the clock's value only, never in which class th
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import re
 import sys
@@ -66,17 +67,17 @@ def shift(offset: float) -> None:
             _note(value / 1e9, value)
         return value
 
-    shifted_time.__doc__, shifted_time_ns.__doc__ = real_time.__doc__, real_time_ns.__doc__
-    time.time, time.time_ns = shifted_time, shifted_time_ns
+    time.time = _unbound(shifted_time, real_time)
+    time.time_ns = _unbound(shifted_time_ns, real_time_ns)
     for name in ("localtime", "gmtime", "ctime"):
-        setattr(time, name, _default_now(getattr(time, name)))
+        real = getattr(time, name)
+        setattr(time, name, _unbound(_default_now(real), real))
     real_strftime, localtime = time.strftime, time.localtime
 
     def strftime(format: str, t: Any = None) -> str:
         return real_strftime(format, localtime() if t is None else t)
 
-    strftime.__doc__ = real_strftime.__doc__
-    time.strftime = strftime
+    time.strftime = _unbound(strftime, real_strftime)
     standin.install(datetime, "datetime", _shifted_datetime())
 
 
@@ -86,8 +87,22 @@ def _default_now(function: Any) -> Any:
     def at(secs: float | None = None) -> Any:
         return function(time.time() if secs is None else secs)
 
-    at.__doc__ = function.__doc__
     return at
+
+
+def _unbound(function: Any, real: Any) -> Any:
+    """``function`` in place of the builtin ``real``, and like a builtin never bound as a
+    method: code keeps these in class attributes (``logging.Formatter.converter =
+    time.localtime``, read as ``self.converter(secs)``; ``class Timer: now = time.time``),
+    where a Python function would be passed the instance. A ``functools.partial`` has no
+    ``__get__`` and starts no Python frame of its own (``_note`` counts frames)."""
+    stand_in = functools.partial(function)
+    for name in ("__name__", "__qualname__", "__doc__", "__module__"):
+        try:
+            setattr(stand_in, name, getattr(real, name))
+        except (AttributeError, TypeError):
+            pass
+    return stand_in
 
 
 def _shifted_datetime() -> type:

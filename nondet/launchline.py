@@ -25,10 +25,23 @@ def is_launch_line(words: tuple[str, ...], module: str | None) -> bool:
     if not words:
         return False
     head = os.path.basename(words[0])
-    if head in _TORCHRUN and not os.path.isfile(words[0]):
+    if head in _TORCHRUN and (not os.path.isfile(words[0]) or _torchrun_entry(words[0])):
         return True
     return (head.startswith("python") and len(words) >= 3 and words[1] == "-m"
             and words[2] == RUN_MODULE)
+
+
+def _torchrun_entry(path: str) -> bool:
+    """Is the file ``path`` (named torchrun) torch's console script, as in ``nondet run
+    $(which torchrun) ...`` or ``.venv/bin/torchrun``, and not a script of the user's that
+    happens to be called so? Before, it was run as the script: torchrun's workers were not
+    recorded and the run ended in "no training step was observed"."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and RUN_MODULE.encode() in head
 
 
 def parse_launch_line(words: tuple[str, ...], module: str | None) -> Target:

@@ -58,6 +58,24 @@ def test_a_script_that_is_not_a_launch_line() -> None:
     assert not launchline.is_launch_line((), "pkg.train")
 
 
+
+def test_torchrun_given_by_its_path_is_the_launch_line(tmp_path: Path) -> None:
+    """``nondet run $(which torchrun) ...``: the console script pip writes. Before, the file
+    was run as the script (its workers unrecorded: "no training step was observed")."""
+    entry = tmp_path / "bin" / "torchrun"
+    entry.parent.mkdir()
+    entry.write_text("#!/usr/bin/python3\nimport sys\nfrom torch.distributed.run import main\n"
+                     "if __name__ == '__main__':\n    sys.exit(main())\n")
+    words = (str(entry), "--nproc-per-node", "2", SCRIPT, "--steps", "2")
+    assert launchline.is_launch_line(words, None)
+    target = launchline.parse_launch_line(words, None)
+    assert target.script == SCRIPT and target.launcher == ("--nproc-per-node", "2")
+    # a script of the user's that is called torchrun stays a script
+    own = tmp_path / "torchrun"
+    own.write_text("import torch\nprint('training')\n")
+    assert not launchline.is_launch_line((str(own), "--epochs", "1"), None)
+
+
 def test_no_python_is_refused_in_one_line() -> None:
     with pytest.raises(NondetError, match="--no-python"):
         launchline.parse_launch_line(("torchrun", "--no-python", "echo", "hi"), None)

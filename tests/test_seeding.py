@@ -384,6 +384,42 @@ def test_the_shifted_clock_reads_ahead_and_keeps_datetime_working() -> None:
                    "datetime.datetime(2020,", "1,", "2,", "0,", "0)", "True"]
 
 
+
+def test_the_shifted_clock_functions_do_not_bind_as_methods() -> None:
+    """``logging.Formatter.converter = time.localtime`` (a class attribute, set when logging is
+    imported) and ``class Timer: now = time.time``: a Python function there binds as a method.
+    Before, every log line with ``%(asctime)s`` in a run was a "--- Logging error ---"
+    traceback ("at() takes from 0 to 1 positional arguments but 2 were given")."""
+    code = textwrap.dedent("""
+        import io, time
+        real = time.time()
+        from nondet import clock
+        clock.shift(5.5)
+        import logging
+        stream = io.StringIO()
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log = logging.getLogger("t")
+        log.addHandler(handler)
+        log.warning("step 3")
+
+        class Timer:
+            now, now_ns, local = time.time, time.time_ns, time.localtime
+            gm, text, stamp = time.gmtime, time.ctime, time.strftime
+
+        t = Timer()
+        print(stream.getvalue().split()[-2:], 4 < t.now() - real < 7,
+              4 < t.now_ns() / 1e9 - real < 7, 4 < time.mktime(t.local()) - real < 7,
+              t.gm().tm_year > 2000, len(t.text()) > 10, t.stamp("%Y") == str(t.local().tm_year),
+              time.time.__name__, time.localtime.__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert "Logging error" not in out.stderr, out.stderr
+    assert out.stdout.split() == ["['step',", "'3']"] + ["True"] * 6 + ["time", "localtime"], (
+        out.stdout)
+
+
 def test_tensorflow_and_keras_seeding_calls_are_recorded(session: FakeSession,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     tf = pytest.importorskip("tensorflow")

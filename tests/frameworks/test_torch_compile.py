@@ -101,3 +101,79 @@ def test_compiled_as_often_as_without_nondet_and_recorded_as_one_op(tmp_path: Pa
         # Nothing from inside the regions is recorded one by one (the forward's matmul
         # runs as an extern kernel, aten.addmm.out, through the dispatcher).
         assert not any(n.endswith(".out") or "native_batch_norm" in n for n in names), names
+
+
+# The PyTorch tutorial "Compiling the optimizer with torch.compile", and a whole training step
+# under torch.compile: both break the graph in torch itself (Tensor.backward, Optimizer's
+# _use_grad), so nondet's hooks fire in eager code that runs under Dynamo's frame callback.
+STEP_SCRIPTS = {
+    "compiled_optimizer_step": """
+        import json, sys
+        import torch
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+        @torch.compile(fullgraph=False)
+        def opt_step():
+            opt.step()
+
+        for _ in range(4):
+            loss = model(torch.randn(16, 8)).square().mean()
+            loss.backward()
+            opt_step()
+            opt.zero_grad()
+        """,
+    "compiled_training_step": """
+        import json, sys
+        import torch
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+        @torch.compile
+        def train_step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        for _ in range(4):
+            train_step(torch.randn(16, 8))   # randn: a factory op after each compiled call
+        """,
+}
+_REPORT = """
+        stats = torch._dynamo.utils.counters["stats"]
+        with open(sys.argv[1], "w") as f:
+            json.dump({"stats": dict(stats),
+                       "weight": [p.sum().item() for p in model.parameters()]}, f)
+        """
+
+
+@pytest.mark.parametrize("name", sorted(STEP_SCRIPTS))
+def test_steps_ending_inside_a_compiled_function_are_recorded(tmp_path: Path, name: str) -> None:
+    """Before: nondet's step-end code was traced and compiled by Dynamo (exit 3, "data type
+    'void' not understood"); with that fixed, popping the capture mode inside the compiled
+    function left the dispatch keys torch restores on its return without their mode, and the
+    script's next factory op failed inside torch (Note [nondet's frames and Dynamo])."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(STEP_SCRIPTS[name]) + textwrap.dedent(_REPORT))
+    plain = _plain(script, tmp_path / "plain.json")
+
+    under = tmp_path / "under.json"
+    run = CapturedRun(Target(str(script), None, (str(under),)), Plan("t", [0]), 0,
+                      tmp_path / "out")
+    run.start()
+    result = run.wait()
+    assert result.status == "complete" and not result.hook_error, (
+        result.hook_error, result.log_tail())
+    captured = json.loads(under.read_text())
+    # The same graphs, the same numbers, and every optimizer step a step.
+    assert captured["stats"] == plain["stats"]
+    assert captured["weight"] == plain["weight"]
+    from nondet.store import open_capture
+
+    assert open_capture(result.path).n_steps == 4

@@ -33,7 +33,7 @@ from nondet import channel, loop_end
 from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.step_thread import STEP_THREAD
-from nondet.frameworks.torch import children, comm, compiled, cuda, draws, owners
+from nondet.frameworks.torch import children, comm, compiled, cuda, draws, nocompile, owners
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
@@ -73,6 +73,9 @@ class TorchBackend(StepLifecycle):
         self.held_roots: list[torch.nn.Module] = []
         self.held_optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.owner_changes = 0
+        # roots whose call Dynamo traced: id -> module (Note [A root module called in
+        # compiled code] in nocompile.py)
+        self.traced_roots = nocompile.TracedRoots()
         super().__init__(session)
         self.recorder = OpRecorder(self)
         self.state_fps = StateFingerprints(self.recorder, self.hasher)
@@ -99,6 +102,14 @@ class TorchBackend(StepLifecycle):
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim_module
 
+        # Note [nondet's frames and Dynamo] in nocompile.py
+        for hook in (self._module_pre, self._module_post, self._before_backward,
+                     self._after_backward,
+                     StepLifecycle.guarded.__wrapped__):  # type: ignore[attr-defined]
+            nocompile.internal(hook)
+        for hook in (self._optimizer_pre, self._optimizer_post, self._root_call,
+                     self._root_done):
+            nocompile.opaque(hook)
         nn_module.register_module_forward_pre_hook(self._module_pre)
         nn_module.register_module_forward_hook(self._module_post, always_call=True)
         optim_module.register_optimizer_step_pre_hook(self._optimizer_pre)
@@ -153,6 +164,7 @@ class TorchBackend(StepLifecycle):
                 with self.guarded():
                     self._after_backward()
 
+        nocompile.passing(backward)
         torch.autograd.backward = backward
 
         original_grad = torch.autograd.grad
@@ -167,12 +179,21 @@ class TorchBackend(StepLifecycle):
             finally:
                 self.phase = previous
 
+        nocompile.passing(grad)
         torch.autograd.grad = grad
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         if self.disabled or self.paused:
             return
         with self.guarded():
+            if torch.compiler.is_compiling():
+                # Dynamo is tracing this hook into the user's graph: only what it can
+                # replay at run time, and nothing that breaks the graph (Note [A root module
+                # called in compiled code] in nocompile.py).
+                if not self.module_stack:
+                    setattr(self.traced_roots, f"m{id(module)}", module)
+                self.module_stack.append(-1)  # replayed, with its pop, after the graph
+                return
             if not self.module_stack and not cuda.capturing():
                 self._root_call(module)
             mid = self.module_ids.get(id(module))
@@ -183,8 +204,20 @@ class TorchBackend(StepLifecycle):
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.module_stack and not self.disabled and not self.paused:
             self.module_stack.pop()
-            if not self.module_stack:
-                loop_end.resume()
+            if not self.module_stack and not torch.compiler.is_compiling():
+                self._root_done()
+
+    def _adopt_traced_roots(self) -> None:
+        """Roots called inside compiled code, registered from an eager hook (Note [A root
+        module called in compiled code] in nocompile.py)."""
+        seen = vars(self.traced_roots)
+        for module in list(seen.values()):
+            if id(module) not in self.module_ids:
+                self._register_root(module)
+        seen.clear()
+
+    def _root_done(self) -> None:
+        loop_end.resume()
 
     def _root_call(self, module: torch.nn.Module) -> None:
         loop_end.pause()  # the model's own Python is not the step loop's (loop_end.py)
@@ -225,6 +258,8 @@ class TorchBackend(StepLifecycle):
         self.phase = Phase.OPTIMIZER
         if not self.explicit:
             with self.guarded():
+                if vars(self.traced_roots):
+                    self._adopt_traced_roots()
                 self.grads = self._grad_snapshot()
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -235,6 +270,8 @@ class TorchBackend(StepLifecycle):
 
     def _before_backward(self, tensors: Any) -> None:
         loop_end.pause()
+        if vars(self.traced_roots):
+            self._adopt_traced_roots()
         if self.update_pending:
             self.boundary()
         if not self.started:
@@ -296,15 +333,22 @@ class TorchBackend(StepLifecycle):
 
     def _sync_capture(self) -> None:
         want = not self.disabled and self.session.captures_ops()
+        # A step that ends inside a torch.compile'd function (a compiled training step, a
+        # compiled opt.step()) must not push or pop the mode there: torch puts the dispatch
+        # keys back as they were when that function returns (nocompile.inside_compiled_call).
+        # Then the mode waits for a step end outside; until it comes, compiled regions are
+        # still recorded, eager ops in the function's graph breaks are not, and a mode left
+        # on the stack stays inactive.
         if want:
-            if self.mode is None:
+            if self.mode is None and not nocompile.inside_compiled_call():
                 self.mode = CaptureMode(self.recorder)
                 self.mode.__enter__()  # type: ignore[no-untyped-call]  # untyped in torch
             if not self.recorder.window:
                 self.recorder.open_window()
             return
         self.recorder.close_window()
-        if self.mode is not None and _get_current_dispatch_mode() is self.mode:
+        if (self.mode is not None and _get_current_dispatch_mode() is self.mode
+                and not nocompile.inside_compiled_call()):
             self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             self.mode = None
         # Otherwise another mode was pushed above ours: leave ours in place, inactive.

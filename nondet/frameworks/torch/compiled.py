@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from nondet.frameworks.torch import nocompile
 from nondet.frameworks.torch.regions import CompileHost, Regions
 
 _current: Regions | None = None  # the installed backend's regions (one backend per process)
@@ -56,6 +57,7 @@ def wrap(compiled_fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             return compiled_fn(*args, **kwargs)
         return regions.forward(compiled_fn, name, args, kwargs)
 
+    nocompile.internal(region)  # Note [nondet's frames and Dynamo]
     region._boxed_call = getattr(compiled_fn, "_boxed_call", False)  # type: ignore[attr-defined]
     region.__wrapped__ = compiled_fn  # type: ignore[attr-defined]
     return region

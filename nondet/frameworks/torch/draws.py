@@ -109,7 +109,12 @@ class DrawWatch:
         self._hook: Any = nn_module.register_module_forward_pre_hook(self._module_call)
 
     def _module_call(self, module: Any, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced by Dynamo: a removal there breaks the user's graph
         self._pop()
+        self._unhook()
+
+    def _unhook(self) -> None:
         if self._mode is None and self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -135,6 +140,9 @@ class DrawWatch:
             if depth and torch._C._get_function_stack_at(depth - 1) is mode:
                 mode.__exit__(None, None, None)
                 self._mode = None
+                # the module hook goes too, before torch.compile could trace it: its removal
+                # in traced code would break the graph, and a later one make Dynamo recompile
+                self._unhook()
         except Exception:
             pass  # left inactive: it passes calls through
 

@@ -22,7 +22,7 @@ import torch
 
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
-from nondet.frameworks.torch import cuda
+from nondet.frameworks.torch import cuda, nocompile
 from nondet.records import Flag, Kind, Phase
 
 
@@ -199,6 +199,7 @@ class Regions:
                      taints, (), numel, outputs)
 
 
+@nocompile.internal  # Note [nondet's frames and Dynamo]
 def _backward_pre(ref: weakref.ref[Regions], node: Any, grad_outputs: tuple[Any, ...]) -> None:
     regions = ref()
     if regions is None or regions.backend.disabled:
@@ -209,6 +210,7 @@ def _backward_pre(ref: weakref.ref[Regions], node: Any, grad_outputs: tuple[Any,
         regions.failed()
 
 
+@nocompile.internal
 def _backward_post(ref: weakref.ref[Regions], name_id: int, module: int, source: int,
                    grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
     regions = ref()
@@ -284,3 +286,4 @@ def _split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Te
     visit(args)
     visit(tuple(kwargs.values()))
     return tensors, scalars
+

@@ -255,13 +255,27 @@ class TFBackend(StepLifecycle):
     def _step_state(self, step: int, detailed: bool) -> StepState:
         recorder = self.recorder
         recorder.resolve()  # this step's eager fingerprints: data, losses, gradients, probes
-        if self._state_hasher is None:
-            self._state_hasher = StateHasher(recorder.vars.hasher)
-        # own_variables: the state hash keeps its folded keys in a variable (statefold.py)
-        with self._paused(), recorder.quiet(), self.own_variables():
-            state = self._state_hasher.state(self._live_variables(), detailed)
+        state = self._hash_state(detailed)
+        if detailed:  # what the next call's first reads take (Note [First reads])
+            recorder.firsts.refresh(self._state_hasher.contents)  # type: ignore[union-attr]
         state.grads = group_fp([fp.value or 0 for fp in self.grads])
         return state
+
+    def _hash_state(self, detailed: bool) -> StepState:
+        if self._state_hasher is None:
+            self._state_hasher = StateHasher(self.recorder.vars.hasher)
+        # own_variables: the state hash keeps its folded keys in a variable (statefold.py)
+        with self._paused(), self.recorder.quiet(), self.own_variables():
+            return self._state_hasher.state(self._live_variables(), detailed)
+
+    def tracked_variables(self) -> list[TrackedVariable]:
+        return self.variables
+
+    def variable_contents(self) -> list[tuple[TrackedVariable, int]]:
+        """Each tracked variable's content now (a detailed state hash; Note [First reads]
+        in first_reads.py)."""
+        self._hash_state(True)
+        return self._state_hasher.contents  # type: ignore[union-attr]
 
     def _take_records(self, step: int) -> np.ndarray:
         return self.recorder.take_rows(step)

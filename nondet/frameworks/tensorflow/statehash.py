@@ -63,6 +63,8 @@ class StateHasher:
         # the last set asked about, to skip rebuilding its key: (tracked variables, their
         # shape objects, initialized, detailed) and its key
         self._last: tuple[list[Any], list[Any], list[bool], bool, tuple[Any, ...]] | None = None
+        #: after a detailed call: each initialized variable's content (Note [First reads])
+        self.contents: list[tuple[TrackedVariable, int]] = []
 
     def state(self, tracked: list[tuple[TrackedVariable, Any]], detailed: bool) -> StepState:
         """The step-level state of the live tracked variables (those of a dtype that can be
@@ -100,7 +102,12 @@ class StateHasher:
                     autograph=False).get_concrete_function(*variables)
                 self._functions[key] = function
             values = to_host(_call(function, variables))
-        return _unpack(values, live, metas, detailed)
+        state = _unpack(values, live, metas, detailed)
+        if detailed:
+            at = len(_GROUPS) + len(metas.rngs) + 1
+            self.contents = [(t, int(values[at + i * _PER_VARIABLE]))
+                             for i, (t, _) in enumerate(live) if t.initialized]
+        return state
 
     def _key(self, live: list[tuple[TrackedVariable, Any]], ready: list[bool],
              detailed: bool) -> tuple[Any, ...]:

@@ -11,8 +11,9 @@ the step-level state hash of an op-captured step fingerprints each variable afte
 call that ended the step (statehash.py, per-variable rows), with the same content sum the
 read's guard would compute. So the read gets no guard: when the call starts
 (``before_call``, a wrapper around TensorFlow's eager function call), nondet takes the
-content of every variable it knows, hashing afresh (one detailed state hash, paused and
-quiet) those something may have written since; after the call the read's record is that
+content of every variable it knows, hashing afresh those something may have written since
+(a state hash of just those, paused and quiet, with its own traced functions: one more
+copy to the host at the first step of an op window); after the call the read's record is that
 content with the read's description, the number its guarded hash gives (the same record,
 field for field: no fingerprint scheme change). On the narrow benchmark model 57 of a
 step's 110 guarded hashes are such reads (docs/benchmarks.md, TensorFlow, "Ninth round").
@@ -56,8 +57,8 @@ _READ_ONLY = frozenset({"ReadVariableOp", "VarIsInitializedOp", "VariableShape",
 _ITERATOR_PREFIXES = ("Iterator", "AnonymousIterator", "MakeIterator", "DeleteIterator",
                       "MultiDeviceIterator", "DatasetToGraph", "SerializeIterator",
                       "DeserializeIterator")
-#: Contents of the live tracked variables, hashed now: ``[(tracked, content), ...]``.
-Contents = Callable[[], list[tuple[TrackedVariable, int]]]
+#: Contents of these tracked variables (those alive), hashed now.
+Contents = Callable[[list[TrackedVariable]], list[tuple[TrackedVariable, int]]]
 
 
 class FirstReads:
@@ -133,7 +134,7 @@ class FirstReads:
             return
         needed = [t for t in got[1] if id(t) not in self.known]
         if needed:
-            self.refresh(self._contents())
+            self.refresh(self._contents(needed))
         self._entry = (gid, dict(self.known))
 
     def nested_call(self, function: Any) -> None:

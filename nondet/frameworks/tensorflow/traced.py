@@ -102,7 +102,8 @@ class TFHost(RecorderHost, Protocol):
 
     def tracked_variables(self) -> list[TrackedVariable]: ...
 
-    def variable_contents(self) -> list[tuple[TrackedVariable, int]]: ...
+    def variable_contents(self, needed: list[TrackedVariable]
+                          ) -> list[tuple[TrackedVariable, int]]: ...
 
 
 class GraphRecorder:
@@ -127,8 +128,9 @@ class GraphRecorder:
         self.reordering_stage = -1  # source of the last tf.data stage built unordered
         self.repeats = RepeatReads()
         self._local = threading.local()
-        self.firsts = FirstReads(backend.tracked_variables, backend.variable_contents,
-                                 backend.hook_failed)
+        self.firsts = FirstReads(lambda: backend.tracked_variables(),
+                                 lambda needed: backend.variable_contents(needed),
+                                 lambda: backend.hook_failed())
         self.firsts.busy = lambda: getattr(self._local, "busy", False)
         if self.instrument:
             self.firsts.install()

@@ -32,7 +32,9 @@ fingerprints are derived from their inputs' (Note [Derived fingerprints] in
 torch/cache.py), on the host. The inputs of a graph op are known from the graph, so an
 input's fingerprint is its producer's: nothing extra is hashed for inputs. A variable read
 right after a recorded write through the same handle is derived too (Note [Reads after a
-write] in reads.py).
+write] in reads.py), and a variable's first read in a graph traced at the top level takes
+the content nondet knows of the variable when the call starts, with no guard (Note [First
+reads] in first_reads.py).
 
 Limitations
 - Ops inside ``tf.cond``/``tf.while_loop`` bodies are not recorded one by one: the

@@ -16,7 +16,7 @@ content of every variable it knows, hashing afresh those something may have writ
 copy to the host at the first step of an op window); after the call the read's record is that
 content with the read's description, the number its guarded hash gives (the same record,
 field for field: no fingerprint scheme change). On the narrow benchmark model 57 of a
-step's 110 guarded hashes are such reads (docs/benchmarks.md, TensorFlow, "Ninth round").
+step's 112 guarded hashes are such reads (docs/benchmarks.md, TensorFlow, "Ninth round").
 
 What may have written a variable is judged conservatively, and a possible write makes
 nondet forget what it knew (the next call in an op window then hashes afresh):

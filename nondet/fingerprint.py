@@ -34,7 +34,8 @@ MASK64 = (1 << 64) - 1
 #: share their base's version]) instead of being hashed again. 4: TensorFlow graphs derive
 #: ``Tile``, ``BroadcastTo`` and ``FloorMod`` outputs, and a variable read right after a
 #: write to it (tensorflow/reads.py, Note [Reads after a write]), instead of hashing them.
-SCHEME = "4"
+#: 5: TensorFlow graphs derive ``MaxPool`` outputs from their input's.
+SCHEME = "5"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device
 _CHUNK_KEY_OFFSET = 1 << 40  # chunk weights come from a disjoint part of the key stream

@@ -64,6 +64,7 @@ class TFBackend(StepLifecycle):
         self.variables: list[TrackedVariable] = []
         self.making_own_variables = False
         self._state_hasher: StateHasher | None = None  # made with the recorder's variables
+        self._refresher: StateHasher | None = None  # first reads' contents (first_reads.py)
         self.evaluating = False  # inside Keras evaluate/predict (see hooks._mark_evaluation)
         self.fit_steps_per_execution = 0  # 0: no Keras fit running (hooks: the model's value)
         super().__init__(session)
@@ -255,13 +256,33 @@ class TFBackend(StepLifecycle):
     def _step_state(self, step: int, detailed: bool) -> StepState:
         recorder = self.recorder
         recorder.resolve()  # this step's eager fingerprints: data, losses, gradients, probes
-        if self._state_hasher is None:
-            self._state_hasher = StateHasher(recorder.vars.hasher)
-        # own_variables: the state hash keeps its folded keys in a variable (statefold.py)
-        with self._paused(), recorder.quiet(), self.own_variables():
-            state = self._state_hasher.state(self._live_variables(), detailed)
+        state = self._hash_state(detailed)
+        if detailed:  # what the next call's first reads take (Note [First reads])
+            recorder.firsts.refresh(self._state_hasher.contents)  # type: ignore[union-attr]
         state.grads = group_fp([fp.value or 0 for fp in self.grads])
         return state
+
+    def _hash_state(self, detailed: bool) -> StepState:
+        if self._state_hasher is None:
+            self._state_hasher = StateHasher(self.recorder.vars.hasher)
+        # own_variables: the state hash keeps its folded keys in a variable (statefold.py)
+        with self._paused(), self.recorder.quiet(), self.own_variables():
+            return self._state_hasher.state(self._live_variables(), detailed)
+
+    def tracked_variables(self) -> list[TrackedVariable]:
+        return self.variables
+
+    def variable_contents(self, needed: list[TrackedVariable]
+                          ) -> list[tuple[TrackedVariable, int]]:
+        """The content of each of ``needed`` now (Note [First reads] in first_reads.py): a
+        detailed state hash of just those, by a hasher of its own (the sets it sees vary;
+        the step's hasher keeps its few traced functions)."""
+        if self._refresher is None:
+            self._refresher = StateHasher(self.recorder.vars.hasher)
+        live = [(t, v) for t in needed if (v := t.ref()) is not None]
+        with self._paused(), self.recorder.quiet(), self.own_variables():
+            self._refresher.state(live, True)
+        return self._refresher.contents
 
     def _take_records(self, step: int) -> np.ndarray:
         return self.recorder.take_rows(step)

@@ -35,6 +35,12 @@ DERIVED_OPS = frozenset({
     # the seven Tile outputs of a narrow benchmark step were 31% of its hashed words
     # (docs/benchmarks.md, TensorFlow, "Eighth round"). Fingerprint scheme 4.
     "Tile", "BroadcastTo", "FloorMod",
+    # Each output element the largest of its window, computed by one thread on every
+    # device (no summation: exact, no order to vary); its backward (MaxPoolGrad) scatters
+    # with atomics on GPUs (RECIPE.md, TF-MAXPOOL) and stays hashed. Guarded, the two
+    # MaxPool outputs of a narrow benchmark step cost ~3 ms of CPU per step, far more
+    # than their 164k words (docs/benchmarks.md, TensorFlow, "Ninth round"). Scheme 5.
+    "MaxPool", "MaxPoolV2",
 })
 #: Ops whose outputs carry nothing to compare or that only plumb control flow.
 SKIPPED_OPS = frozenset({
@@ -94,6 +100,10 @@ class GraphOp:
     #: has a value whenever it runs: hashed, or derived from something that has one (a
     #: derived op whose inputs are all unrecorded, e.g. a ``Fill`` of constants, has none)
     valued: bool = True
+    #: a variable's first read in a top-level graph: the tracked variable whose content at
+    #: the call's start is its value (Note [First reads] in first_reads.py)
+    first: Any = None
+
 
 class OpKeys:
     """An op's descriptions, packed as the tails of its ``combine`` words at its first

@@ -54,6 +54,7 @@ class TFOpRecorder(GraphRecorder):
     # -- window ----------------------------------------------------------------------------
     def set_window(self, on: bool) -> None:
         self.active = on
+        self.firsts.active = on
         # Assigned only when it changes: called at every step end, an eager assignment is
         # a dispatch through the op callbacks (~0.5 ms of CPU per step with --ops all)
         if self.instrument and self._vars is not None and self._vars.window != on:
@@ -82,7 +83,11 @@ class TFOpRecorder(GraphRecorder):
                     self.backend.tracing()
                     return self._trace(op_type, inputs, outputs, op_name or op_type, graph)
                 self.stage_lines.note_op(op_type, outputs, graph)
-            elif op_type.startswith(FUNCTION_CALLS):
+                self.firsts.untraced_op(op_type, inputs, graph)
+                return None
+            if self.firsts.known and not op_type.startswith(FUNCTION_CALLS):
+                self.firsts.eager_op(op_type, inputs)  # it may write a variable
+            if op_type.startswith(FUNCTION_CALLS):
                 self.backend.after_function()
             elif op_type.endswith("Dataset") or "DatasetV" in op_type:
                 self._note_dataset(op_type, inputs, attrs)

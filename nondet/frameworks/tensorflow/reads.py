@@ -70,15 +70,18 @@ class _GraphReads:
     """Per graph: the last read of each captured handle (table index, description), and
     what a write through it left."""
 
-    __slots__ = ("reads", "written")
+    __slots__ = ("cleared", "reads", "touched", "written")
 
     def __init__(self) -> None:
         self.reads: dict[str, tuple[int, Any]] = {}
         self.written: dict[str, Written] = {}
+        self.touched: set[str] = set()  # handles any op of this graph used so far
+        self.cleared = False  # a possible write through an unknown handle was traced
 
     def clear(self) -> None:
         self.reads.clear()
         self.written.clear()
+        self.cleared = True
 
 
 class RepeatReads:
@@ -115,7 +118,10 @@ class RepeatReads:
         if not resources:
             return
         reads = self._reads(graph)
-        if reads is None or not (reads.reads or reads.written or op_type in WRITES):
+        if reads is None:
+            return
+        reads.touched.update(t.name for t in resources)
+        if not (reads.reads or reads.written or op_type in WRITES):
             return
         captured = _captured(graph)
         for t in resources:
@@ -151,6 +157,17 @@ class RepeatReads:
             return None
         return written
 
+    def first(self, inputs: Any, graph: Any) -> Any:
+        """The captured handle this ``ReadVariableOp`` reads if it is the first op of
+        ``graph`` to use it (nothing in the graph could have written it before), else None."""
+        handle = _handle(inputs)
+        if handle is None or id(handle) not in _captured(graph):
+            return None
+        reads = self._reads(graph)
+        if reads is None or reads.cleared or handle.name in reads.touched:
+            return None
+        return handle
+
     def remember(self, inputs: Any, graph: Any, index: int, meta: Any) -> None:
         """A read at table ``index`` (hashed, or derived after a write): later reads of its
         handle may reuse it."""
@@ -159,6 +176,7 @@ class RepeatReads:
             return
         reads = self._reads(graph)
         if reads is not None:
+            reads.touched.add(handle.name)
             reads.reads[handle.name] = (index, meta)
             reads.written.pop(handle.name, None)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops.resource_variable_ops import ResourceVariable
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable, UninitializedVariable
 
 from nondet.fingerprint import chunk_keys, combine, name_code
 from nondet.frameworks.base import StepState, TensorRow
@@ -63,6 +63,8 @@ class StateHasher:
         # the last set asked about, to skip rebuilding its key: (tracked variables, their
         # shape objects, initialized, detailed) and its key
         self._last: tuple[list[Any], list[Any], list[bool], bool, tuple[Any, ...]] | None = None
+        #: after a detailed call: each initialized variable's content (Note [First reads])
+        self.contents: list[tuple[TrackedVariable, int]] = []
 
     def state(self, tracked: list[tuple[TrackedVariable, Any]], detailed: bool) -> StepState:
         """The step-level state of the live tracked variables (those of a dtype that can be
@@ -100,7 +102,12 @@ class StateHasher:
                     autograph=False).get_concrete_function(*variables)
                 self._functions[key] = function
             values = to_host(_call(function, variables))
-        return _unpack(values, live, metas, detailed)
+        state = _unpack(values, live, metas, detailed)
+        if detailed:
+            at = len(_GROUPS) + len(metas.rngs) + 1
+            self.contents = [(t, int(values[at + i * _PER_VARIABLE]))
+                             for i, (t, _) in enumerate(live) if t.initialized]
+        return state
 
     def _key(self, live: list[tuple[TrackedVariable, Any]], ready: list[bool],
              detailed: bool) -> tuple[Any, ...]:
@@ -191,16 +198,22 @@ class StateHasher:
 def _call(function: Any, variables: list[Any]) -> tf.Tensor:
     """``function(*variables)``, with plain resource variables through the concrete
     function's flat call (their handles): binding a few dozen variable arguments to the
-    traced signature took a quarter of the state hash's time on the narrow model. Other
-    variables (a strategy's distributed ones flatten differently), or a TensorFlow whose
-    concrete functions lack the flat call, take the public call."""
+    traced signature took a quarter of the state hash's time on the narrow model. Optimizer
+    slots made in a function's first trace (``UnliftedInitializerVariable``, an
+    ``UninitializedVariable``) count as plain: with them (Keras' Adam) every call took the
+    public one, ~0.2 ms more per hash (docs/benchmarks.md, TensorFlow, "Ninth round").
+    Other variables (a strategy's distributed ones flatten differently), or a TensorFlow
+    whose concrete functions lack the flat call, take the public call."""
     flat = getattr(function, "_call_flat", None)
-    if flat is not None and all(isinstance(v, ResourceVariable) for v in variables):
+    if flat is not None and all(isinstance(v, _PLAIN) for v in variables):
         try:
             return flat([v.handle for v in variables], function.captured_inputs)
         except (TypeError, AttributeError):  # the private call changed: the public one
             pass
     return function(*variables)
+
+
+_PLAIN = (ResourceVariable, UninitializedVariable)
 
 
 def _meta(v: Any) -> tuple[int, ...]:

@@ -32,7 +32,9 @@ fingerprints are derived from their inputs' (Note [Derived fingerprints] in
 torch/cache.py), on the host. The inputs of a graph op are known from the graph, so an
 input's fingerprint is its producer's: nothing extra is hashed for inputs. A variable read
 right after a recorded write through the same handle is derived too (Note [Reads after a
-write] in reads.py).
+write] in reads.py), and a variable's first read in a graph traced at the top level takes
+the content nondet knows of the variable when the call starts, with no guard (Note [First
+reads] in first_reads.py).
 
 Limitations
 - Ops inside ``tf.cond``/``tf.while_loop`` bodies are not recorded one by one: the
@@ -60,6 +62,7 @@ from tensorflow.python.ops import gen_functional_ops
 from nondet.fingerprint import MASK64, name_code
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.tensorflow.first_reads import FirstReads
 from nondet.frameworks.tensorflow.graph import (
     CAPACITY,
     DATA_OPS,
@@ -82,6 +85,7 @@ from nondet.frameworks.tensorflow.graph import (
 )
 from nondet.frameworks.tensorflow.hashing import hashable, static_plan
 from nondet.frameworks.tensorflow.reads import READ, RepeatReads
+from nondet.frameworks.tensorflow.state import TrackedVariable
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
 
 
@@ -97,6 +101,11 @@ class TFHost(RecorderHost, Protocol):
     def tracing(self) -> None: ...
 
     def graph_origin(self, op_name: str, output: Any) -> tuple[int, int]: ...
+
+    def tracked_variables(self) -> list[TrackedVariable]: ...
+
+    def variable_contents(self, needed: list[TrackedVariable]
+                          ) -> list[tuple[TrackedVariable, int]]: ...
 
 
 class GraphRecorder:
@@ -121,6 +130,12 @@ class GraphRecorder:
         self.reordering_stage = -1  # source of the last tf.data stage built unordered
         self.repeats = RepeatReads()
         self._local = threading.local()
+        self.firsts = FirstReads(lambda: backend.tracked_variables(),
+                                 lambda needed: backend.variable_contents(needed),
+                                 lambda: backend.hook_failed())
+        self.firsts.busy = lambda: getattr(self._local, "busy", False)
+        if self.instrument:
+            self.firsts.install()
 
     @property
     def vars(self) -> RecorderVariables:
@@ -191,6 +206,7 @@ class GraphRecorder:
             return None
         self.table.append(op)
         if op_type == READ:  # a repeated read takes the earlier one's value (reads.py)
+            first = self.repeats.first(inputs, graph)  # before ``remember`` below
             op.alias = self.repeats.earlier(inputs, graph, op.meta)
             if op.alias is None:
                 written = self.repeats.after_write(inputs, graph, op.meta)
@@ -198,8 +214,10 @@ class GraphRecorder:
                                                for i, _ in written.sources):
                     # Note [Reads after a write] in reads.py
                     op.derived, op.code, op.bases = True, written.code, list(written.sources)
+                elif first is not None:  # Note [First reads] in first_reads.py
+                    op.first = self.firsts.read(first, graph)
                 self.repeats.remember(inputs, graph, index, op.meta)
-        if (op.derived or op.alias is not None) and not late:
+        if (op.derived or op.alias is not None or op.first is not None) and not late:
             return None
         replaced = []
         position = 0
@@ -346,6 +364,12 @@ class GraphRecorder:
         (``OpKeys``): an ``Fp`` object per output and a masking pass per combination were
         half of this loop's time, ~650 records per step on the narrow benchmark model
         (docs/benchmarks.md). The values are those ``Fp.finalize`` gives."""
+        try:
+            return self._collect()
+        finally:
+            self.firsts.called()  # the call may have written any variable
+
+    def _collect(self) -> tuple[list[Fp], int]:
         if self._vars is None:
             return [], 0
         updates, loss_hash, loss_value, values = self._vars.drain(self.next_slot)
@@ -364,6 +388,10 @@ class GraphRecorder:
         # first trace is half the table (docs/benchmarks.md).
         slot_graphs = self.slot_graphs
         live = {slot_graphs[s] for s in np.flatnonzero(values).tolist()}
+        firsts = self.firsts
+        entry = firsts.entry_graph()
+        if entry is not None:  # ran, though its first reads wrote no slot
+            live.add(entry)
         for op in table:
             op.values = ()
             if op.graph not in live:
@@ -376,6 +404,11 @@ class GraphRecorder:
                 op.values = table[op.alias].values
                 if not op.values:
                     continue  # did not run
+            elif op.first is not None:  # Note [First reads] in first_reads.py
+                content = firsts.value(op.graph, op.first)
+                if content is None:
+                    continue  # not known in this call: left out, as if it did not run
+                op.values = keys.hashed([content + 1])  # the number its slot would hold
             elif op.derived:
                 if not active:
                     continue

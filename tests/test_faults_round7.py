@@ -3,8 +3,15 @@ from the program that are not UTF-8, and more."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
+
+from nondet import outdir
 from nondet.store import CaptureWriter, open_capture
 from tests.conftest import run_cli, step_rows, write_capture
 
@@ -49,3 +56,34 @@ def test_a_non_ascii_script_under_an_ascii_locale_names_the_locale(tmp_path: Pat
     assert result.returncode == 2, result.stderr
     assert "not UTF-8 (" not in result.stderr
     assert "PYTHONUTF8=1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_pruning_keeps_the_newest_invocations_whatever_their_time_zone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Trial: one `nondet run` under TZ=Pacific/Kiritimati (UTC+14), then more in UTC: the
+    # first one's directory is named 14 hours ahead and sorted after every later one, so
+    # pruning kept it and deleted the newest captures of the UTC invocations instead.
+    monkeypatch.setenv("TZ", "Pacific/Kiritimati")
+    time.tzset()
+    try:
+        ahead = outdir.start(tmp_path)
+        monkeypatch.setenv("TZ", "UTC")
+        time.tzset()
+        later = [outdir.start(tmp_path) for _ in range(outdir.KEEP)]
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    # The pid is this process's: mark them ended (another pid, not alive) so they may go.
+    for invocation in (ahead, *later):
+        marker = invocation.path / outdir.MARKER
+        data = json.loads(marker.read_text())
+        marker.write_text(json.dumps({**data, "pid": _ended_pid()}))
+    outdir.prune(tmp_path, keep=outdir.KEEP)
+    assert not ahead.path.exists()
+    assert all(invocation.path.exists() for invocation in later)
+
+
+def _ended_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(proc.stdout)

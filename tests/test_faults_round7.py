@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nondet import outdir
+from nondet import analysis, outdir
+from nondet.errors import NondetError
 from nondet.store import CaptureWriter, open_capture
 from tests.conftest import run_cli, step_rows, write_capture
 
@@ -87,3 +88,19 @@ def _ended_pid() -> int:
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     return int(proc.stdout)
+
+
+def test_captures_of_two_fingerprint_schemes_are_not_compared(tmp_path: Path) -> None:
+    # Trial: `nondet diff` of a capture made by a nondet of fingerprint scheme 3 and one of
+    # scheme 4 (the TF step fingerprints changed between them): every fingerprint differs,
+    # and the verdict was "nondeterministic", exit 1, for runs that were alike.
+    rows = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "loss": 0.5, "params_fp": 3})
+    old = write_capture(tmp_path / "a.h5", rows,
+                        env={"fingerprint_scheme": "3", "nondet_version": "0.25.0"})
+    rows["params_fp"] += 100  # the same values, hashed by the other definition
+    new = write_capture(tmp_path / "b.h5", rows, env={"fingerprint_scheme": "4"})
+    with pytest.raises(NondetError, match="compute fingerprints differently"):
+        analysis.compare_captures(open_capture(old), open_capture(new))
+    result = run_cli("diff", str(old), str(new), cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "fingerprint scheme 3 (nondet 0.25.0)" in result.stderr

@@ -25,6 +25,7 @@ from nondet import (
     importpath,
     interventions,
     loop_end,
+    own_group,
     pyhooks,
     readback,
     seeding,
@@ -59,6 +60,8 @@ def main() -> int:
     session_module._CURRENT = session
     fdguard.install((config.channel_fd, config.control_fd))  # daemon-style closerange
     fdguard.watch((config.channel_fd, config.control_fd))  # ... and closes from C
+    if not config.socket:
+        own_group.install()  # os.killpg(0, sig) ends this run, not nondet and the other run
     os.register_at_fork(after_in_child=_forget_session)
 
     random.seed(config.seed)

@@ -104,3 +104,36 @@ def test_captures_of_two_fingerprint_schemes_are_not_compared(tmp_path: Path) ->
     result = run_cli("diff", str(old), str(new), cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "fingerprint scheme 3 (nondet 0.25.0)" in result.stderr
+
+
+_ENDS_ITS_WORKERS = """\
+import os, signal, subprocess
+import torch
+worker = subprocess.Popen(["sleep", "60"])
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    opt.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the workers are to end
+os.killpg(0, signal.SIGTERM)
+print("worker ended by signal", -worker.wait())
+"""
+
+
+@pytest.mark.e2e
+def test_a_script_signalling_its_own_process_group_ends_its_workers_not_nondet(
+        tmp_path: Path) -> None:
+    # Trial: cleanup code `os.killpg(0, SIGTERM)` (its own SIGTERM ignored; plain python:
+    # the worker ends, exit 0) reached nondet, which shares the runs' process group:
+    # "nondet: terminated (SIGTERM)", exit 143 (with SIGKILL: nondet gone without a word).
+    (tmp_path / "train.py").write_text(_ENDS_ITS_WORKERS)
+    # a session of its own: before the fix the signal reached this test's group too
+    result = subprocess.run([sys.executable, "-m", "nondet", "run", "--no-verify", "train.py"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            start_new_session=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "deterministic" in result.stdout
+    logs = [p.read_text() for p in (tmp_path / ".nondet" / "latest").glob("run-*.log")]
+    assert len(logs) == 2 and all("worker ended by signal 15" in log for log in logs)

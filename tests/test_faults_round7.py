@@ -137,3 +137,47 @@ def test_a_script_signalling_its_own_process_group_ends_its_workers_not_nondet(
     assert "deterministic" in result.stdout
     logs = [p.read_text() for p in (tmp_path / ".nondet" / "latest").glob("run-*.log")]
     assert len(logs) == 2 and all("worker ended by signal 15" in log for log in logs)
+
+
+def _steps_elsewhere(tmp_path: Path, how: str) -> tuple[Path, bytes]:
+    """A capture whose /steps (or a dump) is stored outside it, and the bytes it points at."""
+    import h5py
+    import numpy as np
+
+    secret = b"PRIVATE-KEY-" * 64
+    (tmp_path / "secret.bin").write_bytes(secret)
+    rows = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "loss": 0.5, "params_fp": 3})
+    path = write_capture(tmp_path / "crafted.h5", rows)
+    with h5py.File(path, "r+") as f:
+        if how == "external storage":
+            del f["steps"]
+            f.create_dataset("steps", shape=rows.shape, dtype=rows.dtype,
+                             external=[(str(tmp_path / "secret.bin"), 0, rows.nbytes)])
+        elif how == "virtual dataset":
+            with h5py.File(tmp_path / "other.h5", "w") as other:
+                other["rows"] = np.frombuffer(secret[:rows.nbytes], dtype=rows.dtype)
+            layout = h5py.VirtualLayout(shape=rows.shape, dtype=rows.dtype)
+            layout[:] = h5py.VirtualSource(str(tmp_path / "other.h5"), "rows", shape=rows.shape)
+            del f["steps"]
+            f.create_virtual_dataset("steps", layout)
+        else:  # an external link in place of a dump
+            with h5py.File(tmp_path / "other.h5", "w") as other:
+                other["values"] = np.frombuffer(secret, dtype=np.uint8)
+            f["dumps"]["out"] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/values")
+    return path, secret
+
+
+@pytest.mark.parametrize("how", ["external storage", "virtual dataset", "external link"])
+def test_a_capture_pointing_at_other_files_is_refused(tmp_path: Path, how: str) -> None:
+    # Trial: a crafted capture whose /steps keeps its values in another file (HDF5 external
+    # storage): `nondet show` printed that file's bytes as fingerprints and losses, and
+    # `diff --json` would have written them into a report meant to be shared.
+    path, secret = _steps_elsewhere(tmp_path, how)
+    with pytest.raises(NondetError, match=r"another file|somewhere else"):
+        capture = open_capture(path)
+        capture.verify()
+        _ = capture.dumps
+    result = run_cli("show", str(path), cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout
+    shown = secret[:4][::-1].hex()  # how a fingerprint column shows the first word
+    assert shown not in result.stdout and "PRIVATE" not in result.stdout

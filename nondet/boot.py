@@ -29,6 +29,7 @@ from nondet import (
     pyhooks,
     readback,
     seeding,
+    sigchld,
 )
 from nondet import session as session_module
 from nondet.frameworks.base import StopRun
@@ -82,6 +83,7 @@ def main() -> int:
     frameworks.install_import_hooks(session)
     _quiet_stop_in_threads()
     interventions.apply_requested(config.seed)  # --apply / verification: before the script
+    sigchld.as_started()  # ignored as where nondet was started (nondet.sigchld)
     session.send_meta({"env": environment.base()})
 
     status, code, error = "complete", 0, ""

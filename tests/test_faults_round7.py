@@ -181,3 +181,26 @@ def test_a_capture_pointing_at_other_files_is_refused(tmp_path: Path, how: str) 
     assert result.returncode == 2, result.stdout
     shown = secret[:4][::-1].hex()  # how a fingerprint column shows the first word
     assert shown not in result.stdout and "PRIVATE" not in result.stdout
+
+
+def test_a_run_that_crashed_is_not_taken_for_a_clean_end_with_sigchld_ignored(
+        tmp_path: Path) -> None:
+    # Trial: nondet started by a launcher that ignores SIGCHLD (inherited across exec): the
+    # kernel reaped the runs, `waitpid` failed with ECHILD, which subprocess reads as status
+    # 0; a script that aborted after training got "deterministic", exit 0.
+    import signal
+
+    (tmp_path / "crash.py").write_text(
+        "import os, signal\n"
+        "ignored = signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN\n"
+        "print('script sees SIGCHLD ignored:', ignored, flush=True)\n"
+        "os._exit(3)\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "nondet", "run", "--no-verify", "crash.py"], cwd=tmp_path,
+        capture_output=True, text=True, timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGCHLD, signal.SIG_IGN))
+    assert result.returncode == 2
+    assert "the script failed in run a (exit code 3)" in result.stderr, result.stderr
+    # the script itself runs with SIGCHLD as nondet was started (as under plain python)
+    log = next((tmp_path / ".nondet").glob("*/run-a.log")).read_text()
+    assert "script sees SIGCHLD ignored: True" in log

@@ -23,13 +23,13 @@ from nondet import (
     fdguard,
     frameworks,
     importpath,
+    inherited,
     interventions,
     loop_end,
     own_group,
     pyhooks,
     readback,
     seeding,
-    sigchld,
 )
 from nondet import session as session_module
 from nondet.frameworks.base import StopRun
@@ -83,7 +83,7 @@ def main() -> int:
     frameworks.install_import_hooks(session)
     _quiet_stop_in_threads()
     interventions.apply_requested(config.seed)  # --apply / verification: before the script
-    sigchld.as_started()  # ignored as where nondet was started (nondet.sigchld)
+    inherited.as_started()  # SIGCHLD as nondet was started with it (nondet.inherited)
     session.send_meta({"env": environment.base()})
 
     status, code, error = "complete", 0, ""

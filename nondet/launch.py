@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from nondet import channel, child_captures, idle, output
+from nondet import channel, child_captures, idle, inherited, output
 from nondet.errors import NondetError, Terminated
 from nondet.runspec import Plan as Plan  # re-exported: tests and callers name runs here
 from nondet.runspec import RunResult as RunResult
@@ -91,7 +91,7 @@ class CapturedRun(RunStream):
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "nondet.boot"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            pass_fds=(data_w, ctrl_r),
+            pass_fds=(data_w, ctrl_r, *inherited.descriptors()),  # the launcher's, as python's
         )
         os.close(data_w)
         # ctrl_r stays open here: a word sent while the script has closed the run's end

@@ -4,8 +4,10 @@ from the program that are not UTF-8, and more."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 from nondet import analysis, outdir
 from nondet.errors import NondetError
 from nondet.store import CaptureWriter, open_capture
-from tests.conftest import run_cli, step_rows, write_capture
+from tests.conftest import FIXTURES, run_cli, step_rows, write_capture
 
 _ASCII_LOCALE = {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
 
@@ -204,3 +206,47 @@ def test_a_run_that_crashed_is_not_taken_for_a_clean_end_with_sigchld_ignored(
     # the script itself runs with SIGCHLD as nondet was started (as under plain python)
     log = next((tmp_path / ".nondet").glob("*/run-a.log")).read_text()
     assert "script sees SIGCHLD ignored: True" in log
+
+
+def test_a_descriptor_nondet_was_given_reaches_the_script(tmp_path: Path) -> None:
+    # Trial: `nondet run train.py 3>metrics.log` (plain python: the script writes its
+    # metrics to descriptor 3): the runs started without it, and nondet said "the script
+    # failed in run a (exit code 1): OSError: [Errno 9] Bad file descriptor".
+    (tmp_path / "train.py").write_text(
+        "import os, sys\nos.write(int(sys.argv[1]), b'from the script\\n')\n")
+    with open(tmp_path / "metrics.log", "wb") as metrics:
+        fd = metrics.fileno()
+        result = subprocess.run([sys.executable, "-m", "nondet", "run", "--no-verify",
+                                 "train.py", str(fd)], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=120, pass_fds=(fd,))
+    assert "Bad file descriptor" not in result.stderr and "failed" not in result.stderr
+    assert (tmp_path / "metrics.log").read_bytes() == b"from the script\n" * 2  # both runs
+
+
+def test_the_jobs_socket_fits_whatever_the_temporary_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Trial: `TMPDIR=<130 characters> nondet run --nproc-per-node 2 ddp.py`: binding the
+    # job's socket failed, "internal error: OSError: AF_UNIX path too long", exit 3.
+    from nondet import distributed
+
+    long_tmp = tmp_path / ("t" * 120)
+    long_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    folder = distributed._socket_dir()
+    try:
+        assert len(os.fsencode(os.path.join(folder, "s"))) <= 107
+        assert oct(os.stat(folder).st_mode & 0o777) == oct(0o700)  # still private
+    finally:
+        os.rmdir(folder)
+
+
+@pytest.mark.e2e
+def test_a_torchrun_job_runs_under_a_long_temporary_directory(tmp_path: Path) -> None:
+    long_tmp = tmp_path / ("t" * 120)
+    long_tmp.mkdir()
+    result = run_cli("run", "--no-verify", "--nproc-per-node", "2",
+                     str(FIXTURES / "ddp" / "linear_ddp.py"), cwd=tmp_path,
+                     env={"TMPDIR": str(long_tmp)}, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "deterministic" in result.stdout

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from nondet import __version__, sigchld
+from nondet import __version__, inherited
 from nondet.cli._common import App, ReaderMayGo, handle_errors
 from nondet.cli._options import require_cwd
 from nondet.errors import NondetError
@@ -77,7 +77,7 @@ def _exit_now(code: int) -> None:
 def _main() -> None:
     _reopen_closed_standard_streams()
     _encode_anything()
-    sigchld.reap_own_children()  # a run's exit status is read, never taken for 0
+    inherited.note_launcher_state()  # descriptors the runs get; SIGCHLD at its default
     if not isinstance(sys.stdout, ReaderMayGo):  # `nondet check ... | head -1`
         sys.stdout = ReaderMayGo(sys.stdout)
     if not isinstance(sys.stderr, ReaderMayGo):  # `... 2>&1 | head -1`: progress lines

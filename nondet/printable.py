@@ -23,6 +23,9 @@ def printable(text: str, *, newlines: bool = False) -> str:
 
 #: Longest name from a capture shown whole (module paths of deep models stay well under it).
 NAME_MAX = 160
+#: Longest line of a script's output shown under an error (a progress bar redrawn with
+#: carriage returns is one "line" of megabytes).
+LINE_MAX = 400
 
 
 def clip(text: str, limit: int = NAME_MAX) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 from nondet import environment, importpath, readback
 from nondet.errors import NondetError
+from nondet.printable import LINE_MAX, clip
 from nondet.session import CONFIG_ENV, ChildConfig
 
 #: When this nondet invocation began (real time): a file newer than this that a run reads
@@ -101,11 +102,28 @@ class RunResult:
         return self.status in ("complete", "stopped")
 
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").rstrip().splitlines()
-        except OSError:
-            return ""
-        return "\n".join(text[-lines:])
+        return log_tail(self.log_path, lines)
+
+
+#: How much of a run's log is read for the lines shown under an error (its end only), and
+#: how long a line shown may be. The whole log was read, and its last lines printed whole:
+#: a script that drew a progress bar with carriage returns (one "line" of hundreds of MB)
+#: and then failed had nondet hold the log in memory and print 12 MB to the terminal.
+TAIL_BYTES = 64 * 1024
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a log, read from its last ``TAIL_BYTES``, each cut to
+    ``printable.LINE_MAX`` characters (start and end kept)."""
+    try:
+        with open(path, "rb") as log:
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(size - TAIL_BYTES, 0))
+            data = log.read(TAIL_BYTES)
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace").rstrip()
+    return "\n".join(clip(line, LINE_MAX) for line in text.splitlines()[-lines:])
 
 
 def child_config(target: Target, plan: Plan, seed: int) -> ChildConfig:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from nondet import analysis, outdir
-from nondet.errors import NondetError
+from nondet.errors import NondetError, ScriptFailed
+from nondet.runspec import RunResult
 from nondet.store import CaptureWriter, open_capture
 from tests.conftest import FIXTURES, run_cli, step_rows, write_capture
 
@@ -250,3 +251,26 @@ def test_a_torchrun_job_runs_under_a_long_temporary_directory(tmp_path: Path) ->
                      env={"TMPDIR": str(long_tmp)}, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "deterministic" in result.stdout
+
+
+def test_a_failed_runs_output_is_shown_in_bounded_lines(tmp_path: Path) -> None:
+    # Trial: a script that drew a progress bar with carriage returns (200 MB without a
+    # newline) and then raised: nondet read the whole log (670 MB resident) and printed
+    # 12 MB of it under "the script failed" (the last 15 "lines", one of them the bar).
+    from nondet.schedule import check_result
+
+    log = tmp_path / "run-a.log"
+    with open(log, "wb") as out:
+        for i in range(40):
+            out.write(b"\rprogress %d " % i + b"#" * (1 << 20))
+        out.write(b'Traceback (most recent call last):\n  File "t.py", line 5\n'
+                  b"RuntimeError: boom\n")
+    result = RunResult(label="a", path=tmp_path / "run-a.h5", log_path=log, status="failed",
+                       exit_code=1, steps=0)
+    with pytest.raises(ScriptFailed) as failed:
+        check_result(result)
+    details = failed.value.details
+    assert len(details) < 5000 and details.endswith("RuntimeError: boom")
+    assert "Traceback (most recent call last):" in details
+    assert str(failed.value).startswith("the script failed in run a (exit code 1): "
+                                        "RuntimeError: boom;")

@@ -22,6 +22,7 @@ from rich.console import Console
 from nondet import __version__, errors, settings
 from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import ExitCode
+from nondet.printable import LINE_MAX, clip
 
 
 class SafeConsole(Console):
@@ -77,7 +78,7 @@ def handle_errors() -> Iterator[None]:
         err.print(f"[bold red]nondet: error:[/] {_escape(str(exc))}")
         if exc.details and os.environ.get("NONDET_QUIET_DETAILS") != "1":
             for line in exc.details.splitlines()[-15:]:
-                err.print(f"  | {_escape(line)}")
+                err.print(f"  | {_escape(clip(line, LINE_MAX))}")
         sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:
         err.print("nondet: interrupted; captures written so far are kept" + _kept(exc))

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nondet import channel, inherited
+from nondet import channel, inherited, paused
 from nondet.errors import NondetError
 from nondet.launchline import RUN_MODULE, multi_node
 from nondet.runspec import Plan, RunResult, Target, capture_attrs, child_config, child_env
@@ -241,8 +241,9 @@ class Job:
                     return code, sorted(s.rank for s in live), 0.0
                 continue
             limit = max([self.stall_after, *(5 * s.slowest for s in self.ranks.values())])
-            if now - last_activity > limit:
-                return -1, self._behind(live), now - last_activity
+            quiet = now - paused.since(last_activity)  # nondet's own pause is no silence
+            if quiet > limit:
+                return -1, self._behind(live), quiet
 
     def _welcome(self, conn: socket.socket) -> None:
         conn.settimeout(30.0)  # a rank says who it is at once, or is dropped

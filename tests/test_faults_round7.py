@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -274,3 +275,42 @@ def test_a_failed_runs_output_is_shown_in_bounded_lines(tmp_path: Path) -> None:
     assert "Traceback (most recent call last):" in details
     assert str(failed.value).startswith("the script failed in run a (exit code 1): "
                                         "RuntimeError: boom;")
+
+
+_PAUSED_WATCH = """\
+import os, signal, time
+from nondet.cli._common import handle_errors
+from nondet.idle import IdleWatch
+
+with handle_errors():  # what every command runs in
+    watch = IdleWatch(os.getpid(), after=1.0, cpu=lambda pid: 0.0, runnable=lambda pid: False)
+    watch.idle()  # a quiet window starts
+    print("stopping", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # Ctrl-Z; the test continues it 3 s later
+    time.sleep(0.3)
+    print("idle after the pause:", watch.idle(), flush=True)
+    time.sleep(1.3)
+    print("idle after a real quiet spell:", watch.idle(), flush=True)
+"""
+
+
+def test_time_nondet_spent_stopped_is_no_runs_silence(tmp_path: Path) -> None:
+    # Trial: `kill -STOP` nondet for 135 s during a torchrun job, then `kill -CONT` (Ctrl-Z
+    # and fg; Slurm's `scontrol suspend`): "ranks 0, 1 sent nothing for 135 s ... (a rank
+    # hangs); the job was ended", exit 2. The idle rule and the probe's deadline counted the
+    # pause the same way. The idle watch is the one shown here, in a real stop.
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_WATCH], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "stopping\n"
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(3)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "idle after the pause: False" in out, out + err
+    assert "idle after a real quiet spell: True" in out

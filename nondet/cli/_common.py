@@ -19,7 +19,7 @@ from typing import Any, NoReturn, TextIO
 import click
 from rich.console import Console
 
-from nondet import __version__, errors, settings
+from nondet import __version__, errors, paused, settings
 from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import ExitCode
 from nondet.printable import LINE_MAX, clip
@@ -56,6 +56,7 @@ def handle_errors() -> Iterator[None]:
     143 for SIGTERM."""
     err = SafeConsole(stderr=True, highlight=False, soft_wrap=True)
     _terminate_on_sigterm()
+    paused.install()  # time nondet spends stopped (Ctrl-Z) is no run's silence
     errors.watch_sigint()
     try:
         settings.check()  # before anything runs: a mistyped NONDET_* value is one line

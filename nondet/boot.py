@@ -50,6 +50,8 @@ def _exit_code(exc: SystemExit) -> int:
 
 def main() -> int:
     config = ChildConfig.from_env()
+    if config.args_in_argv:  # python -m nondet.boot ARGS...: the script's arguments
+        config.args, config.args_in_argv = sys.argv[1:], False
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         # Started from a background job (shells ignore SIGINT there): nondet forwards
         # SIGINT to end a run cleanly (on SIGTERM), so it must raise KeyboardInterrupt here.

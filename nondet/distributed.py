@@ -44,7 +44,15 @@ from pathlib import Path
 from nondet import channel, inherited, paused
 from nondet.errors import NondetError
 from nondet.launchline import RUN_MODULE, multi_node
-from nondet.runspec import Plan, RunResult, Target, capture_attrs, child_config, child_env
+from nondet.runspec import (
+    Plan,
+    RunResult,
+    Target,
+    capture_attrs,
+    child_argv,
+    child_config,
+    child_env,
+)
 from nondet.store import CaptureWriter
 from nondet.stream import RunStream
 
@@ -191,7 +199,7 @@ class Job:
         config.socket = sock_path
         env = child_env(config, self.extra_env)
         command = [sys.executable, "-m", RUN_MODULE, *(self.target.launcher or ()),
-                   "--module", "nondet.boot"]
+                   "--module", "nondet.boot", *child_argv(config)]
         self._agent = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        start_new_session=True,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -54,9 +54,11 @@ class Target:
         return [*head, *self.args]
 
     def describe(self) -> str:
+        """The command as a line to show (cut: 4,000 file names as arguments were printed
+        whole in every progress line, the verdict and the JUnit name)."""
         if self.launcher is not None:
-            return shlex.join(["torchrun", *self.launcher, *self.command])
-        return shlex.join(self.command)
+            return clip(shlex.join(["torchrun", *self.launcher, *self.command]), LINE_MAX)
+        return clip(shlex.join(self.command), LINE_MAX)
 
 
 @dataclass(frozen=True)
@@ -142,10 +144,19 @@ def child_env(config: ChildConfig, extra_env: dict[str, str]) -> dict[str, str]:
     PYTHONHASHSEED (unless the user set one) and nondet importable (``importpath``)."""
     env = {**os.environ, **extra_env}
     config.startup_env = importpath.startup_env(env)
-    env[CONFIG_ENV] = config.to_env()
+    # The script's arguments travel as the run's own argv (``child_argv``), as they would
+    # to ``python train.py``: in this one variable 4,000 file names (200 KB) exceeded the
+    # kernel's limit on one string of the environment (128 KiB), "Argument list too long",
+    # and nondet ended "internal error", exit 3, where python ran the script.
+    env[CONFIG_ENV] = replace(config, args=[], args_in_argv=True).to_env()
     env.setdefault(readback.STARTED_ENV, str(_INVOCATION_STARTED))
     env.setdefault("PYTHONHASHSEED", str(config.seed % 2**32))
     return env
+
+
+def child_argv(config: ChildConfig) -> list[str]:
+    """The arguments after ``-m nondet.boot``: the script's (``child_env``)."""
+    return list(config.args)
 
 
 def capture_attrs(target: Target, plan: Plan, seed: int, rank: int = 0,

@@ -314,3 +314,28 @@ def test_time_nondet_spent_stopped_is_no_runs_silence(tmp_path: Path) -> None:
         proc.kill()
     assert "idle after the pause: False" in out, out + err
     assert "idle after a real quiet spell: True" in out
+
+
+def test_a_script_given_thousands_of_arguments_runs_as_under_python(tmp_path: Path) -> None:
+    # Trial: `nondet run train.py data/*.jpg` with 4,000 long file names (200 KB; python
+    # runs it): "internal error: OSError: [Errno 7] Argument list too long", exit 3 (the
+    # arguments travelled in one environment variable, over the kernel's 128 KiB for one
+    # string), after a progress line of 200 KB.
+    (tmp_path / "train.py").write_text(
+        "import sys\nwith open('argc', 'a') as f:\n"
+        "    f.write(f'{len(sys.argv)} {sys.argv[-1]}\\n')\n")
+    args = [f"data/image_{i:06d}_with_a_long_descriptive_name.jpg" for i in range(4000)]
+    result = run_cli("run", "--no-verify", "train.py", *args, cwd=tmp_path, timeout=120)
+    assert "internal error" not in result.stderr and len(result.stderr) < 5000
+    assert (tmp_path / "argc").read_text() == f"4001 {args[-1]}\n" * 2  # both runs, every one
+    assert result.returncode == 2 and "no training step was observed" in result.stderr
+
+
+def test_a_run_too_large_to_start_is_one_line() -> None:
+    # what remains of the class: the environment itself too large for exec (E2BIG)
+    import errno
+
+    from nondet.cli import _trouble
+
+    line = _trouble.explain(OSError(errno.E2BIG, "Argument list too long"))
+    assert line is not None and "environment" in line

@@ -219,7 +219,7 @@ def _check_same_scheme(a: Capture, b: Capture) -> None:
     raise NondetError(
         f"{made[0]} and {made[1]} compute fingerprints differently: the same tensor has "
         "another fingerprint under each, so every step would differ; capture both runs with "
-        "the same nondet version")
+        "the same nondet version (a baseline: write it again with --update-baseline)")
 
 
 def _check_steps_compared(a: Capture, b: Capture, both_ended: bool) -> None:

@@ -27,6 +27,7 @@ from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
 from nondet.finding import from_step_rows, localize, with_notes
 from nondet.growth import growth
+from nondet.printable import clip
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
 from nondet.report import (
@@ -103,6 +104,7 @@ def compare_captures(a: Capture, b: Capture, *, command: str = "", notes: Sequen
 def compare_pair(a: Capture, b: Capture) -> Comparison:
     """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
     _check_same_framework(a, b)
+    _check_same_scheme(a, b)
     env_diff = environment.differences(a.env, b.env)
     notes = [*capture_notes(a, b), *readback.pair_notes(a, b),
              *seed_diff.unseeded_script_notes(a)]
@@ -201,6 +203,23 @@ def _check_same_framework(a: Capture, b: Capture) -> None:
             f"{a.path} was recorded with {', '.join(sorted(made_a))} and {b.path} with "
             f"{', '.join(sorted(made_b))}: nothing in them can be compared; give two captures "
             "of the same script")
+
+
+def _check_same_scheme(a: Capture, b: Capture) -> None:
+    """Captures made under two fingerprint definitions (two nondet versions, across a
+    change of ``fingerprint.SCHEME``) hold different fingerprints for the same tensors:
+    ``nondet diff`` of them said "nondeterministic", exit 1, for runs that were bitwise
+    alike. A capture without the key was made before schemes were recorded (exit 2)."""
+    schemes = [str(c.env.get("fingerprint_scheme", "")) for c in (a, b)]
+    if schemes[0] == schemes[1]:
+        return
+    made = [f"{c.path} with fingerprint scheme {clip(s) if s else '(none recorded)'}"
+            f" (nondet {clip(str(c.env.get('nondet_version', '?')))})"
+            for c, s in zip((a, b), schemes, strict=True)]
+    raise NondetError(
+        f"{made[0]} and {made[1]} compute fingerprints differently: the same tensor has "
+        "another fingerprint under each, so every step would differ; capture both runs with "
+        "the same nondet version (a baseline: write it again with --update-baseline)")
 
 
 def _check_steps_compared(a: Capture, b: Capture, both_ended: bool) -> None:

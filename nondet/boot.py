@@ -23,8 +23,10 @@ from nondet import (
     fdguard,
     frameworks,
     importpath,
+    inherited,
     interventions,
     loop_end,
+    own_group,
     pyhooks,
     readback,
     seeding,
@@ -48,6 +50,8 @@ def _exit_code(exc: SystemExit) -> int:
 
 def main() -> int:
     config = ChildConfig.from_env()
+    if config.args_in_argv:  # python -m nondet.boot ARGS...: the script's arguments
+        config.args, config.args_in_argv = sys.argv[1:], False
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         # Started from a background job (shells ignore SIGINT there): nondet forwards
         # SIGINT to end a run cleanly (on SIGTERM), so it must raise KeyboardInterrupt here.
@@ -59,6 +63,8 @@ def main() -> int:
     session_module._CURRENT = session
     fdguard.install((config.channel_fd, config.control_fd))  # daemon-style closerange
     fdguard.watch((config.channel_fd, config.control_fd))  # ... and closes from C
+    if not config.socket:
+        own_group.install()  # os.killpg(0, sig) ends this run, not nondet and the other run
     os.register_at_fork(after_in_child=_forget_session)
 
     random.seed(config.seed)
@@ -79,6 +85,7 @@ def main() -> int:
     frameworks.install_import_hooks(session)
     _quiet_stop_in_threads()
     interventions.apply_requested(config.seed)  # --apply / verification: before the script
+    inherited.as_started()  # SIGCHLD as nondet was started with it (nondet.inherited)
     session.send_meta({"env": environment.base()})
 
     status, code, error = "complete", 0, ""

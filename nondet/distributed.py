@@ -41,9 +41,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nondet import channel
+from nondet import channel, inherited, paused
+from nondet.errors import NondetError
 from nondet.launchline import RUN_MODULE, multi_node
-from nondet.runspec import Plan, RunResult, Target, capture_attrs, child_config, child_env
+from nondet.runspec import (
+    Plan,
+    RunResult,
+    Target,
+    capture_attrs,
+    child_argv,
+    child_config,
+    child_env,
+)
 from nondet.store import CaptureWriter
 from nondet.stream import RunStream
 
@@ -156,7 +165,7 @@ class Job:
 
     def run(self) -> JobResult:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._sock_dir = tempfile.mkdtemp(prefix="nondet-")
+        self._sock_dir = _socket_dir()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         hung: list[int] = []
         code, silence = -1, 0.0
@@ -190,10 +199,11 @@ class Job:
         config.socket = sock_path
         env = child_env(config, self.extra_env)
         command = [sys.executable, "-m", RUN_MODULE, *(self.target.launcher or ()),
-                   "--module", "nondet.boot"]
+                   "--module", "nondet.boot", *child_argv(config)]
         self._agent = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+                                       start_new_session=True,
+                                       pass_fds=inherited.descriptors())  # as torchrun's
         self._output = threading.Thread(target=self._pump_output, daemon=True)
         self._output.start()
 
@@ -239,8 +249,9 @@ class Job:
                     return code, sorted(s.rank for s in live), 0.0
                 continue
             limit = max([self.stall_after, *(5 * s.slowest for s in self.ranks.values())])
-            if now - last_activity > limit:
-                return -1, self._behind(live), now - last_activity
+            quiet = now - paused.since(last_activity)  # nondet's own pause is no silence
+            if quiet > limit:
+                return -1, self._behind(live), quiet
 
     def _welcome(self, conn: socket.socket) -> None:
         conn.settimeout(30.0)  # a rank says who it is at once, or is dropped
@@ -298,6 +309,30 @@ class Job:
         except OSError:
             return False
         return self._sock_dir.encode() in environ
+
+
+#: The longest path a Unix socket can be bound at (``sun_path``, with its terminating NUL).
+_SUN_PATH = 107
+
+
+def _socket_dir() -> str:
+    """A private directory (mode 0700) for the job's socket, in the temporary directory
+    unless the socket's path would be too long there (a long TMPDIR: a batch system's
+    per-job directory, a build sandbox), then in /tmp or /dev/shm. A long TMPDIR made
+    ``bind`` fail with "AF_UNIX path too long": "internal error", exit 3."""
+    tried = []
+    for base in (None, "/tmp", "/dev/shm"):
+        try:
+            folder = tempfile.mkdtemp(prefix="nondet-", dir=base)
+        except OSError as exc:
+            tried.append(f"{base or tempfile.gettempdir()}: {exc.strerror or exc}")
+            continue
+        if len(os.fsencode(os.path.join(folder, "s"))) <= _SUN_PATH:
+            return folder
+        os.rmdir(folder)
+        tried.append(f"{base or tempfile.gettempdir()}: path too long for a socket")
+    raise NondetError("cannot make the directory for the job's socket (" + "; ".join(tried)
+                      + "): set TMPDIR to a short, writable directory")
 
 
 def _read_hello(conn: socket.socket) -> dict[str, int]:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from nondet import settings
+from nondet import paused, settings
 
 #: Seconds without a frame and without CPU use before a run counts as idle
 #: (``NONDET_IDLE_AFTER`` overrides it: a shorter value for tests, a longer for scripts
@@ -113,6 +113,9 @@ class IdleWatch:
 
     def idle(self) -> bool:
         now = self._clock()
+        resumed = paused.resumed()
+        if resumed > self._since:  # nondet was stopped (Ctrl-Z): a new window from then
+            self._since, self._cpu_since = resumed, None
         if now - self._last_sample < self._sample:
             return False
         self._last_sample = now

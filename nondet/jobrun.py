@@ -18,7 +18,7 @@ from pathlib import Path
 from nondet import channel, interventions
 from nondet.distributed import STALL_AFTER, Job, JobResult
 from nondet.errors import NondetError, ScriptFailed
-from nondet.runspec import Plan, Target
+from nondet.runspec import Plan, Target, log_tail
 from nondet.schedule import InternalChildError, last_line
 
 
@@ -87,8 +87,5 @@ def check_job(job: JobResult) -> JobResult:
 
 
 def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").rstrip().splitlines()[-lines:])
-    except OSError:
-        return ""
+    return log_tail(path, lines)
 

@@ -22,12 +22,12 @@ from typing import BinaryIO
 
 import numpy as np
 
-from nondet import channel, child_captures, idle, output
+from nondet import channel, child_captures, idle, inherited, output
 from nondet.errors import NondetError, Terminated
 from nondet.runspec import Plan as Plan  # re-exported: tests and callers name runs here
 from nondet.runspec import RunResult as RunResult
 from nondet.runspec import Target as Target
-from nondet.runspec import capture_attrs, child_config, child_env
+from nondet.runspec import capture_attrs, child_argv, child_config, child_env
 from nondet.store import CaptureWriter
 from nondet.stream import RunStream, ensure_space, write_failure
 
@@ -89,9 +89,9 @@ class CapturedRun(RunStream):
         self._child_fds = (data_w, ctrl_r)  # pass_fds keeps the numbers
         env = child_env(config, self.extra_env)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "nondet.boot"],
+            [sys.executable, "-m", "nondet.boot", *child_argv(config)],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            pass_fds=(data_w, ctrl_r),
+            pass_fds=(data_w, ctrl_r, *inherited.descriptors()),  # the launcher's, as python's
         )
         os.close(data_w)
         # ctrl_r stays open here: a word sent while the script has closed the run's end

@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -84,6 +85,7 @@ def start(root: Path) -> Invocation:
             raise NondetError(f"--out {display(root)}: cannot make a directory of its own there")
         marker = {"magic": MAGIC, "pid": os.getpid(), "host": socket.gethostname(),
                   "started": datetime.now().isoformat(timespec="seconds"),
+                  "started_epoch": time.time(),  # the order of invocations (Note [Pruning order])
                   "command": [display(Path(a)) for a in sys.argv]}
         (path / MARKER).write_text(json.dumps(marker) + "\n", encoding="utf-8")
     except OSError as exc:
@@ -160,6 +162,29 @@ def writer_running(capture: Path) -> bool:
         return True  # cannot tell (no /proc): the pid is alive
 
 
+# Note [Pruning order]
+# ~~~~~~~~~~~~~~~~~~~~
+# An invocation directory is named by the local time it started, which is what a user
+# reads. Names do not order invocations when the time zone differs between them (a shell
+# with `TZ=Asia/Tokyo` beside a cron job in UTC, a summer-time change): one started under a
+# zone 14 hours ahead sorted after every later one, so pruning kept it and deleted the
+# newest captures of the other zone two invocations later. The marker keeps the start as
+# seconds since the epoch, and that orders them; a marker without it (written before this
+# field existed) is ordered by its name read in this process's zone, as before.
+
+
+def _started(path: Path) -> tuple[float, str]:
+    try:
+        data = json.loads((path / MARKER).read_text(encoding="utf-8"))
+        return float(data["started_epoch"]), path.name
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    try:
+        return datetime.strptime(path.name[:15], "%Y%m%d-%H%M%S").timestamp(), path.name
+    except (ValueError, OverflowError, OSError):
+        return 0.0, path.name
+
+
 def prune(root: Path, *, keep: int, current: str = "") -> list[Path]:
     """Remove old invocation directories beyond the newest ``keep``; returns those removed.
 
@@ -167,7 +192,7 @@ def prune(root: Path, *, keep: int, current: str = "") -> list[Path]:
     files (captures, logs, the marker); a directory holding anything else is left as it is.
     """
     try:
-        mine = sorted((p for p in root.iterdir() if is_invocation(p)), key=lambda p: p.name)
+        mine = sorted((p for p in root.iterdir() if is_invocation(p)), key=_started)
     except OSError:
         return []
     removed = []

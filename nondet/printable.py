@@ -23,6 +23,9 @@ def printable(text: str, *, newlines: bool = False) -> str:
 
 #: Longest name from a capture shown whole (module paths of deep models stay well under it).
 NAME_MAX = 160
+#: Longest line of a script's output shown under an error (a progress bar redrawn with
+#: carriage returns is one "line" of megabytes).
+LINE_MAX = 400
 
 
 def clip(text: str, limit: int = NAME_MAX) -> str:
@@ -32,3 +35,32 @@ def clip(text: str, limit: int = NAME_MAX) -> str:
         return text
     head = limit // 3
     return f"{text[:head]}…{text[len(text) - (limit - head - 1):]}"
+
+
+# Note [Text from the program]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Names reach the capture from the running program: source file names (``co_filename``),
+# module paths, files a run read. Python decodes a path's bytes with the file system
+# encoding and keeps a byte it cannot decode as a lone surrogate (PEP 383), and HDF5 keeps
+# UTF-8: a script importing a helper from a directory named in Latin-1 ended as "internal
+# error", exit 3 ("malformed b'S' frame: surrogates not allowed"). The writer stores every
+# string through ``as_utf8``; the comparison only needs the two runs' strings to be made
+# alike, which they are (the same function of the same text).
+
+
+def as_utf8(text: str) -> str:
+    """``text`` as UTF-8 can hold it. A path or name from the running program holds lone
+    surrogates where its bytes were not in the file system encoding (a directory named in
+    Latin-1; any non-ASCII name under ``LC_ALL=C PYTHONUTF8=0``): the bytes are decoded as
+    UTF-8 (so an ASCII locale's ``é`` reads as ``é``), those that are not UTF-8 shown as
+    ``\\xNN``. Only text that cannot be encoded changes."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        data = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no decoder made (JSON's "\ud800"): its code
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return data.decode("utf-8", "backslashreplace")

@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from nondet import environment, importpath, readback
 from nondet.errors import NondetError
+from nondet.printable import LINE_MAX, clip
 from nondet.session import CONFIG_ENV, ChildConfig
 
 #: When this nondet invocation began (real time): a file newer than this that a run reads
@@ -53,9 +54,11 @@ class Target:
         return [*head, *self.args]
 
     def describe(self) -> str:
+        """The command as a line to show (cut: 4,000 file names as arguments were printed
+        whole in every progress line, the verdict and the JUnit name)."""
         if self.launcher is not None:
-            return shlex.join(["torchrun", *self.launcher, *self.command])
-        return shlex.join(self.command)
+            return clip(shlex.join(["torchrun", *self.launcher, *self.command]), LINE_MAX)
+        return clip(shlex.join(self.command), LINE_MAX)
 
 
 @dataclass(frozen=True)
@@ -101,11 +104,28 @@ class RunResult:
         return self.status in ("complete", "stopped")
 
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").rstrip().splitlines()
-        except OSError:
-            return ""
-        return "\n".join(text[-lines:])
+        return log_tail(self.log_path, lines)
+
+
+#: How much of a run's log is read for the lines shown under an error (its end only), and
+#: how long a line shown may be. The whole log was read, and its last lines printed whole:
+#: a script that drew a progress bar with carriage returns (one "line" of hundreds of MB)
+#: and then failed had nondet hold the log in memory and print 12 MB to the terminal.
+TAIL_BYTES = 64 * 1024
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a log, read from its last ``TAIL_BYTES``, each cut to
+    ``printable.LINE_MAX`` characters (start and end kept)."""
+    try:
+        with open(path, "rb") as log:
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(size - TAIL_BYTES, 0))
+            data = log.read(TAIL_BYTES)
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace").rstrip()
+    return "\n".join(clip(line, LINE_MAX) for line in text.splitlines()[-lines:])
 
 
 def child_config(target: Target, plan: Plan, seed: int) -> ChildConfig:
@@ -124,10 +144,19 @@ def child_env(config: ChildConfig, extra_env: dict[str, str]) -> dict[str, str]:
     PYTHONHASHSEED (unless the user set one) and nondet importable (``importpath``)."""
     env = {**os.environ, **extra_env}
     config.startup_env = importpath.startup_env(env)
-    env[CONFIG_ENV] = config.to_env()
+    # The script's arguments travel as the run's own argv (``child_argv``), as they would
+    # to ``python train.py``: in this one variable 4,000 file names (200 KB) exceeded the
+    # kernel's limit on one string of the environment (128 KiB), "Argument list too long",
+    # and nondet ended "internal error", exit 3, where python ran the script.
+    env[CONFIG_ENV] = replace(config, args=[], args_in_argv=True).to_env()
     env.setdefault(readback.STARTED_ENV, str(_INVOCATION_STARTED))
     env.setdefault("PYTHONHASHSEED", str(config.seed % 2**32))
     return env
+
+
+def child_argv(config: ChildConfig) -> list[str]:
+    """The arguments after ``-m nondet.boot``: the script's (``child_env``)."""
+    return list(config.args)
 
 
 def capture_attrs(target: Target, plan: Plan, seed: int, rank: int = 0,

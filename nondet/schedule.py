@@ -27,6 +27,7 @@ import numpy as np
 
 from nondet import channel, errors, run_collisions
 from nondet.errors import NondetError, ScriptFailed, Terminated
+from nondet.printable import LINE_MAX, clip
 from nondet.runspec import Plan, RunResult
 from nondet.turns import MAX_GRANT, TURN_SECONDS, Turns
 from nondet.turns import Judge as Judge  # re-exported: the judge of every schedule
@@ -258,7 +259,7 @@ def check_result(result: RunResult) -> RunResult:
         if shared is not None:  # the twin run's file, not the script: say so
             raise NondetError(f"run {result.label} failed because {shared}; its output is in "
                               f"{result.log_path}", details=result.log_tail())
-        last = last_line(result.error) or last_line(result.log_tail())
+        last = clip(last_line(result.error) or last_line(result.log_tail()), LINE_MAX)
         how = f"exit code {result.exit_code}" if result.exit_code >= 0 else \
             f"killed by signal {-result.exit_code}"
         raise ScriptFailed(

@@ -72,6 +72,9 @@ class ChildConfig:
     # the user's values of the variables set to start the run, put back before the script
     # (nondet.importpath)
     startup_env: dict[str, str | None] = field(default_factory=dict)
+    # the script's arguments are this process's own (``sys.argv[1:]``), not ``args``
+    # (runspec.child_env)
+    args_in_argv: bool = False
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from nondet import channel
+from nondet.printable import as_utf8
 from nondet.records import COMM_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 from nondet.store import CaptureWriter
 from nondet.store.writer import hdf5_write_failed
@@ -178,7 +179,8 @@ class RunStream:
 
     def _on_strings_frame(self, payload: bytes) -> None:
         assert self.writer is not None
-        strings = json.loads(payload)
+        # as the capture keeps them (file names that are not UTF-8: Note [Text from the program])
+        strings = [as_utf8(str(text)) for text in json.loads(payload)]
         self.writer.add_strings(strings)
         self.strings.extend(strings)
 

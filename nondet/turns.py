@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import channel, compare
+from nondet import channel, compare, paused
 from nondet.records import INIT_STEP
 
 #: A turn lasts at least this long when steps are short: a run is granted that many steps.
@@ -193,7 +193,8 @@ class Turns:
             someone_waits = any(w is not None for w in self._waiting.values()) or (
                 self.hold and len(self._ended) == 1)  # in Session.finish
             limit = max(stall_after, factor * self._slowest)
-            return someone_waits and now - self._last_activity > limit
+            # a pause of nondet itself (Ctrl-Z, a suspended job) is nobody's silence
+            return someone_waits and now - paused.since(self._last_activity) > limit
 
     def makes_wait(self, run: Player) -> bool:
         """Is ``run`` waiting for nondet's word (its turn, a hold)? Then it is not idle."""

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from nondet import __version__
+from nondet import __version__, inherited
 from nondet.cli._common import App, ReaderMayGo, handle_errors
 from nondet.cli._options import require_cwd
 from nondet.errors import NondetError
@@ -76,6 +76,8 @@ def _exit_now(code: int) -> None:
 
 def _main() -> None:
     _reopen_closed_standard_streams()
+    _encode_anything()
+    inherited.note_launcher_state()  # descriptors the runs get; SIGCHLD at its default
     if not isinstance(sys.stdout, ReaderMayGo):  # `nondet check ... | head -1`
         sys.stdout = ReaderMayGo(sys.stdout)
     if not isinstance(sys.stderr, ReaderMayGo):  # `... 2>&1 | head -1`: progress lines
@@ -113,6 +115,28 @@ def _reopen_closed_standard_streams() -> None:
         if getattr(sys, name) is None:
             mode = "r" if fd == 0 else "w"
             setattr(sys, name, open(fd, mode, encoding="utf-8", closefd=False))  # noqa: SIM115 (kept for the process)
+
+
+def _encode_anything() -> None:
+    """Every character nondet prints reaches the stream. Under a locale that is not UTF-8
+    (``LC_ALL=C PYTHONUTF8=0``, a Latin-1 locale) stdout's codec is ASCII or Latin-1 and
+    strict: the verdict's em dash, a script's non-ASCII name or a recipe's arrow failed as
+    "internal error", exit 3, after both runs had finished. Such characters are written
+    as ``\\uXXXX`` escapes instead (what Python does on stderr already)."""
+    import codecs
+
+    for stream in (sys.stdout, sys.stderr):
+        encoding = getattr(stream, "encoding", None) or "utf-8"
+        try:
+            utf = codecs.lookup(encoding).name.startswith("utf")
+        except LookupError:
+            utf = False
+        reconfigure = getattr(stream, "reconfigure", None)
+        if not utf and reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (OSError, ValueError):  # a stream that cannot change now: left as it is
+                pass
 
 
 def _report_reached_stdout() -> None:

@@ -19,9 +19,10 @@ from typing import Any, NoReturn, TextIO
 import click
 from rich.console import Console
 
-from nondet import __version__, errors, settings
+from nondet import __version__, errors, paused, settings
 from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import ExitCode
+from nondet.printable import LINE_MAX, clip
 
 
 class SafeConsole(Console):
@@ -55,6 +56,7 @@ def handle_errors() -> Iterator[None]:
     143 for SIGTERM."""
     err = SafeConsole(stderr=True, highlight=False, soft_wrap=True)
     _terminate_on_sigterm()
+    paused.install()  # time nondet spends stopped (Ctrl-Z) is no run's silence
     errors.watch_sigint()
     try:
         settings.check()  # before anything runs: a mistyped NONDET_* value is one line
@@ -77,7 +79,7 @@ def handle_errors() -> Iterator[None]:
         err.print(f"[bold red]nondet: error:[/] {_escape(str(exc))}")
         if exc.details and os.environ.get("NONDET_QUIET_DETAILS") != "1":
             for line in exc.details.splitlines()[-15:]:
-                err.print(f"  | {_escape(line)}")
+                err.print(f"  | {_escape(clip(line, LINE_MAX))}")
         sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:
         err.print("nondet: interrupted; captures written so far are kept" + _kept(exc))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import errno
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -258,8 +260,26 @@ def require_utf8(what: str, value: str | os.PathLike[str]) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
+        encoding = sys.getfilesystemencoding()
+        if _is_utf8(text) and codecs.lookup(encoding).name != "utf-8":
+            # The bytes are UTF-8: this interpreter reads them as ASCII (LC_ALL=C with
+            # PYTHONUTF8=0), so "a byte that is not UTF-8" was false.
+            raise NondetError(
+                f"{what} is not ASCII ({outdir.display(text)}), and this Python decodes paths "
+                f"and arguments as {encoding} (the locale is not UTF-8"
+                f"{', and PYTHONUTF8=0' if os.environ.get('PYTHONUTF8') == '0' else ''}); "
+                "nondet stores them as UTF-8 text: run it with PYTHONUTF8=1 "
+                "or under a UTF-8 locale (LC_ALL=C.UTF-8)") from None
         raise NondetError(f"{what} has a byte that is not UTF-8 ({outdir.display(text)}); "
                           "nondet stores paths and arguments as UTF-8 text: rename it") from None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        os.fsencode(text).decode("utf-8")
+    except (UnicodeError, ValueError):
+        return False
+    return True
 
 
 def check_output_file(path: Path | None, option: str) -> None:

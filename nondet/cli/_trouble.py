@@ -17,7 +17,20 @@ DEPENDENCIES = ("numpy", "h5py", "click", "rich", "jinja2", "markupsafe")
 
 def explain(exc: BaseException) -> str | None:
     """The line for ``exc`` if it is the machine's trouble, else None (a bug)."""
-    return resource_limit(exc) or unusable_path(exc) or broken_dependency(exc)
+    return (resource_limit(exc) or unusable_path(exc) or too_long_to_start(exc)
+            or broken_dependency(exc))
+
+
+def too_long_to_start(exc: BaseException) -> str | None:
+    """A run could not be started: its arguments and environment together exceed what the
+    kernel takes (E2BIG). The script's arguments are passed as ``python`` would pass them;
+    what is left over is the environment (huge variables)."""
+    if not isinstance(exc, OSError) or exc.errno != errno.E2BIG:
+        return None
+    size = sum(len(k) + len(v) + 2 for k, v in os.environ.items())
+    return (f"a run could not be started: {exc.strerror} (the script's arguments and the "
+            f"environment, {size:,} bytes of it, exceed what the system takes); shorten "
+            "them (a file listing the arguments, fewer or shorter variables)")
 
 
 #: errors that say a path given to nondet (or made from one: a capture under ``--out``) cannot

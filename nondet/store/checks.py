@@ -71,6 +71,58 @@ class reading:  # a context manager, named like one
                      "re-capture it with `nondet run`") from None
 
 
+# Note [A capture reads no other file]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# HDF5 lets a file point elsewhere: an external link (an object in another HDF5 file), a
+# dataset with external storage (its raw values are bytes of any file, at any offset) or a
+# virtual dataset (a mapping onto datasets of other files). A crafted capture whose /steps
+# kept its values in ~/.ssh/id_rsa had `nondet show` print that file's bytes as
+# fingerprints and losses, and `diff --json/--html` write them into a report meant to be
+# shared; pointed at a FIFO, a read blocks. nondet's writer makes none of these (hard
+# links, chunked or contiguous data inside the file), so a file holding one is refused
+# before anything is followed or read.
+
+#: What a capture holds at its root: nothing else is read.
+ROOT_OBJECTS = ("strings", "steps", "tensors", "ops", "op_index", "comm", "env", "facts",
+                "dumps")
+
+
+def check_self_contained(f: Any) -> None:
+    """Everything nondet reads is stored in this file, checked before anything is followed
+    or read (Note [A capture reads no other file]): the root's objects and each dump are hard
+    links, and no dataset keeps its values in another file."""
+    h5py = _h5py()
+    dumps = _hard_link(f, "dumps", h5py)
+    for name in ROOT_OBJECTS:
+        _hard_link(f, name, h5py)
+    if not isinstance(dumps, h5py.Group):
+        return  # said as "missing or not a group" by the reader
+    if len(dumps) > 1_000_000:
+        raise Damaged(f"/dumps holds {len(dumps):,} objects")
+    for name in dumps:
+        _hard_link(dumps, name, h5py)
+    for name in ROOT_OBJECTS:
+        _stored_here(f.get(name), f"/{name}", h5py)
+    for name in dumps:
+        _stored_here(dumps.get(name), f"/dumps/{name}", h5py)
+
+
+def _hard_link(group: Any, name: str, h5py: Any) -> Any:
+    link = group.get(name, getlink=True)
+    if link is not None and not isinstance(link, h5py.HardLink):
+        raise Damaged(f"{group.name.rstrip('/')}/{name} is a link to somewhere else, which "
+                      "nondet never writes")
+    return group.get(name) if link is not None else None
+
+
+def _stored_here(obj: Any, where: str, h5py: Any) -> None:
+    if not isinstance(obj, h5py.Dataset):
+        return
+    plist = obj.id.get_create_plist()
+    if plist.get_layout() == h5py.h5d.VIRTUAL or plist.get_external_count() > 0:
+        raise Damaged(f"{where} keeps its values in another file, which nondet never writes")
+
+
 def attr_value(obj: Any, key: str) -> Any:
     """One attribute, refused unless it is a single value (never an array of any size)."""
     if obj.attrs.get_id(key).shape not in ((), None):

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from nondet import settings
+from nondet import paused, settings
 from nondet.errors import NondetError
 
 #: Seconds a probe may take before the file is called unreadable (plus 1 s per 20 MB);
@@ -59,7 +59,7 @@ def probe(path: Path, read: Callable[[Path], None]) -> bool:
     if not hasattr(os, "fork") or threading.active_count() > 1:
         # Another thread might hold a lock the child needs (h5py's): a fresh interpreter.
         return _probe_in_new_process(path, seconds)
-    deadline = time.monotonic() + seconds
+    started = time.monotonic()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -78,7 +78,7 @@ def probe(path: Path, read: Callable[[Path], None]) -> bool:
             os._exit(code)
     os.close(w)
     try:
-        status = _wait(pid, deadline)
+        status = _wait(pid, started, seconds)
         with os.fdopen(r, "rb") as pipe:
             said = pipe.read().decode("utf-8", errors="replace")
     except BaseException:
@@ -143,14 +143,15 @@ def _quiet() -> None:
     os.close(devnull)
 
 
-def _wait(pid: int, deadline: float) -> int | None:
-    """The child's wait status, or None after killing it at the deadline."""
+def _wait(pid: int, started: float, seconds: float) -> int | None:
+    """The child's wait status, or None after killing it ``seconds`` after ``started``
+    (or after nondet last resumed from a pause: ``nondet.paused``)."""
     delay = 0.001
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return status
-        if time.monotonic() > deadline:
+        if time.monotonic() > paused.since(started) + seconds:
             _kill(pid)
             return None
         time.sleep(delay)

@@ -22,6 +22,7 @@ from nondet.store.checks import (
     check_dump,
     check_index,
     check_ops,
+    check_self_contained,
     error,
     first_line,
     read_attrs,
@@ -295,6 +296,8 @@ def _load(path: Path, f: Any) -> Capture:
             f"nondet ({__version__}) reads; upgrade nondet"
         )
     size = max(path.stat().st_size, 1)
+    with reading(path, "layout"):
+        check_self_contained(f)  # before any link is followed or dataset read
     with reading(path, "attributes"):
         groups = {name: read_attrs(f, name) for name in ("", "env", "facts")}
         for name in ("env", "facts", "dumps"):

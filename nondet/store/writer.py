@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from nondet import __version__
+from nondet.printable import as_utf8
 from nondet.records import COMM_DTYPE, INDEX_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
 from nondet.store import probe
 
@@ -139,6 +140,7 @@ class CaptureWriter:
 
     def add_strings(self, strings: list[str]) -> None:
         with self._writing():
+            strings = [as_utf8(text) for text in strings]  # Note [Text from the program]
             _append(self._tables["strings"], np.array(strings, dtype=object))
             # Stored with the next step or at close (where the file is flushed).
             self._strings_crc = strings_crc(strings, self._strings_crc)
@@ -244,6 +246,8 @@ def _attr(value: Any) -> Any:
         return json.dumps(value)
     if value is None:
         return ""
+    if isinstance(value, str):
+        return as_utf8(value)  # Note [Text from the program]
     return value
 
 

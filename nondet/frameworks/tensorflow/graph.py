@@ -94,6 +94,11 @@ class GraphOp:
     #: has a value whenever it runs: hashed, or derived from something that has one (a
     #: derived op whose inputs are all unrecorded, e.g. a ``Fill`` of constants, has none)
     valued: bool = True
+    #: a data op: its trace position, and whether nothing that can make a difference was
+    #: traced before it in its graph (entries.TraceOrder: Note [Entries named like the op
+    #: records] in entries.py)
+    order: int = -1
+    first: bool = False
 
 class OpKeys:
     """An op's descriptions, packed as the tails of its ``combine`` words at its first

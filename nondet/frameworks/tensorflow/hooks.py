@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.tensorflow.entries import Call
 from nondet.frameworks.tensorflow.graph import first_replica, under_strategy
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
@@ -60,6 +61,8 @@ class HookHost(RecorderHost, Protocol):
     def note_loss(self, target: Any) -> None: ...
 
     def note_gradients(self, grads: Any) -> None: ...
+
+    def call_starting(self, function: Any, args: list[Any]) -> Call: ...
 
 
 def install(backend: HookHost) -> Any:
@@ -119,8 +122,33 @@ def install(backend: HookHost) -> Any:
         return element
 
     iterator_ops.OwnedIterator.__next__ = iterator_next
+    _hook_calls(backend)
     _save_unguarded(backend)
     return creator_scope
+
+
+def _hook_calls(backend: HookHost) -> None:
+    """Every eager call of a traced function goes through ``ConcreteFunction._call_flat``
+    with its flat inputs and its graph: the graph inputs made from host data are data of
+    the step (entries.py), taken before the call (its end may end the step)."""
+    from tensorflow.python.eager.polymorphic_function import concrete_function
+
+    original = concrete_function.ConcreteFunction._call_flat
+
+    @functools.wraps(original)
+    def call_flat(function: Any, tensor_inputs: Any, captured_inputs: Any) -> Any:
+        if backend.disabled or backend.evaluating or not tf.executing_eagerly():
+            return original(function, tensor_inputs, captured_inputs)
+        calls = backend.recorder.calls
+        depth = len(calls)
+        with backend.guarded():
+            calls.append(backend.call_starting(function, [*tensor_inputs, *captured_inputs]))
+        try:
+            return original(function, tensor_inputs, captured_inputs)
+        finally:
+            del calls[depth:]  # taken by after_function, unless the call failed
+
+    concrete_function.ConcreteFunction._call_flat = call_flat
 
 
 def _save_unguarded(backend: HookHost) -> None:

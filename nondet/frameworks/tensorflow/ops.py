@@ -21,6 +21,7 @@ from nondet.frameworks.tensorflow.data import (
     stage_function,
     stateful_parallel_stage,
 )
+from nondet.frameworks.tensorflow.entries import Call, HostTensors, StepOrder
 from nondet.frameworks.tensorflow.graph import (
     DATA_OPS,
     DERIVED_OPS,
@@ -49,6 +50,9 @@ class TFOpRecorder(GraphRecorder):
         self.cache: dict[int, tuple[weakref.ref[Any], Fp]] = {}  # eager tensors
         self.pending: list[Fp] = []  # eager fingerprints of this step, finalized by resolve
         self.stage_lines = StageLines(self.session.sources)  # lines inside tf.data functions
+        self.step_order = StepOrder()  # entries.py: what ran before an entry in its step
+        self.host = HostTensors()  # eager tensors made from host data (entries.py)
+        self.calls: list[Call] = []  # traced calls running (entries.call_entries)
         op_callbacks.add_op_callback(self._callback)
 
     # -- window ----------------------------------------------------------------------------
@@ -57,7 +61,8 @@ class TFOpRecorder(GraphRecorder):
         # Assigned only when it changes: called at every step end, an eager assignment is
         # a dispatch through the op callbacks (~0.5 ms of CPU per step with --ops all)
         if self.instrument and self._vars is not None and self._vars.window != on:
-            self._vars.window_flag.assign(on)
+            with self.quiet():  # nondet's own op: not one of the step's (entries.StepOrder)
+                self._vars.window_flag.assign(on)
             self._vars.window = on
         if not on:
             self.cache = {}
@@ -86,8 +91,13 @@ class TFOpRecorder(GraphRecorder):
                 self.backend.after_function()
             elif op_type.endswith("Dataset") or "DatasetV" in op_type:
                 self._note_dataset(op_type, inputs, attrs)
-            elif self.active and not self.backend.evaluating:
-                self._eager(op_type, inputs, outputs)
+            elif not self.backend.evaluating:
+                if self.step_order.clean and not (op_type in DATA_OPS
+                                                  and self.backend.phase == Phase.DATA):
+                    # (the iterator hook's own read is the entry it adds)
+                    self.step_order.eager(op_type, inputs, outputs)
+                if self.active:
+                    self._eager(op_type, inputs, outputs)
         except Exception:
             self.backend.hook_failed()  # the script goes on, uncaptured; the report says why
         finally:

@@ -1,0 +1,301 @@
+"""Data entering a TensorFlow run at a traced call, named in the step rows with its line.
+
+A step outside the op window (the first pair declines step 0 once it traces: docs/
+architecture.md, "The first pair") still has data rows, so that a difference that entered
+as data is named from the first pair's rows, with no narrowing pair, as torch names its
+DataLoader batches and NumPy-made tensors. Two kinds of entries, each named as the op-level
+records of a re-run would name it (Note [Entries named like the op records]):
+
+- a graph input made from host data: an eager tensor the script (or TensorFlow, for a NumPy
+  array passed straight into the call) converted from a NumPy array or Python value
+  (``HostTensors``), passed to a traced function that reads its values: "external:graph
+  input @ <the graph input's line>";
+- a batch read inside a traced function (``IteratorGetNext``, Keras ``fit``): "tf_data:
+  <op> @ <line>" (traced.py records it every step; this module only places it).
+
+A tensor computed by eager ops or by another traced function is not an entry: it is never
+named from the rows, and a difference in it is narrowed to the op that made it.
+
+Note [Entries named like the op records]
+A data row is named "kind:what @ line" (placed) only when the op-level records of a re-run
+would name the same entry, at the same line, as the first difference of the step, whenever
+it differs; otherwise it is named without a line, and the pipeline narrows as before
+(``pipeline._explain``: ``unplaced_entry``). The step row lists data first, but data is the
+first difference in time only if nothing earlier in the step made one. So an entry is placed
+only when nothing ran before it in its step that a re-run records as an op or entry that
+could differ:
+
+- at trace time (``TraceOrder``), per graph: the position of each graph input's first read
+  by a recorded op (where the re-run records it: ``traced.GraphRecorder._producer``) and of
+  each data op, and whether an op that can make a difference was traced in the graph (or a
+  function it calls) before it. Variable reads, derived ops (a function of their inputs:
+  ``graph.DERIVED_OPS``), skipped ops and other entries cannot: the variables were compared
+  at the previous step's end.
+- at run time (``StepOrder``), per step: whether an eager op the re-run records, or a
+  traced call whose graph holds an op that can make a difference, ran before the call.
+  Eager ops the re-run does not record (no numeric input or output: ``VarHandleOp``) and
+  those that only check or pack what variables are initialized (``VarIsInitializedOp``,
+  then ``Pack`` of those: a ``tf.function``'s first call) leave the step clean; so does the
+  call that initializes the variables a first trace made, when its graph holds only
+  derived ops (zeros, ones: an optimizer's slots).
+
+The entries of one call are ordered by trace position, as the re-run's records are.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import tensorflow as tf
+
+from nondet.frameworks.base import Sources
+from nondet.frameworks.fp import Fp
+from nondet.frameworks.tensorflow.graph import (
+    DATA_OPS,
+    DERIVED_OPS,
+    LATE_OPS,
+    SKIPPED_OPS,
+    numel,
+)
+from nondet.frameworks.tensorflow.hashing import hashable
+from nondet.frameworks.tensorflow.stage_lines import user_line
+
+#: Graph ops that cannot make a difference in a step whose variables matched at its start:
+#: they read a variable, pass on or combine their inputs (derived), carry nothing, or are
+#: entries themselves (ordered by position). A graph input is read at such an op too.
+INERT_GRAPH_OPS = SKIPPED_OPS | DERIVED_OPS | DATA_OPS | {"ReadVariableOp", "Placeholder"}
+#: Ops that use only their input's shape and dtype: not a read of its values (an array of
+#: uninitialized memory used for its shape is no evidence).
+SHAPE_ONLY_OPS = frozenset({"ZerosLike", "OnesLike"})
+#: Eager ops that leave the step clean when their numeric inputs were all made by such ops
+#: earlier in the step: a tf.function's first call checks its variables with
+#: ``VarIsInitializedOp`` and packs the answers.
+INERT_EAGER_OPS = DERIVED_OPS | {"Pack", "VarIsInitializedOp"}
+
+GRAPH_INPUT = "external:graph input"
+
+
+# -- host data ---------------------------------------------------------------------------------
+class HostTensors:
+    """Eager tensors made from host data: every conversion of a NumPy array or Python value
+    to an eager tensor (``tf.constant``, ``tf.convert_to_tensor``, a NumPy array passed to a
+    ``tf.function``) goes through ``constant_op.convert_to_eager_tensor``. Each keeps its
+    fingerprint once taken (eager tensors are immutable)."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[weakref.ref[Any], list[Fp]]] = {}
+
+    def install(self) -> None:
+        from tensorflow.python.framework import constant_op
+
+        original = constant_op.convert_to_eager_tensor
+        made = self._made
+
+        @functools.wraps(original)
+        def convert_to_eager_tensor(value: Any, ctx: Any, dtype: Any = None) -> Any:
+            t = original(value, ctx, dtype)
+            if t is not value:  # an eager tensor passed in is returned as it is
+                key = id(t)
+                try:
+                    made[key] = (weakref.ref(t, functools.partial(_forget, made, key)), [])
+                except TypeError:  # not weak-referenceable: not remembered
+                    pass
+            return t
+
+        constant_op.convert_to_eager_tensor = convert_to_eager_tensor
+
+    def cached_fp(self, t: Any) -> list[Fp] | None:
+        """The fingerprint holder of ``t`` (empty until taken) if it was made from host data,
+        else None."""
+        hit = self._made.get(id(t))
+        if hit is None or hit[0]() is not t:
+            return None
+        return hit[1]
+
+
+def _forget(made: dict[int, Any], key: int, ref: weakref.ref[Any]) -> None:
+    hit = made.get(key)
+    if hit is not None and hit[0] is ref:
+        del made[key]
+
+
+# -- trace time ------------------------------------------------------------------------------
+@dataclass
+class FirstRead:
+    """A graph input's first read by a recorded op: where a re-run records it."""
+
+    position: int  # TraceOrder position: orders the entries of one call
+    source: int  # string id of its line (-1: none: never placed)
+    first: bool  # nothing that can make a difference was traced before it in its graph
+    values: bool = False  # some op reads its values (not only its shape)
+
+
+@dataclass
+class GraphOrder:
+    """What ``TraceOrder`` learnt of one graph."""
+
+    busy: bool = False  # an op that can make a difference was traced in it (or a callee)
+    placeable: bool = True  # False: traced where a re-run records no op (XLA, a strategy)
+    reads: dict[str, FirstRead] = field(default_factory=dict)  # graph input name -> read
+
+
+class TraceOrder:
+    """Trace-time bookkeeping for Note [Entries named like the op records], fed every op
+    traced into a recordable graph (``traced.GraphRecorder._trace``, before it decides what
+    to instrument)."""
+
+    def __init__(self, sources: Sources) -> None:
+        self.sources = sources
+        self.position = 0
+        self.graphs: weakref.WeakKeyDictionary[Any, GraphOrder] = weakref.WeakKeyDictionary()
+
+    def of(self, graph: Any) -> GraphOrder | None:
+        try:
+            return self.graphs.get(graph)
+        except TypeError:
+            return None
+
+    def _order(self, graph: Any) -> GraphOrder | None:
+        try:
+            order = self.graphs.get(graph)
+            if order is None:
+                order = self.graphs[graph] = GraphOrder()
+        except TypeError:  # not weak-referenceable: nothing is placed in it
+            return None
+        return order
+
+    def note(self, op_type: str, inputs: Iterable[Any] | None, graph: Any,
+             placeable: bool) -> tuple[int, bool]:
+        """An op traced into ``graph``: its position, and whether nothing that can make a
+        difference was traced before it there (``placeable``: the re-run records this
+        graph's ops)."""
+        order = self._order(graph)
+        self.position += 1
+        if order is None:
+            return self.position, False
+        if not placeable:
+            order.placeable = False
+        first = not order.busy and order.placeable
+        if op_type not in SKIPPED_OPS and op_type not in LATE_OPS:
+            for t in inputs or ():
+                if not hashable(t):
+                    continue
+                op = getattr(t, "op", None)
+                if op is None or op.type != "Placeholder":
+                    continue
+                read = order.reads.get(t.name)
+                if read is None:
+                    source = user_line(self.sources, _traceback(op))
+                    read = order.reads[t.name] = FirstRead(self.position, source, first)
+                if op_type not in SHAPE_ONLY_OPS:
+                    read.values = True
+        if op_type not in INERT_GRAPH_OPS:
+            self._busy(graph)
+        return self.position, first
+
+    def _busy(self, graph: Any) -> None:
+        """An op that can make a difference was traced in ``graph``: it runs within every
+        function that calls ``graph`` too (a nested tf.function is traced inside its
+        caller's trace), so they are busy from here on as well."""
+        while graph is not None:
+            order = self._order(graph)
+            if order is not None:
+                order.busy = True
+            graph = getattr(graph, "outer_graph", None)
+
+
+def _traceback(op: Any) -> Any:
+    try:
+        return op.traceback
+    except Exception:  # an internal API: no line, so never placed
+        return None
+
+
+# -- run time ----------------------------------------------------------------------------------
+class StepOrder:
+    """Whether anything that could make a difference ran earlier in the current step, at
+    run time (Note [Entries named like the op records]). Reset at every step boundary."""
+
+    def __init__(self) -> None:
+        self.clean = True
+        self._inert: dict[int, weakref.ref[Any]] = {}  # outputs of inert eager ops
+
+    def reset(self) -> None:
+        self.clean = True
+        if self._inert:
+            self._inert = {}
+
+    def eager(self, op_type: str, inputs: Any, outputs: Any) -> None:
+        """An eager op of the script's ran outside the op window (called only while clean)."""
+        numeric_in = [t for t in inputs or () if hashable(t)]
+        numeric_out = [t for t in outputs or () if hashable(t)]
+        if not numeric_in and not numeric_out:
+            if any(getattr(t, "dtype", None) == tf.variant for t in inputs or ()):
+                self.clean = False  # reads a value nondet cannot see (a dataset element)
+            return  # the re-run records nothing of it
+        inert = op_type in INERT_EAGER_OPS and all(self._made_inert(t) for t in numeric_in) \
+            and not any(getattr(t, "dtype", None) == tf.variant for t in inputs or ())
+        if not inert:
+            self.clean = False
+            return
+        for t in numeric_out:
+            try:
+                self._inert[id(t)] = weakref.ref(t)
+            except TypeError:
+                self.clean = False
+
+    def _made_inert(self, t: Any) -> bool:
+        ref = self._inert.get(id(t))
+        return ref is not None and ref() is t
+
+
+@dataclass
+class CallEntry:
+    """A graph input of one traced call that was made from host data."""
+
+    position: int
+    label: str
+    fps: list[Fp]
+    numel: int
+
+
+@dataclass
+class Call:
+    """A traced call about to run, as seen from ``ConcreteFunction._call_flat``."""
+
+    graph: Any
+    clean: bool  # the step was clean when it started
+    busy: bool  # its graph may make a difference (unknown graphs: True)
+    entries: list[CallEntry]
+
+
+def call_entries(graph: Any, order: GraphOrder | None, args: list[Any], clean: bool,
+                 host: HostTensors, string: Callable[[int], str],
+                 fingerprint: Callable[[Any], Fp]) -> Call:
+    """The entries of a traced call of ``graph`` with flat arguments ``args`` (its inputs and
+    captures, in the order of ``graph.inputs``): each argument made from host data whose
+    graph input some recorded op reads the values of. ``fingerprint(t)`` takes an eager
+    tensor's ``Fp``."""
+    if order is None:
+        return Call(graph, clean, True, [])
+    entries = []
+    placeholders = list(getattr(graph, "inputs", ()))
+    if len(placeholders) == len(args):
+        for t, p in zip(args, placeholders, strict=True):
+            holder = host.cached_fp(t)
+            if holder is None:
+                continue
+            read = order.reads.get(getattr(p, "name", ""))
+            if read is None or not read.values or not hashable(t):
+                continue
+            if not holder:
+                holder.append(fingerprint(t))
+            placed = clean and read.first and order.placeable and read.source >= 0
+            where = string(read.source) if placed else ""
+            label = f"{GRAPH_INPUT} @ {where}" if where else GRAPH_INPUT
+            entries.append(CallEntry(read.position, label, list(holder), numel(t)))
+    return Call(graph, clean, order.busy or not order.placeable, entries)

@@ -201,9 +201,10 @@ class TFBackend(StepLifecycle):
         the call ends the step), named by entries.py."""
         recorder = self.recorder
         graph = getattr(function, "_func_graph", None)
-        return call_entries(graph, recorder.trace_order.of(graph), args,
-                            recorder.step_order.clean, recorder.host, self.session.string,
-                            recorder.hash_eager)
+        with recorder.quiet():
+            return call_entries(graph, recorder.trace_order.of(graph), args,
+                                recorder.step_order, recorder.host, self.session.string,
+                                recorder.hash_eager)
 
     def after_function(self) -> None:
         recorder = self.recorder

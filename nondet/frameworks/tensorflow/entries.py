@@ -223,20 +223,61 @@ class StepOrder:
     def __init__(self) -> None:
         self.clean = True
         self._inert: dict[int, weakref.ref[Any]] = {}  # outputs of inert eager ops
+        self.creating = 0  # variables being made (their initializers run)
+        #: the script's variables made since their values were last taken (``made_values``)
+        self.made: list[weakref.ref[Any]] = []
 
     def reset(self) -> None:
+        """A step begins: the variables made so far are in the state the last step row
+        compared."""
         self.clean = True
         if self._inert:
             self._inert = {}
+        self.made = []
+
+    def made_variable(self, variable: Any) -> None:
+        """A variable of the script's was made: its initial value is checked by value
+        before the next call's entries (``made_values``), not op by op."""
+        try:
+            self.made.append(weakref.ref(variable))
+        except TypeError:
+            self.clean = False
+
+    def made_values(self, fingerprint: Callable[[Any], Fp]) -> list[Fp] | None:
+        """The fingerprints of the variables made since the last call that are initialized
+        now (the others wait for a later call: a tf.function initializes what its first
+        trace made in a call of its own); None if one cannot be read. Called quiet."""
+        from tensorflow.python.eager import record
+
+        fps: list[Fp] = []
+        waiting = []
+        try:
+            with record.stop_recording():  # an eager tape must not see nondet's reads
+                for ref in self.made:
+                    variable = ref()
+                    if variable is None:
+                        continue
+                    if not bool(variable.is_initialized()):
+                        waiting.append(ref)
+                        continue
+                    value = tf.raw_ops.ReadVariableOp(resource=variable.handle,
+                                                      dtype=variable.dtype)
+                    if hashable(value):
+                        fps.append(fingerprint(value))
+        except Exception:  # a variable of another kind: its value is not known here
+            self.made = []
+            return None
+        self.made = waiting
+        return fps
 
     def eager(self, op_type: str, inputs: Any, outputs: Any) -> None:
         """An eager op of the script's ran outside the op window (called only while clean)."""
+        if self.creating:
+            return  # a variable's initializer: its value is checked instead (made_values)
         numeric_in = [t for t in inputs or () if hashable(t)]
         numeric_out = [t for t in outputs or () if hashable(t)]
         if not numeric_in and not numeric_out:
-            if any(getattr(t, "dtype", None) == tf.variant for t in inputs or ()):
-                self.clean = False  # reads a value nondet cannot see (a dataset element)
-            return  # the re-run records nothing of it
+            return  # the re-run records nothing of it (``VarHandleOp``, ``MakeIterator``)
         inert = op_type in INERT_EAGER_OPS and all(self._made_inert(t) for t in numeric_in) \
             and not any(getattr(t, "dtype", None) == tf.variant for t in inputs or ())
         if not inert:
@@ -273,16 +314,29 @@ class Call:
     entries: list[CallEntry]
 
 
-def call_entries(graph: Any, order: GraphOrder | None, args: list[Any], clean: bool,
+#: The data row of the variables made in a step before a call (``StepOrder.made_values``):
+#: never placed, so that a difference in an initial value is narrowed to its op.
+MADE_VARIABLES = "variable:initial values"
+
+
+def call_entries(graph: Any, order: GraphOrder | None, args: list[Any], step: StepOrder,
                  host: HostTensors, string: Callable[[int], str],
                  fingerprint: Callable[[Any], Fp]) -> Call:
     """The entries of a traced call of ``graph`` with flat arguments ``args`` (its inputs and
     captures, in the order of ``graph.inputs``): each argument made from host data whose
-    graph input some recorded op reads the values of. ``fingerprint(t)`` takes an eager
-    tensor's ``Fp``."""
-    if order is None:
-        return Call(graph, clean, True, [])
+    graph input some recorded op reads the values of, after the initial values of the
+    variables made since the last call. ``fingerprint(t)`` takes an eager tensor's ``Fp``
+    (called quiet)."""
+    clean = step.clean
     entries = []
+    if step.made:
+        made = step.made_values(fingerprint)
+        if made is None:
+            clean = False
+        elif made:
+            entries.append(CallEntry(-1, MADE_VARIABLES, made, -1))
+    if order is None:
+        return Call(graph, clean, True, entries)
     placeholders = list(getattr(graph, "inputs", ()))
     if len(placeholders) == len(args):
         for t, p in zip(args, placeholders, strict=True):

@@ -70,10 +70,17 @@ def install(backend: HookHost) -> Any:
     variable creator scope, which the caller keeps referenced (see below)."""
 
     def creator(next_creator: Any, **kwargs: Any) -> Any:
-        variable = next_creator(**kwargs)
-        if not backend.disabled and not backend.making_own_variables:
-            with backend.guarded():
-                backend.track(variable)
+        if backend.disabled or backend.making_own_variables:
+            return next_creator(**kwargs)
+        order = backend.recorder.step_order
+        order.creating += 1  # its initializer's eager ops are not the step's (entries.py)
+        try:
+            variable = next_creator(**kwargs)
+        finally:
+            order.creating -= 1
+        with backend.guarded():
+            backend.track(variable)
+            order.made_variable(variable)
         return variable
 
     # Entered for good (and kept referenced, or leaving the generator would exit it):
@@ -137,7 +144,8 @@ def _hook_calls(backend: HookHost) -> None:
 
     @functools.wraps(original)
     def call_flat(function: Any, tensor_inputs: Any, captured_inputs: Any) -> Any:
-        if backend.disabled or backend.evaluating or not tf.executing_eagerly():
+        if backend.disabled or backend.evaluating or backend.recorder.busy \
+                or not tf.executing_eagerly():  # (busy: nondet's own, the state hash)
             return original(function, tensor_inputs, captured_inputs)
         calls = backend.recorder.calls
         depth = len(calls)

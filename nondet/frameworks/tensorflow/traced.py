@@ -131,6 +131,11 @@ class GraphRecorder:
                 self._vars = RecorderVariables(self.active)
         return self._vars
 
+    @property
+    def busy(self) -> bool:
+        """Inside nondet's own work (``quiet``, or the op callback itself) in this thread."""
+        return bool(getattr(self._local, "busy", False))
+
     @contextmanager
     def quiet(self) -> Iterator[None]:
         """Ops made in here are nondet's own: the callback leaves them alone."""

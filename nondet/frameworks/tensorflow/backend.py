@@ -232,7 +232,7 @@ class TFBackend(StepLifecycle):
         the op records] in entries.py); then, if its graph may have made one, later entries
         of the step are not placed."""
         order = self.recorder.step_order
-        clean = call.clean if call is not None else order.clean
+        clean = call.clean and not call.waiting if call is not None else order.clean
         string = self.session.string
         entries = list(call.entries) if call is not None else []
         for op, fps in data:

@@ -70,11 +70,16 @@ from nondet.frameworks.tensorflow.stage_lines import user_line
 INERT_GRAPH_OPS = SKIPPED_OPS | DERIVED_OPS | DATA_OPS | {"ReadVariableOp", "Placeholder"}
 #: Ops that use only their input's shape and dtype: not a read of its values (an array of
 #: uninitialized memory used for its shape is no evidence).
-SHAPE_ONLY_OPS = frozenset({"ZerosLike", "OnesLike"})
-#: Eager ops that leave the step clean when their numeric inputs were all made by such ops
-#: earlier in the step: a tf.function's first call checks its variables with
-#: ``VarIsInitializedOp`` and packs the answers.
-INERT_EAGER_OPS = DERIVED_OPS | {"Pack", "VarIsInitializedOp"}
+SHAPE_ONLY_OPS = frozenset({"ZerosLike", "OnesLike", "Shape", "ShapeN", "Size", "Rank"})
+#: Eager ops that cannot make a difference from inputs that are all covered (made by such
+#: ops earlier in the step, or in a data row of it): they pass on, combine or move values,
+#: read variables (compared at the previous step's end) or write covered values into them.
+#: A tf.function's first call checks its variables with ``VarIsInitializedOp`` and packs the
+#: answers; Keras' ``fit`` resets its metrics with ``assign(0)``.
+INERT_EAGER_OPS = DERIVED_OPS | {
+    "Pack", "VarIsInitializedOp", "ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",
+    "AssignSubVariableOp", "StridedSlice", "Slice", "ConcatV2", "Unpack",
+}
 
 GRAPH_INPUT = "external:graph input"
 
@@ -244,9 +249,9 @@ class StepOrder:
             self.clean = False
 
     def made_values(self, fingerprint: Callable[[Any], Fp]) -> list[Fp] | None:
-        """The fingerprints of the variables made since the last call that are initialized
-        now (the others wait for a later call: a tf.function initializes what its first
-        trace made in a call of its own); None if one cannot be read. Called quiet."""
+        """The fingerprints of the variables made since they were last taken that are
+        initialized now (the others stay in ``made``: a tf.function initializes what its
+        first trace made in a call of its own); None if one cannot be read. Called quiet."""
         from tensorflow.python.eager import record
 
         fps: list[Fp] = []
@@ -270,26 +275,16 @@ class StepOrder:
         self.made = waiting
         return fps
 
-    def eager(self, op_type: str, inputs: Any, outputs: Any) -> None:
-        """An eager op of the script's ran outside the op window (called only while clean)."""
-        if self.creating:
-            return  # a variable's initializer: its value is checked instead (made_values)
-        numeric_in = [t for t in inputs or () if hashable(t)]
-        numeric_out = [t for t in outputs or () if hashable(t)]
-        if not numeric_in and not numeric_out:
-            return  # the re-run records nothing of it (``VarHandleOp``, ``MakeIterator``)
-        inert = op_type in INERT_EAGER_OPS and all(self._made_inert(t) for t in numeric_in) \
-            and not any(getattr(t, "dtype", None) == tf.variant for t in inputs or ())
-        if not inert:
-            self.clean = False
-            return
-        for t in numeric_out:
+    def covered(self, tensors: Iterable[Any]) -> None:
+        """``tensors`` were made in this step by ops that cannot make a difference, or are
+        in a data row of it: an eager op reading only such values cannot either."""
+        for t in tensors:
             try:
                 self._inert[id(t)] = weakref.ref(t)
             except TypeError:
                 self.clean = False
 
-    def _made_inert(self, t: Any) -> bool:
+    def is_covered(self, t: Any) -> bool:
         ref = self._inert.get(id(t))
         return ref is not None and ref() is t
 
@@ -312,6 +307,9 @@ class Call:
     clean: bool  # the step was clean when it started
     busy: bool  # its graph may make a difference (unknown graphs: True)
     entries: list[CallEntry]
+    #: variables made before it were not initialized yet (the call initializing what a
+    #: first trace made): rows of this call would come before their values were checked
+    waiting: bool = False
 
 
 #: The data row of the variables made in a step before a call (``StepOrder.made_values``):
@@ -335,21 +333,30 @@ def call_entries(graph: Any, order: GraphOrder | None, args: list[Any], step: St
             clean = False
         elif made:
             entries.append(CallEntry(-1, MADE_VARIABLES, made, -1))
+    waiting = bool(step.made)  # its rows are placed only if none is (backend._add_call_data)
     if order is None:
-        return Call(graph, clean, True, entries)
+        return Call(graph, clean, True, entries, waiting)
     placeholders = list(getattr(graph, "inputs", ()))
-    if len(placeholders) == len(args):
-        for t, p in zip(args, placeholders, strict=True):
-            holder = host.cached_fp(t)
-            if holder is None:
-                continue
-            read = order.reads.get(getattr(p, "name", ""))
-            if read is None or not read.values or not hashable(t):
-                continue
-            if not holder:
-                holder.append(fingerprint(t))
-            placed = clean and read.first and order.placeable and read.source >= 0
-            where = string(read.source) if placed else ""
-            label = f"{GRAPH_INPUT} @ {where}" if where else GRAPH_INPUT
-            entries.append(CallEntry(read.position, label, list(holder), numel(t)))
-    return Call(graph, clean, order.busy or not order.placeable, entries)
+    if len(placeholders) != len(args):
+        return Call(graph, clean, True, entries, waiting)
+    inputs = []
+    for t, p in zip(args, placeholders, strict=True):
+        holder = host.cached_fp(t)
+        read = order.reads.get(getattr(p, "name", ""))
+        if holder is None or read is None or not hashable(t):
+            continue
+        if not read.values:
+            # Host memory used only for its shape (``np.empty``) is no data: no row. A
+            # re-run records it at its read all the same, so nothing after it is placed.
+            clean = False
+            continue
+        inputs.append((t, read, holder))
+    for t, read, holder in inputs:
+        if not holder:
+            holder.append(fingerprint(t))
+        placed = clean and not waiting and read.first and order.placeable and read.source >= 0
+        where = string(read.source) if placed else ""
+        label = f"{GRAPH_INPUT} @ {where}" if where else GRAPH_INPUT
+        entries.append(CallEntry(read.position, label, list(holder), numel(t)))
+    return Call(graph, clean, order.busy or not order.placeable or not clean, entries,
+                waiting)

@@ -90,10 +90,13 @@ class TFHost(RecorderHost, Protocol):
     """What the recorder asks of the TensorFlow backend (it never imports the backend)."""
 
     evaluating: bool
+    started: bool  # training has started (the init row was sent)
 
     def own_variables(self) -> AbstractContextManager[None]: ...
 
     def after_function(self) -> None: ...
+
+    def add_data(self, label: str, fps: list[Fp], numel: int) -> None: ...
 
     def tracing(self) -> None: ...
 

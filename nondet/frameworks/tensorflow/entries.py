@@ -59,7 +59,6 @@ from nondet.frameworks.tensorflow.graph import (
     DERIVED_OPS,
     LATE_OPS,
     SKIPPED_OPS,
-    numel,
 )
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.stage_lines import user_line
@@ -146,6 +145,18 @@ class GraphOrder:
     busy: bool = False  # an op that can make a difference was traced in it (or a callee)
     placeable: bool = True  # False: traced where a re-run records no op (XLA, a strategy)
     reads: dict[str, FirstRead] = field(default_factory=dict)  # graph input name -> read
+    #: (argument position, read) of the graph inputs a recorded op reads, worked out at the
+    #: first call (the trace is over then): a call looks at these arguments only
+    read_inputs: list[tuple[int, FirstRead]] | None = None
+    n_inputs = 0
+
+    def inputs_read(self, graph: Any) -> list[tuple[int, FirstRead]]:
+        if self.read_inputs is None:
+            inputs = list(getattr(graph, "inputs", ()))
+            self.n_inputs = len(inputs)
+            self.read_inputs = [(i, read) for i, p in enumerate(inputs)
+                                if (read := self.reads.get(getattr(p, "name", ""))) is not None]
+        return self.read_inputs
 
 
 class TraceOrder:
@@ -336,14 +347,14 @@ def call_entries(graph: Any, order: GraphOrder | None, args: list[Any], step: St
     waiting = bool(step.made)  # its rows are placed only if none is (backend._add_call_data)
     if order is None:
         return Call(graph, clean, True, entries, waiting)
-    placeholders = list(getattr(graph, "inputs", ()))
-    if len(placeholders) != len(args):
+    read_inputs = order.inputs_read(graph)
+    if order.n_inputs != len(args):  # not the graph's inputs: nothing is known of them
         return Call(graph, clean, True, entries, waiting)
     inputs = []
-    for t, p in zip(args, placeholders, strict=True):
+    for position, read in read_inputs:
+        t = args[position]
         holder = host.cached_fp(t)
-        read = order.reads.get(getattr(p, "name", ""))
-        if holder is None or read is None or not hashable(t):
+        if holder is None or not hashable(t):
             continue
         if not read.values:
             # Host memory used only for its shape (``np.empty``) is no data: no row. A
@@ -357,6 +368,7 @@ def call_entries(graph: Any, order: GraphOrder | None, args: list[Any], step: St
         placed = clean and not waiting and read.first and order.placeable and read.source >= 0
         where = string(read.source) if placed else ""
         label = f"{GRAPH_INPUT} @ {where}" if where else GRAPH_INPUT
-        entries.append(CallEntry(read.position, label, list(holder), numel(t)))
+        entries.append(CallEntry(read.position, label, list(holder),
+                                 t.shape.num_elements() or 0))
     return Call(graph, clean, order.busy or not order.placeable or not clean, entries,
                 waiting)

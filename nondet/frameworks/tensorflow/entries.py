@@ -1,29 +1,34 @@
-"""Data entering a TensorFlow run at a traced call, named in the step rows with its line.
+"""Data entering a TensorFlow run, named in the step rows with its line.
 
 A step outside the op window (the first pair declines step 0 once it traces: docs/
 architecture.md, "The first pair") still has data rows, so that a difference that entered
 as data is named from the first pair's rows, with no narrowing pair, as torch names its
-DataLoader batches and NumPy-made tensors. Two kinds of entries, each named as the op-level
-records of a re-run would name it (Note [Entries named like the op records]):
+DataLoader batches and NumPy-made tensors. The entries are those the op records of a
+re-run would record as entries, named as it names them (Note [Entries named like the op
+records]):
 
-- a graph input made from host data: an eager tensor the script (or TensorFlow, for a NumPy
-  array passed straight into the call) converted from a NumPy array or Python value
-  (``HostTensors``), passed to a traced function that reads its values: "external:graph
-  input @ <the graph input's line>";
+- a graph input made from host data: an eager tensor converted from a NumPy array or a
+  Python value (``HostTensors``: ``tf.constant``, ``tf.convert_to_tensor``, TensorFlow's
+  own conversion of a NumPy array passed straight into a ``tf.function``), passed to a
+  traced function that reads its values: "external:graph input @ <the graph input's line>"
+  (``call_entries``, taken when ``ConcreteFunction._call_flat`` starts);
 - a batch read inside a traced function (``IteratorGetNext``, Keras ``fit``): "tf_data:
-  <op> @ <line>" (traced.py records it every step; this module only places it).
+  <op> @ <line>" (traced.py hashes it every step; this module places it);
+- while the step is clean, the eager entries (``ops.TFOpRecorder._eager_in_clean_step``):
+  a tensor made from host data at its first use ("external:tensor"), an eager batch or an
+  optional's value ("tf_data:IteratorGetNext", "tf_data:OptionalGetValue").
 
 A tensor computed by eager ops or by another traced function is not an entry: it is never
 named from the rows, and a difference in it is narrowed to the op that made it.
 
 Note [Entries named like the op records]
 A data row is named "kind:what @ line" (placed) only when the op-level records of a re-run
-would name the same entry, at the same line, as the first difference of the step, whenever
+would name the same entry, at the same line, as the first difference of the step whenever
 it differs; otherwise it is named without a line, and the pipeline narrows as before
 (``pipeline._explain``: ``unplaced_entry``). The step row lists data first, but data is the
 first difference in time only if nothing earlier in the step made one. So an entry is placed
-only when nothing ran before it in its step that a re-run records as an op or entry that
-could differ:
+only when nothing ran before it in its step that a re-run records as an op that could make
+a difference, or as an entry that is no row:
 
 - at trace time (``TraceOrder``), per graph: the position of each graph input's first read
   by a recorded op (where the re-run records it: ``traced.GraphRecorder._producer``) and of
@@ -31,15 +36,24 @@ could differ:
   function it calls) before it. Variable reads, derived ops (a function of their inputs:
   ``graph.DERIVED_OPS``), skipped ops and other entries cannot: the variables were compared
   at the previous step's end.
-- at run time (``StepOrder``), per step: whether an eager op the re-run records, or a
-  traced call whose graph holds an op that can make a difference, ran before the call.
-  Eager ops the re-run does not record (no numeric input or output: ``VarHandleOp``) and
-  those that only check or pack what variables are initialized (``VarIsInitializedOp``,
-  then ``Pack`` of those: a ``tf.function``'s first call) leave the step clean; so does the
-  call that initializes the variables a first trace made, when its graph holds only
-  derived ops (zeros, ones: an optimizer's slots).
+- at run time (``StepOrder``), per step: whether an eager op the re-run records as an op,
+  or a call of a graph that may make a difference, ran before. Eager ops the re-run does
+  not record (no numeric input or output: ``VarHandleOp``, ``MakeIterator``) leave the step
+  clean, and so do those that pass on, read or write values that are covered (made by such
+  ops in the step, or in a data row of it: ``INERT_EAGER_OPS``: a ``tf.function``'s first
+  call checks its variables with ``VarIsInitializedOp`` and packs the answers; Keras' fit
+  resets its metrics with ``assign(0)``).
+- the variables a step makes are initialized by eager ops not judged one by one (an
+  optimizer's slots in a first trace, Keras' lazily built layers with seeded random
+  initializers): their values are a row without a line ("variable:initial values") before
+  the next placed row, so a difference in one is narrowed to the op that made it; a row
+  that would come before they are initialized is not placed.
+- host memory that a graph reads only for its shape (``ZerosLike`` of an ``np.empty``) is no
+  row (unread memory is no evidence), and nothing after it in the step is placed (a re-run
+  records it).
 
-The entries of one call are ordered by trace position, as the re-run's records are.
+The entries of one call are ordered by trace position, as the re-run's records are; a row
+whose label differs between the runs is not placed (``finding._data_entry_divergence``).
 """
 
 from __future__ import annotations

@@ -85,11 +85,14 @@ def _data_entry_divergence(a: Capture, b: Capture,
         return None
     rows_a = [r for r in a.tensor_rows(step_div.step) if int(r["group"]) == Group.DATA]
     rows_b = [r for r in b.tensor_rows(step_div.step) if int(r["group"]) == Group.DATA]
-    for ra, rb in zip(rows_a, rows_b, strict=False):
-        label_a, label_b = a.string(int(ra["name"])), b.string(int(rb["name"]))
-        if label_a == label_b and int(ra["fp"]) == int(rb["fp"]):
-            continue
+    first = first_differing_entry([(a.string(int(r["name"])), int(r["fp"])) for r in rows_a],
+                                  [(b.string(int(r["name"])), int(r["fp"])) for r in rows_b])
+    if first is not None:
+        ra = rows_a[first]
+        label_a = a.string(int(ra["name"]))
         name, _, source = label_a.partition(" @ ")
+        if label_a != b.string(int(rows_b[first]["name"])):
+            source = ""  # the runs saw different entries here: placed by neither
         entry_kind, _, what = name.partition(":")
         step = step_div.step
         div = Divergence(
@@ -104,6 +107,21 @@ def _data_entry_divergence(a: Capture, b: Capture,
                    "records do not cover this step"])
         return div
     return None
+
+
+def first_differing_entry(a: list[tuple[str, int]], b: list[tuple[str, int]]) -> int | None:
+    """The position of the first data entry (label, fingerprint) of a step that differs
+    between two runs' rows, or None; entries are compared in the order they entered."""
+    for i, (entry_a, entry_b) in enumerate(zip(a, b, strict=False)):
+        if entry_a != entry_b:
+            return i
+    return None
+
+
+def placed_entry(label: str) -> bool:
+    """A data entry's label names the line it entered at ("kind:what @ file:line"): a
+    finding named by it needs no narrowing (pipeline._explain)."""
+    return bool(label.partition(" @ ")[2])
 
 
 def _entered_next_step(a: Capture, b: Capture, step: int,

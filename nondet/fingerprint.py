@@ -34,7 +34,10 @@ MASK64 = (1 << 64) - 1
 #: share their base's version]) instead of being hashed again. 4: TensorFlow graphs derive
 #: ``Tile``, ``BroadcastTo`` and ``FloorMod`` outputs, and a variable read right after a
 #: write to it (tensorflow/reads.py, Note [Reads after a write]), instead of hashing them.
-#: 5: TensorFlow graphs derive ``MaxPool`` outputs from their input's.
+#: 5: TensorFlow graphs derive ``MaxPool`` outputs from their input's;
+#: TensorFlow step rows hold the data that entered (graph inputs made from host data,
+#: a clean step's eager entries, the initial values of the variables a step made:
+#: tensorflow/entries.py), so their ``data_fp`` is no longer 0.
 SCHEME = "5"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device

@@ -23,10 +23,12 @@ import numpy as np
 
 from nondet import compare
 from nondet.analysis import GROWTH_STEPS
+from nondet.finding import first_differing_entry, placed_entry
 from nondet.launch import CapturedRun
 from nondet.records import INIT_STEP
 from nondet.runspec import Plan
 from nondet.schedule import KEEP_BYTES
+from nondet.stream import RunStream
 
 #: How long a discarded early run may take to stop at its turn before it is ended by signal.
 STOP_GRACE = 30.0
@@ -97,14 +99,23 @@ class Early:
     def __init__(self, make_run: Callable[[Plan], CapturedRun]) -> None:
         self.make_run = make_run
         self._runs: dict[str, CapturedRun] = {}
+        self._first: dict[str, RunStream] = {}  # the first pair's runs, by label
         self._lock = threading.Lock()
         self._closed = False
 
+    def watch(self, label: str, run: RunStream) -> None:
+        """A run of the first pair (``label`` "a" or "b"): its data rows tell ``anticipate``
+        whether the step rows already name the finding."""
+        self._first[label] = run
+
     def anticipate(self, step: int, row_a: np.void, row_b: np.void) -> None:
         """The first pair parts at ``step``: if neither run recorded that step op by op (its
-        rows count no op records), start the narrowing pair's runs now."""
+        rows count no op records) and the step rows do not name the data that entered at
+        its line, start the narrowing pair's runs now."""
         if int(row_a["n_records"]) and int(row_b["n_records"]):
             return  # the first pair has the step's op records: nothing to re-run
+        if self._named_by_rows(step, row_a, row_b):
+            return  # the data entry is the finding: nothing to re-run (pipeline._explain)
         _, window = narrowing_window(step)
         with self._lock:
             if self._closed or self._runs:
@@ -118,6 +129,24 @@ class Early:
                 except Exception:
                     return  # not started: the narrowing starts its own, as without this
                 self._runs[label] = run
+
+    def _named_by_rows(self, step: int, row_a: np.void, row_b: np.void) -> bool:
+        """The first differing field of the step is its data, and its first differing
+        entry is named with its line (``finding._data_entry_divergence`` names it so)."""
+        fields = compare.rows_differ(row_a, row_b)
+        a, b = self._first.get("a"), self._first.get("b")
+        if not fields or fields[0] != "data_fp" or a is None or b is None:
+            return False
+        entries = []
+        for run in (a, b):
+            strings = list(run.strings)
+            entries.append([(strings[name] if 0 <= name < len(strings) else "", fp)
+                            for name, fp in run.data_rows.get(step, [])])
+        first = first_differing_entry(entries[0], entries[1])
+        if first is None:
+            return False
+        label = entries[0][first][0]
+        return label == entries[1][first][0] and placed_entry(label)
 
     def take(self, plan: Plan) -> CapturedRun | None:
         """The early run started with exactly ``plan``, once. A run of the same label with

@@ -114,9 +114,12 @@ def _run_factory(target: Target, options: Options,
                  early: bool = True) -> Callable[[Plan], CapturedRun]:
     def make_run(plan: Plan) -> CapturedRun:
         taken = options.early.take(plan) if early and options.early else None
-        return taken or CapturedRun(target, plan, options.seed, options.out_dir,
-                                    echo=options.echo,
-                                    extra_env=interventions.environment(options.apply))
+        run = taken or CapturedRun(target, plan, options.seed, options.out_dir,
+                                   echo=options.echo,
+                                   extra_env=interventions.environment(options.apply))
+        if early and options.early and plan.label in ("a", "b"):
+            options.early.watch(plan.label, run)  # the first pair (``_first``)
+        return run
 
     return make_run
 

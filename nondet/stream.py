@@ -22,7 +22,7 @@ import numpy as np
 
 from nondet import channel
 from nondet.printable import as_utf8
-from nondet.records import COMM_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
+from nondet.records import COMM_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE, Group
 from nondet.store import CaptureWriter
 from nondet.store.writer import hdf5_write_failed
 
@@ -39,6 +39,9 @@ class RunStream:
         self.on_end: Callable[[Any], None] | None = None
         self.steps: list[np.void] = []
         self.ops: dict[int, list[np.ndarray]] = {}  # op records per step, as they arrive
+        #: the data entries of each step (string id of the label, fingerprint): the live judge
+        #: asks whether the step rows name a differing one (nondet.live, Early)
+        self.data_rows: dict[int, list[tuple[int, int]]] = {}
         self.strings: list[str] = []
         self.kept: dict[tuple[int, int], list[np.ndarray]] = {}  # answers to dump requests
         self._incoming: dict[tuple[int, int], list[np.ndarray]] = {}
@@ -171,7 +174,12 @@ class RunStream:
 
     def _on_tensors_frame(self, payload: bytes) -> None:
         assert self.writer is not None
-        self.writer.add_tensors(np.frombuffer(payload, dtype=TENSOR_DTYPE))
+        rows = np.frombuffer(payload, dtype=TENSOR_DTYPE)
+        self.writer.add_tensors(rows)
+        data = rows[rows["group"] == Group.DATA]
+        for step, name, fp in zip(data["step"].tolist(), data["name"].tolist(),
+                                  data["fp"].tolist(), strict=True):
+            self.data_rows.setdefault(step, []).append((name, fp))
 
     def _on_comm_frame(self, payload: bytes) -> None:
         assert self.writer is not None

@@ -11,7 +11,7 @@ import pytest
 
 from nondet import analysis
 from nondet.errors import NondetError
-from nondet.records import Kind, Phase
+from nondet.records import Group, Kind, Phase
 from nondet.report import Report, text
 from nondet.store import open_capture
 from tests.conftest import OpStream, run_cli, step_rows, write_capture
@@ -228,3 +228,24 @@ def test_state_changed_after_a_steps_last_op_is_found_where_the_next_step_reads_
     assert div is not None and div.kind == "entry" and div.step == 1, div
     assert div.op == "parameter w" and div.source == "train.py:5"
     assert any("changed outside the ops" in n for n in div.notes)
+
+
+@pytest.mark.parametrize(("label_b", "placed"), [
+    ("external:graph input @ train.py:7", True),
+    ("external:graph input", False),  # run b saw it where something could have differed first
+])
+def test_data_named_from_the_step_rows_keeps_its_line_only_when_both_runs_name_it(
+        tmp_path: Path, label_b: str, placed: bool) -> None:
+    # Step 0 not recorded op by op (a TensorFlow first pair): the data rows name the entry;
+    # a line only one run gave is no place to name (the pipeline then narrows).
+    steps = [{"step": -1, "params_fp": 1}, {"step": 0, "data_fp": 0, "params_fp": 3}]
+    rows = {"a": ("external:graph input @ train.py:7", 5), "b": (label_b, 6)}
+    captures = []
+    for label, (name, fp) in rows.items():
+        steps[1]["data_fp"] = fp
+        captures.append(open_capture(write_capture(
+            tmp_path / f"{label}.h5", step_rows(*steps), attrs={"op_steps": [-1]},
+            tensors=[(0, int(Group.DATA), name, fp, 0.0, 0.0, 4)])))
+    div = analysis.compare_pair(*captures).first_divergence
+    assert div is not None and (div.kind, div.step, div.op) == ("entry", 0, "graph input")
+    assert div.source == ("train.py:7" if placed else None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from nondet import channel
 from nondet.launch import Plan
@@ -144,3 +145,34 @@ def test_a_difference_only_in_rng_state_does_not_stop_the_runs() -> None:
     assert judge.judge(30, *_rows(30, records=0))
     assert judge.training_difference == 30
     assert [judge.judge(s, *_rows(s, records=0)) for s in range(31, 35)] == [True] * 3 + [False]
+
+
+class _FirstPairRun:
+    """What ``Early`` reads of a first-pair run: its strings and data rows as mirrored."""
+
+    def __init__(self, labels: list[str], fps: list[int]) -> None:
+        self.strings = ["", *labels]
+        self.data_rows = {0: [(i + 1, fp) for i, fp in enumerate(fps)]}
+
+
+def _data_rows(step: int) -> tuple[np.void, np.void]:
+    a, b = _rows(step, records=0)
+    a["data_fp"], b["data_fp"] = 5, 6  # the data differs first
+    return a, b
+
+
+@pytest.mark.parametrize("second", ["tf_data:IteratorGetNext @ train.py:9",
+                                    "tf_data:IteratorGetNext"])
+def test_data_the_step_rows_name_at_its_line_starts_no_narrowing_runs(
+        tmp_path: Path, second: str) -> None:
+    # The rows name the finding when the first differing entry carries its line
+    # (finding._data_entry_divergence; the pipeline then narrows nothing): no runs start.
+    # An entry without its line is narrowed: the runs start as before.
+    factory = _Factory(tmp_path)
+    early = Early(factory)  # type: ignore[arg-type]
+    labels = ["external:graph input @ train.py:3", second]
+    early.watch("a", _FirstPairRun(labels, [1, 2]))  # type: ignore[arg-type]
+    early.watch("b", _FirstPairRun(labels, [1, 3]))  # type: ignore[arg-type]
+    early.anticipate(0, *_data_rows(0))
+    assert len(factory.made) == (0 if " @ " in second else 2)
+    _bounded(early.discard)

@@ -31,6 +31,8 @@ from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.tensorflow import data, file_reads, hooks, image_random
 from nondet.frameworks.tensorflow import seeding as tf_seeding
+from nondet.frameworks.tensorflow.entries import Call, CallEntry, call_entries
+from nondet.frameworks.tensorflow.graph import GraphOp
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.frameworks.tensorflow.stage_lines import user_line
@@ -81,6 +83,7 @@ class TFBackend(StepLifecycle):
             self._decline_on_trace = bool(session.config.ops_optional and planned
                                           and max(planned) > INIT_STEP)
             self.recorder = TFOpRecorder(self)
+            self.recorder.host.install()  # tensors made from host data (entries.py)
             self._creator_scope = hooks.install(self)  # kept referenced: see hooks.install
             data.install(self)  # tf.data options, Keras PyDataset workers
             file_reads.install()  # caches and checkpoints read in C, for readback
@@ -106,6 +109,8 @@ class TFBackend(StepLifecycle):
     def _reset_step(self) -> None:
         super()._reset_step()
         self.grads: list[Fp] = []  # eager updates only: traced gradients stay in the graph
+        if hasattr(self, "recorder"):
+            self.recorder.step_order.reset()  # nothing ran yet in the new step (entries.py)
 
     def track(self, variable: Any) -> None:
         files = " ".join(frame.filename for frame in traceback.extract_stack(limit=40))
@@ -190,24 +195,57 @@ class TFBackend(StepLifecycle):
         with tf.init_scope():  # the window flag is assigned now, not in the graph
             self._sync_capture()
 
-    # -- after a traced function ran -----------------------------------------------------------
+    # -- traced calls -----------------------------------------------------------------------------
+    def call_starting(self, function: Any, args: list[Any]) -> Call:
+        """A traced function is called eagerly (``ConcreteFunction._call_flat``) with flat
+        arguments ``args``: its graph inputs made from host data, fingerprinted now (before
+        the call ends the step), named by entries.py."""
+        recorder = self.recorder
+        graph = getattr(function, "_func_graph", None)
+        with recorder.quiet():
+            return call_entries(graph, recorder.trace_order.of(graph), args,
+                                recorder.step_order, recorder.host, self.session.string,
+                                recorder.hash_eager)
+
     def after_function(self) -> None:
-        training_records = len(self.recorder.records)
-        data, updates = self.recorder.collect()
+        recorder = self.recorder
+        call = recorder.calls.pop() if recorder.calls else None  # this call's, if hooked
+        training_records = len(recorder.records)
+        data, updates = recorder.collect()
         if self.evaluating:
-            del self.recorder.records[training_records:]
+            del recorder.records[training_records:]
             return
-        loss = self.recorder.take_loss()
+        loss = recorder.take_loss()
         if loss is not None:
             fp, self.loss_value = loss
             self.losses.append(fp)
-        if data:
-            self.add_data("tf_data:IteratorGetNext", data, -1)  # size not known here
+        self._add_call_data(call, data)
         if updates > 1 and not self.explicit:
             self._note_several_updates()
         for _ in range(updates):
             if not self.explicit:
                 self.boundary()
+
+    def _add_call_data(self, call: Call | None, data: list[tuple[GraphOp, list[Fp]]]) -> None:
+        """The data rows of a traced call: its graph inputs made from host data and the
+        batches its data ops read, in trace order, each placed (named with its line) when
+        nothing before it in the step could have made a difference (Note [Entries named like
+        the op records] in entries.py); then, if its graph may have made one, later entries
+        of the step are not placed."""
+        order = self.recorder.step_order
+        clean = call.clean and not call.waiting if call is not None else order.clean
+        string = self.session.string
+        entries = list(call.entries) if call is not None else []
+        for op, fps in data:
+            name = string(op.name_id)
+            where = string(op.source) if clean and op.unpreceded and op.source >= 0 else ""
+            entries.append(CallEntry(op.order, f"{name} @ {where}" if where else name, fps,
+                                     op.numel))
+        entries.sort(key=lambda entry: entry.position)
+        for entry in entries:
+            self.add_data(entry.label, entry.fps, entry.numel)
+        if call is None or call.busy:
+            order.clean = False
 
     def _note_several_updates(self) -> None:
         """One traced call ran several optimizer updates: each is a step, but they share the

@@ -104,6 +104,11 @@ class GraphOp:
     #: the call's start is its value (Note [First reads] in first_reads.py)
     first: Any = None
 
+    #: a data op: its trace position, and whether nothing that can make a difference was
+    #: traced before it in its graph (entries.TraceOrder: Note [Entries named like the op
+    #: records] in entries.py)
+    order: int = -1
+    unpreceded: bool = False
 
 class OpKeys:
     """An op's descriptions, packed as the tails of its ``combine`` words at its first

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.tensorflow.entries import Call
 from nondet.frameworks.tensorflow.graph import first_replica, under_strategy
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
@@ -61,16 +62,25 @@ class HookHost(RecorderHost, Protocol):
 
     def note_gradients(self, grads: Any) -> None: ...
 
+    def call_starting(self, function: Any, args: list[Any]) -> Call: ...
+
 
 def install(backend: HookHost) -> Any:
     """Hook variable creation, ``GradientTape.gradient`` and tf.data iterators; returns the
     variable creator scope, which the caller keeps referenced (see below)."""
 
     def creator(next_creator: Any, **kwargs: Any) -> Any:
-        variable = next_creator(**kwargs)
-        if not backend.disabled and not backend.making_own_variables:
-            with backend.guarded():
-                backend.track(variable)
+        if backend.disabled or backend.making_own_variables:
+            return next_creator(**kwargs)
+        order = backend.recorder.step_order
+        order.creating += 1  # its initializer's eager ops are not the step's (entries.py)
+        try:
+            variable = next_creator(**kwargs)
+        finally:
+            order.creating -= 1
+        with backend.guarded():
+            backend.track(variable)
+            order.made_variable(variable)
         return variable
 
     # Entered for good (and kept referenced, or leaving the generator would exit it):
@@ -119,8 +129,34 @@ def install(backend: HookHost) -> Any:
         return element
 
     iterator_ops.OwnedIterator.__next__ = iterator_next
+    _hook_calls(backend)
     _save_unguarded(backend)
     return creator_scope
+
+
+def _hook_calls(backend: HookHost) -> None:
+    """Every eager call of a traced function goes through ``ConcreteFunction._call_flat``
+    with its flat inputs and its graph: the graph inputs made from host data are data of
+    the step (entries.py), taken before the call (its end may end the step)."""
+    from tensorflow.python.eager.polymorphic_function import concrete_function
+
+    original = concrete_function.ConcreteFunction._call_flat
+
+    @functools.wraps(original)
+    def call_flat(function: Any, tensor_inputs: Any, captured_inputs: Any) -> Any:
+        if backend.disabled or backend.evaluating or backend.recorder.busy \
+                or not tf.executing_eagerly():  # (busy: nondet's own, the state hash)
+            return original(function, tensor_inputs, captured_inputs)
+        calls = backend.recorder.calls
+        depth = len(calls)
+        with backend.guarded():
+            calls.append(backend.call_starting(function, [*tensor_inputs, *captured_inputs]))
+        try:
+            return original(function, tensor_inputs, captured_inputs)
+        finally:
+            del calls[depth:]  # taken by after_function, unless the call failed
+
+    concrete_function.ConcreteFunction._call_flat = call_flat
 
 
 def _save_unguarded(backend: HookHost) -> None:

@@ -21,6 +21,14 @@ from nondet.frameworks.tensorflow.data import (
     stage_function,
     stateful_parallel_stage,
 )
+from nondet.frameworks.tensorflow.entries import (
+    INERT_EAGER_OPS,
+    MADE_VARIABLES,
+    SHAPE_ONLY_OPS,
+    Call,
+    HostTensors,
+    StepOrder,
+)
 from nondet.frameworks.tensorflow.graph import (
     DATA_OPS,
     DERIVED_OPS,
@@ -34,6 +42,7 @@ from nondet.frameworks.tensorflow.graph import (
     to_host,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, host, on_host_and_small
+from nondet.frameworks.tensorflow.reads import READ
 from nondet.frameworks.tensorflow.stage_lines import StageLines
 from nondet.frameworks.tensorflow.traced import GraphRecorder, TFHost
 from nondet.records import OP_DTYPE, Kind, Phase
@@ -49,6 +58,9 @@ class TFOpRecorder(GraphRecorder):
         self.cache: dict[int, tuple[weakref.ref[Any], Fp]] = {}  # eager tensors
         self.pending: list[Fp] = []  # eager fingerprints of this step, finalized by resolve
         self.stage_lines = StageLines(self.session.sources)  # lines inside tf.data functions
+        self.step_order = StepOrder()  # entries.py: what ran before an entry in its step
+        self.host = HostTensors()  # eager tensors made from host data (entries.py)
+        self.calls: list[Call] = []  # traced calls running (entries.call_entries)
         op_callbacks.add_op_callback(self._callback)
 
     # -- window ----------------------------------------------------------------------------
@@ -58,7 +70,8 @@ class TFOpRecorder(GraphRecorder):
         # Assigned only when it changes: called at every step end, an eager assignment is
         # a dispatch through the op callbacks (~0.5 ms of CPU per step with --ops all)
         if self.instrument and self._vars is not None and self._vars.window != on:
-            self._vars.window_flag.assign(on)
+            with self.quiet():  # nondet's own op: not one of the step's (entries.StepOrder)
+                self._vars.window_flag.assign(on)
             self._vars.window = on
         if not on:
             self.cache = {}
@@ -91,8 +104,12 @@ class TFOpRecorder(GraphRecorder):
                 self.backend.after_function()
             elif op_type.endswith("Dataset") or "DatasetV" in op_type:
                 self._note_dataset(op_type, inputs, attrs)
-            elif self.active and not self.backend.evaluating:
-                self._eager(op_type, inputs, outputs)
+            elif not self.backend.evaluating:
+                if self.step_order.clean and self.backend.started:
+                    # (init is always recorded op by op: its records name its entries)
+                    self._eager_in_clean_step(op_type, inputs, outputs)
+                if self.active:
+                    self._eager(op_type, inputs, outputs)
         except Exception:
             self.backend.hook_failed()  # the script goes on, uncaptured; the report says why
         finally:
@@ -123,6 +140,68 @@ class TFOpRecorder(GraphRecorder):
                 if inner >= 0 else ""))
 
     # -- eager ops -------------------------------------------------------------------------
+    def _eager_in_clean_step(self, op_type: str, inputs: Any, outputs: Any) -> None:
+        """An eager op of the script's while nothing that could make a difference ran
+        earlier in the step (entries.py, Note [Entries named like the op records]). The
+        values a re-run records as entries here become data rows, named as it names them
+        (``_eager``, same call depth): a tensor made from host data at its first use in
+        the step ("external:tensor"), and the outputs of an op it records as an entry (a
+        batch, an optional's value); the step stays clean while the op cannot make a
+        difference from such values (``entries.INERT_EAGER_OPS``), else later entries are
+        not placed."""
+        order = self.step_order
+        if order.creating:
+            return  # a variable's initializer: the value is checked (StepOrder.made_values)
+        numeric_in = [t for t in inputs or () if hashable(t)]
+        numeric_out = [t for t in outputs or () if hashable(t)]
+        if not numeric_in and not numeric_out:
+            return  # a re-run records nothing of it (VarHandleOp, MakeIterator)
+        source = self.session.sources.here(3)
+        for t in numeric_in:
+            if order.is_covered(t):
+                continue
+            holder = self.host.cached_fp(t)
+            if holder is None or op_type in SHAPE_ONLY_OPS:
+                order.clean = False  # computed elsewhere, or host memory used for its shape
+                return
+            if not self._clean_row("external:tensor", source, holder, t):
+                return
+            order.covered([t])
+        entry = _entry_name(op_type, inputs, self.backend.phase)
+        if entry is not None and op_type != READ:  # (a read: its variable was compared)
+            name, batch = entry
+            if batch and self.reordering_stage >= 0:
+                source = self.reordering_stage
+            if numeric_out and not self._clean_row(name, source, [], *numeric_out):
+                return
+        elif op_type not in INERT_EAGER_OPS:
+            order.clean = False
+            return
+        order.covered(numeric_out)
+
+    def _clean_row(self, name: str, source: int, holder: list[Fp], *tensors: Any) -> bool:
+        """A placed data row of ``tensors`` ("name @ line"), after the values of the
+        variables made earlier in the step; False (and the step no longer clean) when
+        those cannot all be taken yet."""
+        order = self.step_order
+        backend = self.backend
+        with self.quiet():
+            if order.made:
+                made = order.made_values(self.hash_eager)
+                if made is None or order.made:
+                    order.clean = False
+                    return False
+                if made:
+                    backend.add_data(MADE_VARIABLES, made, -1)
+            where = self.session.string(source) if source >= 0 else ""
+            if not where:
+                order.clean = False
+                return False
+            if not holder:
+                holder.extend(self.hash_eager(t) for t in tensors)
+        backend.add_data(f"{name} @ {where}", list(holder), numel(tensors[0]))
+        return True
+
     def _eager(self, op_type: str, inputs: Any, outputs: Any) -> None:
         backend = self.backend
         phase = int(backend.phase)
@@ -136,27 +215,15 @@ class TFOpRecorder(GraphRecorder):
         if not outs_t:
             return
         name = self.session.intern(op_type)
-        # A batch read eagerly past the Python iterator hook (a distributed iterator's
-        # get_next_as_optional, as MirroredStrategy's fit uses), or decoded from the
-        # iterator's variant output (a ragged or sparse batch: RaggedTensorFromVariant):
-        # data entering, at the stage that let it vary when there is one, as in a graph.
-        batch = op_type in DATA_OPS or (phase == Phase.DATA and _reads_variant(inputs))
-        if batch:
-            kind, phase = Kind.ENTRY, int(Phase.DATA)
-            name = self.session.intern(f"tf_data:{op_type}")
-            if self.reordering_stage >= 0:
-                source = self.reordering_stage
-        elif op_type in ENTRY_KINDS_OF:
+        kind = Kind.OP
+        entry = _entry_name(op_type, inputs, backend.phase)
+        if entry is not None:
             kind = Kind.ENTRY
-            name = self.session.intern(f"{ENTRY_KINDS_OF[op_type]}:{entry_label(op_type)}")
-        elif _reads_variant(inputs):
-            # A variant input (an encoded list, optional or dataset element) cannot be
-            # hashed, so "its inputs matched" would be vacuous: a differing output is a
-            # value entering, never an op creating the difference.
-            kind = Kind.ENTRY
-            name = self.session.intern(f"external:{op_type}")
-        else:
-            kind = Kind.OP
+            name = self.session.intern(entry[0])
+            if entry[1]:  # a batch
+                phase = int(Phase.DATA)
+                if self.reordering_stage >= 0:
+                    source = self.reordering_stage
         if op_type in DERIVED_OPS and kind == Kind.OP:
             fps = [self._derive(name_code(op_type), ins, t) for t in outs_t]
         else:
@@ -247,6 +314,25 @@ class TFOpRecorder(GraphRecorder):
 
 def _reads_variant(inputs: Any) -> bool:
     return any(getattr(t, "dtype", None) == tf.variant for t in inputs or ())
+
+
+def _entry_name(op_type: str, inputs: Any, phase: Phase) -> tuple[str, bool] | None:
+    """How an eager op whose outputs are entries is named in the records ("kind:what"), and
+    whether it is a batch; None for an op."""
+    # A batch read eagerly past the Python iterator hook (a distributed iterator's
+    # get_next_as_optional, as MirroredStrategy's fit uses), or decoded from the
+    # iterator's variant output (a ragged or sparse batch: RaggedTensorFromVariant):
+    # data entering, at the stage that let it vary when there is one, as in a graph.
+    if op_type in DATA_OPS or (phase == Phase.DATA and _reads_variant(inputs)):
+        return f"tf_data:{op_type}", True
+    if op_type in ENTRY_KINDS_OF:
+        return f"{ENTRY_KINDS_OF[op_type]}:{entry_label(op_type)}", False
+    if _reads_variant(inputs):
+        # A variant input (an encoded list, optional or dataset element) cannot be
+        # hashed, so "its inputs matched" would be vacuous: a differing output is a
+        # value entering, never an op creating the difference.
+        return f"external:{op_type}", False
+    return None
 
 
 def _read_contents(contents: list[Any]) -> list[int]:

@@ -62,6 +62,7 @@ from tensorflow.python.ops import gen_functional_ops
 from nondet.fingerprint import MASK64, name_code
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.tensorflow.entries import TraceOrder
 from nondet.frameworks.tensorflow.first_reads import FirstReads
 from nondet.frameworks.tensorflow.graph import (
     CAPACITY,
@@ -93,10 +94,13 @@ class TFHost(RecorderHost, Protocol):
     """What the recorder asks of the TensorFlow backend (it never imports the backend)."""
 
     evaluating: bool
+    started: bool  # training has started (the init row was sent)
 
     def own_variables(self) -> AbstractContextManager[None]: ...
 
     def after_function(self) -> None: ...
+
+    def add_data(self, label: str, fps: list[Fp], numel: int) -> None: ...
 
     def tracing(self) -> None: ...
 
@@ -129,6 +133,7 @@ class GraphRecorder:
         self.carried: tuple[int, float] | None = None  # loss hash + 1 and value, see collect
         self.reordering_stage = -1  # source of the last tf.data stage built unordered
         self.repeats = RepeatReads()
+        self.trace_order = TraceOrder(self.session.sources)
         self._local = threading.local()
         self.firsts = FirstReads(lambda: backend.tracked_variables(),
                                  lambda needed: backend.variable_contents(needed),
@@ -143,6 +148,11 @@ class GraphRecorder:
             with self.backend.own_variables():
                 self._vars = RecorderVariables(self.active)
         return self._vars
+
+    @property
+    def busy(self) -> bool:
+        """Inside nondet's own work (``quiet``, or the op callback itself) in this thread."""
+        return bool(getattr(self._local, "busy", False))
 
     @contextmanager
     def quiet(self) -> Iterator[None]:
@@ -164,11 +174,16 @@ class GraphRecorder:
         gid = id(graph)
         # before any return: writes count
         self.repeats.note(op_type, inputs, graph, lambda t: self._valued(gid, t))
+        strategy = under_strategy()
+        xla = xla_compiled(graph)
+        # where a re-run's records would name an entry (entries.py), whatever this run records
+        order, unpreceded = self.trace_order.note(op_type, inputs, graph,
+                                             placeable=not (strategy or xla))
         if op_type in SKIPPED_OPS or op_type in LATE_OPS:
             return None
-        if op_type not in DATA_OPS and (not self._window_ahead() or under_strategy()):
+        if op_type not in DATA_OPS and (not self._window_ahead() or strategy):
             return None  # traced after the last op-captured step: a guard would never open
-        if op_type not in DATA_OPS and xla_compiled(graph):
+        if op_type not in DATA_OPS and xla:
             self.backend.note_once("xla", XLA_NOTE)
             return None
         if self.next_slot + len(outputs) + SLOT_MARGIN > CAPACITY:
@@ -196,6 +211,7 @@ class GraphRecorder:
             meta=[describe(t) for t in numeric], producers=producers,
             derived=op_type in DERIVED_OPS and not entry, code=name_code(op_type),
             numel=numel(numeric[0]) if numeric else -1, data=data, graph=gid,
+            order=order, unpreceded=unpreceded,
         )
         if op.derived:
             op.valued = any(self._valued(gid, t) is not None for t in inputs or ()
@@ -355,9 +371,10 @@ class GraphRecorder:
         return self._from_slot(carried[0], self.loss_meta), carried[1]
 
     # -- after a traced function ran -----------------------------------------------------------
-    def collect(self) -> tuple[list[Fp], int]:
-        """Read the slots of the function that just ran: data fingerprints of this call
-        and how many optimizer updates it made. Op records are added if in the window.
+    def collect(self) -> tuple[list[tuple[GraphOp, list[Fp]]], int]:
+        """Read the slots of the function that just ran: the data ops of this call with
+        their fingerprints, and how many optimizer updates it made. Op records are added if
+        in the window.
 
         Graph fingerprints are final here (their contents came back with the slots), so
         they are worked out as plain integers, each op's description packed once
@@ -369,7 +386,7 @@ class GraphRecorder:
         finally:
             self.firsts.called()  # the call may have written any variable
 
-    def _collect(self) -> tuple[list[Fp], int]:
+    def _collect(self) -> tuple[list[tuple[GraphOp, list[Fp]]], int]:
         if self._vars is None:
             return [], 0
         updates, loss_hash, loss_value, values = self._vars.drain(self.next_slot)
@@ -377,7 +394,7 @@ class GraphRecorder:
         self.carried = (loss_hash, loss_value) if loss_hash else None
         if self.next_slot == 0:
             return [], new_updates
-        data: list[Fp] = []
+        data: list[tuple[GraphOp, list[Fp]]] = []
         active = self.active
         table = self.table
         stored_all = values.tolist()
@@ -423,7 +440,7 @@ class GraphRecorder:
                     continue  # did not run
                 op.values = keys.hashed(stored)
             if op.data:
-                data.extend(Fp(v) for v in op.values)
+                data.append((op, [Fp(v) for v in op.values]))
             if active:
                 if ins is None:
                     ins = keys.inputs()

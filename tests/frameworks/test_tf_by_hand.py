@@ -45,12 +45,23 @@ def step(bx):
 
 for bx in ds.take(3):
     step(bx)
+
+with tf.GradientTape() as tape:  # one more eager update, still open when...
+    loss = tf.reduce_mean((x @ w + b) ** 2)
+w.assign_sub(0.1 * tape.gradient(loss, w))
+opt = tf.keras.optimizers.SGD(0.1)  # ...a Keras optimizer takes over the steps
+for _ in range(2):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((x @ w + b) ** 2)
+    opt.apply(tape.gradient(loss, [w, b]), [w, b])
 """
 
 
 def test_updates_by_hand_are_steps(tmp_path: Path) -> None:
     c, _ = run_script(tmp_path, BODY, op_steps=[INIT_STEP, 0])
-    assert c.n_steps == 4 + 3  # four eager updates, three traced; the saliency is none
+    # four eager updates, three traced, one eager (not merged into the first of the Keras
+    # optimizer's two); the saliency is none
+    assert c.n_steps == 4 + 3 + 1 + 2
     rows = [c.step_row(s) for s in range(INIT_STEP, c.n_steps)]
     params = [int(row["params_fp"]) for row in rows if row is not None]
     # every step's snapshot is taken after its assignments, so each differs from the last

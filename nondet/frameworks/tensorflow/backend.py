@@ -150,17 +150,24 @@ class TFBackend(StepLifecycle):
         """A ``GradientTape`` opens (Note [Updates by hand])."""
         if self.optimizer_made or self.explicit:
             return
-        if tf.executing_eagerly():
+        if not tf.executing_eagerly() and under_strategy():
+            # traced in a replica's thread (MirroredStrategy): that thread would own the
+            # steps, which the main thread counts; the first count starts training then
+            return
+        with tf.init_scope():  # traced: the rows are taken outside the graph
             if self.update_pending:
                 self.boundary()
             elif not self.started:
                 self.start_training()
-        elif not self.started and not under_strategy():
-            # traced: the init row is taken outside the graph. Not from a replica's thread
-            # (MirroredStrategy traces each replica in one): that thread would own the
-            # steps, which the main thread counts; the first count starts training then.
-            with tf.init_scope():
-                self.start_training()
+
+    def optimizer_created(self) -> None:
+        """A Keras (or tf_keras) optimizer was made: its updates are the steps from now on,
+        and an update by hand still open ends here (not with the optimizer's first)."""
+        if self.update_pending and not self.explicit:
+            self.boundary()
+        self.optimizer_made = True
+        if not self.started:
+            self.start_training()
 
     def gradients_taken(self, sources: Any, grads: Any) -> None:
         """``tape.gradient(target, sources)`` returned ``grads`` (Note [Updates by hand])."""

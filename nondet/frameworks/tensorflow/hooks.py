@@ -54,6 +54,8 @@ class HookHost(RecorderHost, Protocol):
 
     def start_training(self) -> None: ...
 
+    def optimizer_created(self) -> None: ...
+
     def boundary(self) -> None: ...
 
     def add_data(self, label: str, fps: list[Fp], numel: int) -> None: ...
@@ -320,10 +322,9 @@ def _starting_training(backend: HookHost, original_init: Any) -> Any:
     @not_converted
     def optimizer_init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
         original_init(optimizer, *args, **kwargs)
-        backend.optimizer_made = True
-        if not backend.disabled and not backend.started:
+        if not backend.disabled and not backend.optimizer_made:
             with backend.guarded(), tf.init_scope():
-                backend.start_training()
+                backend.optimizer_created()
 
     return optimizer_init
 

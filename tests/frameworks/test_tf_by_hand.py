@@ -130,3 +130,28 @@ def test_a_library_optimizers_slots_made_while_tracing_are_optimizer_state(
     assert c.n_steps == 2
     groups = {Group(int(r["group"])) for r in c.tensor_rows(0)}
     assert groups == {Group.PARAM, Group.OPTIM}
+
+
+LOOP_BODY = """
+w = tf.Variable(tf.ones([4, 1]))
+x = tf.ones([8, 4])
+
+@tf.function
+def train_epoch(steps):
+    for _ in tf.range(steps):  # the epoch inside one call
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((x @ w) ** 2)
+        w.assign_sub(0.01 * tape.gradient(loss, w))
+
+for _ in range(2):
+    train_epoch(tf.constant(3))
+"""
+
+
+def test_updates_in_a_loop_inside_one_call_are_steps_noted_as_such(tmp_path: Path) -> None:
+    # the note said "such as a GAN's two optimizers" for an epoch looped in a tf.function
+    c, _ = run_script(tmp_path, LOOP_BODY, op_steps=[INIT_STEP])
+    assert c.n_steps == 2 * 3
+    notes = {k for k in c.facts if k.startswith("capture_note.")}
+    assert "capture_note.updates_in_loop" in notes
+    assert "capture_note.updates_per_call" not in notes

@@ -32,7 +32,7 @@ from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.tensorflow import data, file_reads, graph_mode, hooks, image_random
 from nondet.frameworks.tensorflow import seeding as tf_seeding
-from nondet.frameworks.tensorflow.graph import first_replica, under_strategy
+from nondet.frameworks.tensorflow.graph import first_replica, in_loop_body, under_strategy
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.frameworks.tensorflow.stage_lines import user_line
@@ -50,6 +50,11 @@ STEPS_PER_EXECUTION_NOTE = (
     "one traced call made several training steps (Keras steps_per_execution > 1): they share "
     "one weights snapshot and the op records of the first; for a step-exact finding, compile "
     "with steps_per_execution=1")
+LOOP_UPDATES_NOTE = (
+    "one traced call made several optimizer updates in a loop (a training loop inside one "
+    "tf.function, such as `for _ in tf.range(steps)`): each update counts as a step, and they "
+    "share the weights snapshot taken after the call, so a difference made inside the call is "
+    "named at the call's first update; for a step-exact finding, make one update per call")
 UPDATES_PER_CALL_NOTE = (
     "one traced call made several optimizer updates (a training step that applies more than "
     "one, such as a GAN's two optimizers): each counts as a step, and they share the weights "
@@ -68,6 +73,7 @@ class TFBackend(StepLifecycle):
         self._state_hasher: StateHasher | None = None  # made with the recorder's variables
         self.evaluating = False  # inside Keras evaluate/predict (see hooks._mark_evaluation)
         self.fit_steps_per_execution = 0  # 0: no Keras fit running (hooks: the model's value)
+        self.updates_in_loop = False  # an update was counted inside a tf.while_loop body
         self.optimizer_made = False  # a Keras/tf_keras optimizer: its updates are the steps
         self.update_pending = False  # an eager update by hand: the step ends at the next tape
         # before training starts without an optimizer: data entries and op records made
@@ -188,7 +194,12 @@ class TFBackend(StepLifecycle):
             with tf.init_scope():
                 self.start_training()
         if first_replica():  # one update, whatever the replicas (tf.distribute)
-            self.recorder.count_update(grads)
+            self.count_update(grads)
+
+    def count_update(self, grads: Any) -> None:
+        """In a graph being traced: an update counted when the graph runs."""
+        self.updates_in_loop = self.updates_in_loop or in_loop_body()
+        self.recorder.count_update(grads)
 
     def boundary(self) -> None:
         self.update_pending = False
@@ -311,10 +322,13 @@ class TFBackend(StepLifecycle):
     def _note_several_updates(self) -> None:
         """One traced call ran several optimizer updates: each is a step, but they share the
         weights snapshot taken after the call. Worded by its cause: Keras
-        ``steps_per_execution`` (which the user can set to 1), or a step function applying
-        several updates itself (a GAN's two optimizers, critic steps in a loop)."""
+        ``steps_per_execution`` (which the user can set to 1), a training loop inside the
+        function (an update counted in a ``tf.while_loop`` body), or a step function
+        applying several updates itself (a GAN's two optimizers)."""
         if self.fit_steps_per_execution > 1:
             self.note_once("steps_per_execution", STEPS_PER_EXECUTION_NOTE)
+        elif self.updates_in_loop:
+            self.note_once("updates_in_loop", LOOP_UPDATES_NOTE)
         else:
             self.note_once("updates_per_call", UPDATES_PER_CALL_NOTE)
 

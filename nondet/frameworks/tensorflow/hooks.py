@@ -66,6 +66,8 @@ class HookHost(RecorderHost, Protocol):
 
     def note_gradients(self, grads: Any) -> None: ...
 
+    def count_update(self, grads: Any) -> None: ...
+
     def tape_opened(self) -> None: ...
 
     def gradients_taken(self, sources: Any, grads: Any) -> None: ...
@@ -280,7 +282,7 @@ def _update_hook(backend: HookHost, original: Any, split: _Split,
                     backend.session.send_facts({"tf.distribute.strategy": True})
                 if first_replica():  # one update, whatever the replicas (tf.distribute)
                     # in a graph: counted when it runs, once the gradients are
-                    backend.recorder.count_update(grads)
+                    backend.count_update(grads)
         return result
 
     return update

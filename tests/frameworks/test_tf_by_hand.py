@@ -155,3 +155,43 @@ def test_updates_in_a_loop_inside_one_call_are_steps_noted_as_such(tmp_path: Pat
     notes = {k for k in c.facts if k.startswith("capture_note.")}
     assert "capture_note.updates_in_loop" in notes
     assert "capture_note.updates_per_call" not in notes
+
+
+MIRRORED_EAGER = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import numpy as np
+keras.utils.set_random_seed(0)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+x = np.random.default_rng(0).random((96, 4), dtype=np.float32)
+ds = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices(x).batch(32))
+with strategy.scope():
+    w = tf.Variable(tf.ones([4, 1]))
+    opt = keras.optimizers.SGD(0.1) if BY_KERAS else None
+
+def replica_step(bx):  # strategy.run without tf.function: each replica is a thread
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((bx @ w) ** 2)
+    dw = tape.gradient(loss, w)
+    if opt is not None:
+        opt.apply([dw], [w])
+    else:
+        w.assign_sub(0.1 * tf.distribute.get_replica_context().all_reduce("sum", dw))
+
+for epoch in range(2):
+    for batch in ds:
+        strategy.run(replica_step, args=(batch,))
+"""
+
+
+@pytest.mark.parametrize("by_keras", [False, True])
+def test_mirrored_strategy_run_eagerly_counts_one_step_per_batch(
+        tmp_path: Path, by_keras: bool) -> None:
+    # by hand the replicas' threads each ended steps (refused: "trains in two threads at
+    # once"); with a Keras optimizer each replica's apply was a step (6 batches, 12 steps)
+    c, _ = run_script(tmp_path, MIRRORED_EAGER.replace("BY_KERAS", str(by_keras)), header="")
+    assert c.n_steps == 3 * 2

@@ -154,8 +154,8 @@ class TFBackend(StepLifecycle):
 
     def tape_opened(self) -> None:
         """A ``GradientTape`` opens (Note [Updates by hand])."""
-        if self.optimizer_made or self.explicit:
-            return
+        if self.optimizer_made or self.explicit or not first_replica():
+            return  # (the other replicas of a strategy: one update whatever their number)
         if not tf.executing_eagerly() and under_strategy():
             # traced in a replica's thread (MirroredStrategy): that thread would own the
             # steps, which the main thread counts; the first count starts training then
@@ -177,8 +177,8 @@ class TFBackend(StepLifecycle):
 
     def gradients_taken(self, sources: Any, grads: Any) -> None:
         """``tape.gradient(target, sources)`` returned ``grads`` (Note [Updates by hand])."""
-        if self.optimizer_made or self.explicit or self.evaluating:
-            return
+        if self.optimizer_made or self.explicit or self.evaluating or not first_replica():
+            return  # (the other replicas of a strategy: one update whatever their number)
         if not any(_trainable_variable(s) for s in tf.nest.flatten(sources)):
             return
         if tf.executing_eagerly():
@@ -193,8 +193,7 @@ class TFBackend(StepLifecycle):
         elif not self.started:
             with tf.init_scope():
                 self.start_training()
-        if first_replica():  # one update, whatever the replicas (tf.distribute)
-            self.count_update(grads)
+        self.count_update(grads)
 
     def count_update(self, grads: Any) -> None:
         """In a graph being traced: an update counted when the graph runs."""

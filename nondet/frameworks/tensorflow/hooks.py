@@ -273,9 +273,12 @@ def _update_hook(backend: HookHost, original: Any, split: _Split,
                 inside.update = False
         with backend.guarded():
             if tf.executing_eagerly():
-                backend.note_gradients(grads)
-                if not backend.explicit:
-                    backend.boundary()
+                # one update, whatever the replicas: a MirroredStrategy run eagerly applies
+                # in each replica's thread (they made two steps of each batch)
+                if first_replica():
+                    backend.note_gradients(grads)
+                    if not backend.explicit:
+                        backend.boundary()
             else:
                 if under_strategy():
                     backend.note_once("tf_distribute", DISTRIBUTE_NOTE)

@@ -195,3 +195,31 @@ def test_mirrored_strategy_run_eagerly_counts_one_step_per_batch(
     # once"); with a Keras optimizer each replica's apply was a step (6 batches, 12 steps)
     c, _ = run_script(tmp_path, MIRRORED_EAGER.replace("BY_KERAS", str(by_keras)), header="")
     assert c.n_steps == 3 * 2
+
+
+DATA_STAGE = """
+w = tf.Variable(tf.ones([4, 1]))
+
+def adversarial(x):  # a gradient of the model's variables inside a tf.data stage
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(x[None] @ w)
+    return x + 0.01 * tf.reduce_sum(tape.gradient(loss, w))
+
+ds = tf.data.Dataset.from_tensor_slices(tf.ones([16, 4])).map(adversarial).batch(4)
+
+@tf.function
+def step(bx):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((bx @ w) ** 2)
+    w.assign_sub(0.01 * tape.gradient(loss, w))
+
+for bx in ds:
+    step(bx)
+"""
+
+
+def test_a_gradient_inside_a_tf_data_stage_is_no_update(tmp_path: Path) -> None:
+    # tf.data runs the stage on its threads, as far ahead as prefetching goes: counted, the
+    # updates would have fallen in whichever step the pipeline ran in
+    c, _ = run_script(tmp_path, DATA_STAGE, op_steps=[INIT_STEP])
+    assert c.n_steps == 4

@@ -32,7 +32,12 @@ from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.tensorflow import data, file_reads, graph_mode, hooks, image_random
 from nondet.frameworks.tensorflow import seeding as tf_seeding
-from nondet.frameworks.tensorflow.graph import first_replica, in_loop_body, under_strategy
+from nondet.frameworks.tensorflow.graph import (
+    first_replica,
+    in_dataset_function,
+    in_loop_body,
+    under_strategy,
+)
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.frameworks.tensorflow.stage_lines import user_line
@@ -156,9 +161,10 @@ class TFBackend(StepLifecycle):
         """A ``GradientTape`` opens (Note [Updates by hand])."""
         if self.optimizer_made or self.explicit or not first_replica():
             return  # (the other replicas of a strategy: one update whatever their number)
-        if not tf.executing_eagerly() and under_strategy():
-            # traced in a replica's thread (MirroredStrategy): that thread would own the
-            # steps, which the main thread counts; the first count starts training then
+        if not tf.executing_eagerly() and (under_strategy() or in_dataset_function()):
+            # a tf.data stage's trace is no training step; a replica's thread
+            # (MirroredStrategy) would own the steps, which the main thread counts: the
+            # first count starts training then
             return
         with tf.init_scope():  # traced: the rows are taken outside the graph
             if self.update_pending:
@@ -181,6 +187,8 @@ class TFBackend(StepLifecycle):
             return  # (the other replicas of a strategy: one update whatever their number)
         if not any(_trainable_variable(s) for s in tf.nest.flatten(sources)):
             return
+        if not tf.executing_eagerly() and in_dataset_function():
+            return  # run by tf.data's threads, as far ahead as prefetching goes
         if tf.executing_eagerly():
             if not self.started:
                 self.start_training()

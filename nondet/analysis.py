@@ -139,6 +139,12 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         forks = exit_place.fork_notes(a)
         if forks:  # the child of a bare os.fork trained, unrecorded
             raise NondetError(f"no training step was observed in the main process; {forks[0]}")
+        session_run = a.facts.get("tf.session_run")  # frameworks/tensorflow/graph_mode.py
+        if session_run:
+            raise NondetError(
+                "no training step was observed: the script runs a TensorFlow 1 graph with "
+                f"tf.compat.v1.Session.run (first at {session_run}), which nondet does not "
+                "record; it records TensorFlow 2 code (eager, tf.function, Keras)")
         raise NondetError(
             "no training step was observed in either run, so nothing was compared (no "
             "optimizer step, no backward-and-update, no nondet.step()); check that the script "

@@ -10,7 +10,8 @@ then hooks (tensorflow/hooks.py, unless said otherwise):
   steps): layer calls (module paths), optimizer creation (training starts) and updates
   (the step boundary: directly in eager code, counted in-graph for ``tf.function``/``fit``);
 - ``GradientTape.gradient`` (backward phase, and the loss: hashed in eager code, carried
-  out of traced steps by ``TFOpRecorder.carry_loss``);
+  out of traced steps by ``TFOpRecorder.carry_loss``); without a Keras optimizer, a
+  gradient of trainable variables is the script's own update (Note [Updates by hand]);
 - tf.data iterators used from Python (data entering).
 """
 
@@ -25,14 +26,21 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.util import tf_stack
 
 from nondet import channel, frameworks
 from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
-from nondet.frameworks.tensorflow import data, file_reads, hooks, image_random
+from nondet.frameworks.tensorflow import data, file_reads, graph_mode, hooks, image_random
 from nondet.frameworks.tensorflow import seeding as tf_seeding
 from nondet.frameworks.tensorflow.entries import Call, CallEntry, call_entries
-from nondet.frameworks.tensorflow.graph import GraphOp
+from nondet.frameworks.tensorflow.graph import (
+    GraphOp,
+    first_replica,
+    in_dataset_function,
+    in_loop_body,
+    under_strategy,
+)
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.frameworks.tensorflow.stage_lines import user_line
@@ -50,6 +58,11 @@ STEPS_PER_EXECUTION_NOTE = (
     "one traced call made several training steps (Keras steps_per_execution > 1): they share "
     "one weights snapshot and the op records of the first; for a step-exact finding, compile "
     "with steps_per_execution=1")
+LOOP_UPDATES_NOTE = (
+    "one traced call made several optimizer updates in a loop (a training loop inside one "
+    "tf.function, such as `for _ in tf.range(steps)`): each update counts as a step, and they "
+    "share the weights snapshot taken after the call, so a difference made inside the call is "
+    "named at the call's first update; for a step-exact finding, make one update per call")
 UPDATES_PER_CALL_NOTE = (
     "one traced call made several optimizer updates (a training step that applies more than "
     "one, such as a GAN's two optimizers): each counts as a step, and they share the weights "
@@ -69,6 +82,12 @@ class TFBackend(StepLifecycle):
         self._refresher: StateHasher | None = None  # first reads' contents (first_reads.py)
         self.evaluating = False  # inside Keras evaluate/predict (see hooks._mark_evaluation)
         self.fit_steps_per_execution = 0  # 0: no Keras fit running (hooks: the model's value)
+        self.updates_in_loop = False  # an update was counted inside a tf.while_loop body
+        self.optimizer_made = False  # a Keras/tf_keras optimizer: its updates are the steps
+        self.update_pending = False  # an eager update by hand: the step ends at the next tape
+        # before training starts without an optimizer: data entries and op records made
+        # before the latest batch was drawn (see start_training)
+        self._batch_mark: tuple[int, int] | None = None
         super().__init__(session)
         try:
             tf.random.set_seed(session.config.seed)
@@ -88,6 +107,7 @@ class TFBackend(StepLifecycle):
             data.install(self)  # tf.data options, Keras PyDataset workers
             file_reads.install()  # caches and checkpoints read in C, for readback
             image_random.install(self)  # where stateful tf.image.random_* ops are called
+            graph_mode.install(self)  # TensorFlow 1 graph mode: said, not recorded
             tf_seeding.install(session)  # after nondet's own seeding above
             frameworks.after_import("keras", functools.partial(hooks.install_keras, self))
             frameworks.after_import("keras", file_reads.install_keras)
@@ -104,7 +124,102 @@ class TFBackend(StepLifecycle):
             # single-threaded Python), so lockstep runs it in both runs at once (measured in
             # docs/benchmarks.md; turns.Turns).
             self.session.send_meta({channel.META_OVERLAP_FIRST_STEP: True})
+        mark, self._batch_mark = self._batch_mark, None
+        if mark is None or self.optimizer_made or self.started:
+            super().start_training()
+            return
+        # Training started by hand (a tape opened, no optimizer) after the script drew the
+        # batch it trains on: that batch is step 0's, not init's.
+        data, self.data = self.data[mark[0]:], self.data[:mark[0]]
+        records = self.recorder.records
+        held, self.recorder.records = records[mark[1]:], records[:mark[1]]
         super().start_training()
+        self.data.extend(data)
+        if self.session.captures_ops(self.session.step):
+            init, forward = int(Phase.INIT), int(Phase.FORWARD)  # made before training began
+            self.recorder.records.extend(
+                (r[0], forward, *r[2:]) if r[1] == init else r for r in held)
+
+    # Note [Updates by hand]
+    # ~~~~~~~~~~~~~~~~~~~~~~
+    # Steps are optimizer updates, but a script may update its variables without a Keras
+    # optimizer: ``w.assign_sub(lr * dw)`` (TensorFlow's "basic training loops" guide), a
+    # Sonnet 2 optimizer (``snt.optimizers.Adam().apply(grads, params)``, a tf.Module),
+    # or any other library's. Before, such a script had no step at all ("no training step
+    # was observed", exit 2). With no Keras optimizer made, a ``GradientTape.gradient``
+    # whose sources include a trainable variable is taken as one update: in a traced
+    # function counted in-graph like an optimizer's (after the gradients), so the call's
+    # state snapshot holds the assignments that follow; in eager code the step stays open
+    # (``update_pending``) until the next tape opens or batch is drawn, as torch's
+    # backward-and-update does, so the assignments made after the gradient belong to it.
+    # Training starts when the first tape opens: that tape records step 0's forward. A
+    # gradient of anything else (an input image, a penalty's interpolates) is no update.
+
+    def before_batch(self) -> None:
+        """A tf.data batch is about to be drawn in Python."""
+        if self.update_pending and not self.explicit:
+            self.boundary()
+        elif not self.started and not self.optimizer_made:
+            self._batch_mark = (len(self.data), len(self.recorder.records))
+
+    def tape_opened(self) -> None:
+        """A ``GradientTape`` opens (Note [Updates by hand])."""
+        if self.optimizer_made or self.explicit or not first_replica():
+            return  # (the other replicas of a strategy: one update whatever their number)
+        if not tf.executing_eagerly() and (under_strategy() or in_dataset_function()):
+            # a tf.data stage's trace is no training step; a replica's thread
+            # (MirroredStrategy) would own the steps, which the main thread counts: the
+            # first count starts training then
+            return
+        with tf.init_scope():  # traced: the rows are taken outside the graph
+            if self.update_pending:
+                self.boundary()
+            elif not self.started:
+                self.start_training()
+
+    def optimizer_created(self) -> None:
+        """A Keras (or tf_keras) optimizer was made: its updates are the steps from now on,
+        and an update by hand still open ends here (not with the optimizer's first)."""
+        if self.update_pending and not self.explicit:
+            self.boundary()
+        self.optimizer_made = True
+        if not self.started:
+            self.start_training()
+
+    def gradients_taken(self, sources: Any, grads: Any) -> None:
+        """``tape.gradient(target, sources)`` returned ``grads`` (Note [Updates by hand])."""
+        if self.optimizer_made or self.explicit or self.evaluating or not first_replica():
+            return  # (the other replicas of a strategy: one update whatever their number)
+        if not any(_trainable_variable(s) for s in tf.nest.flatten(sources)):
+            return
+        if not tf.executing_eagerly() and in_dataset_function():
+            return  # run by tf.data's threads, as far ahead as prefetching goes
+        if tf.executing_eagerly():
+            if not self.started:
+                self.start_training()
+            self.note_gradients(grads)
+            self.update_pending = True
+            return
+        if under_strategy():
+            self.note_once("tf_distribute", hooks.DISTRIBUTE_NOTE)
+            self.session.send_facts({"tf.distribute.strategy": True})
+        elif not self.started:
+            with tf.init_scope():
+                self.start_training()
+        self.count_update(grads)
+
+    def count_update(self, grads: Any) -> None:
+        """In a graph being traced: an update counted when the graph runs."""
+        self.updates_in_loop = self.updates_in_loop or in_loop_body()
+        self.recorder.count_update(grads)
+
+    def boundary(self) -> None:
+        self.update_pending = False
+        super().boundary()
+
+    def _end_pending_step(self) -> None:
+        if self.update_pending:  # an update by hand that no later tape or batch closed
+            self.boundary()
 
     def _reset_step(self) -> None:
         super()._reset_step()
@@ -114,6 +229,13 @@ class TFBackend(StepLifecycle):
 
     def track(self, variable: Any) -> None:
         files = " ".join(frame.filename for frame in traceback.extract_stack(limit=40))
+        if "__autograph_generated_file" in files:
+            # TensorFlow's stack, mapped back through AutoGraph: a library's optimizer that
+            # makes its slots while a tf.function traces (Sonnet's Adam) runs as generated
+            # code, whose file names say nothing of "/optimizers/" (its state was grouped as
+            # buffers). Only then: it costs twice the Python stack (~90 us at depth 100)
+            frames = list(tf_stack.extract_stack())[-40:]
+            files = " ".join(frame.filename for frame in frames)
         group = variable_group(variable, files)
         source = self.session.sources.here(3)
         try:
@@ -250,10 +372,13 @@ class TFBackend(StepLifecycle):
     def _note_several_updates(self) -> None:
         """One traced call ran several optimizer updates: each is a step, but they share the
         weights snapshot taken after the call. Worded by its cause: Keras
-        ``steps_per_execution`` (which the user can set to 1), or a step function applying
-        several updates itself (a GAN's two optimizers, critic steps in a loop)."""
+        ``steps_per_execution`` (which the user can set to 1), a training loop inside the
+        function (an update counted in a ``tf.while_loop`` body), or a step function
+        applying several updates itself (a GAN's two optimizers)."""
         if self.fit_steps_per_execution > 1:
             self.note_once("steps_per_execution", STEPS_PER_EXECUTION_NOTE)
+        elif self.updates_in_loop:
+            self.note_once("updates_in_loop", LOOP_UPDATES_NOTE)
         else:
             self.note_once("updates_per_call", UPDATES_PER_CALL_NOTE)
 
@@ -356,3 +481,9 @@ class TFBackend(StepLifecycle):
         super().disable()
         if hasattr(self, "recorder"):
             self.recorder.active = False
+
+
+def _trainable_variable(value: Any) -> bool:
+    """A trainable variable (TensorFlow's or Keras'), which a script updating by hand
+    assigns to after taking its gradient."""
+    return getattr(value, "trainable", False) is True and hasattr(value, "assign_sub")

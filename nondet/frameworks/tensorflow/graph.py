@@ -371,6 +371,28 @@ def recordable_graph(graph: Any) -> bool:
     return True
 
 
+def in_dataset_function() -> bool:
+    """Traced inside a tf.data function (a ``map``/``filter`` stage's), which runs on
+    tf.data's threads, as far ahead as prefetching goes: never a training step."""
+    graph: Any = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if str(getattr(graph, "name", "")).startswith("Dataset_"):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def in_loop_body() -> bool:
+    """Traced inside a ``tf.while_loop`` body (a ``for _ in tf.range(n)`` loop that AutoGraph
+    converted), in the function being traced or a graph it is nested in."""
+    graph: Any = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if type(graph).__name__ == "WhileBodyFuncGraph":
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
 def describe(t: Any) -> tuple[int, ...]:
     dims = [-1 if d is None else int(d) for d in (t.shape.as_list() if t.shape.rank is not None
                                                    else [])]

@@ -1,7 +1,9 @@
 """The script's TensorFlow and Keras calls hooked for the backend (``TFBackend``).
 
 - variable creation (a variable creator): every ``tf.Variable`` with the line that made it;
-- ``GradientTape.gradient``: the backward phase, and the loss (``note_loss``);
+- ``GradientTape.gradient``: the backward phase, and the loss (``note_loss``); without an
+  optimizer the script updates its variables by hand, and a gradient of them is an update
+  (``gradients_taken``; a tape opening starts training and closes such an update);
 - tf.data iterators used from Python: data entering;
 - Keras (once ``keras`` has finished importing): layer calls (module paths), optimizer
   creation (training starts) and updates (the step boundary in eager code, counted in-graph
@@ -42,6 +44,7 @@ class HookHost(RecorderHost, Protocol):
 
     recorder: TFOpRecorder
     started: bool
+    optimizer_made: bool  # a Keras (or tf_keras) optimizer exists: its updates are the steps
     explicit: bool  # nondet.step() is in charge of boundaries
     evaluating: bool  # inside Keras evaluate/predict
     fit_steps_per_execution: int  # of the Keras model whose fit/train_on_batch is running
@@ -51,6 +54,8 @@ class HookHost(RecorderHost, Protocol):
     def guarded(self) -> AbstractContextManager[None]: ...
 
     def start_training(self) -> None: ...
+
+    def optimizer_created(self) -> None: ...
 
     def boundary(self) -> None: ...
 
@@ -63,6 +68,14 @@ class HookHost(RecorderHost, Protocol):
     def note_gradients(self, grads: Any) -> None: ...
 
     def call_starting(self, function: Any, args: list[Any]) -> Call: ...
+
+    def count_update(self, grads: Any) -> None: ...
+
+    def tape_opened(self) -> None: ...
+
+    def gradients_taken(self, sources: Any, grads: Any) -> None: ...
+
+    def before_batch(self) -> None: ...
 
 
 def install(backend: HookHost) -> Any:
@@ -99,11 +112,26 @@ def install(backend: HookHost) -> Any:
             backend.note_loss(target)
         previous, backend.phase = backend.phase, Phase.BACKWARD
         try:
-            return original_gradient(tape, target, *args, **kwargs)
+            grads = original_gradient(tape, target, *args, **kwargs)
         finally:
             backend.phase = previous
+        with backend.guarded():
+            backend.gradients_taken(args[0] if args else kwargs.get("sources"), grads)
+        return grads
 
     tf.GradientTape.gradient = gradient
+
+    original_enter = tf.GradientTape.__enter__
+
+    @functools.wraps(original_enter)
+    @not_converted
+    def enter(tape: Any) -> Any:
+        if not backend.disabled:
+            with backend.guarded():
+                backend.tape_opened()
+        return original_enter(tape)
+
+    tf.GradientTape.__enter__ = enter
 
     from tensorflow.python.data.ops import iterator_ops
 
@@ -114,6 +142,8 @@ def install(backend: HookHost) -> Any:
     def iterator_next(iterator: Any) -> Any:
         if backend.disabled or backend.evaluating or not tf.executing_eagerly():
             return original_next(iterator)
+        with backend.guarded():
+            backend.before_batch()
         previous, backend.phase = backend.phase, Phase.DATA
         try:
             element = original_next(iterator)
@@ -279,16 +309,19 @@ def _update_hook(backend: HookHost, original: Any, split: _Split,
                 inside.update = False
         with backend.guarded():
             if tf.executing_eagerly():
-                backend.note_gradients(grads)
-                if not backend.explicit:
-                    backend.boundary()
+                # one update, whatever the replicas: a MirroredStrategy run eagerly applies
+                # in each replica's thread (they made two steps of each batch)
+                if first_replica():
+                    backend.note_gradients(grads)
+                    if not backend.explicit:
+                        backend.boundary()
             else:
                 if under_strategy():
                     backend.note_once("tf_distribute", DISTRIBUTE_NOTE)
                     backend.session.send_facts({"tf.distribute.strategy": True})
                 if first_replica():  # one update, whatever the replicas (tf.distribute)
                     # in a graph: counted when it runs, once the gradients are
-                    backend.recorder.count_update(grads)
+                    backend.count_update(grads)
         return result
 
     return update
@@ -330,9 +363,9 @@ def _starting_training(backend: HookHost, original_init: Any) -> Any:
     @not_converted
     def optimizer_init(optimizer: Any, *args: Any, **kwargs: Any) -> None:
         original_init(optimizer, *args, **kwargs)
-        if not backend.disabled and not backend.started:
+        if not backend.disabled and not backend.optimizer_made:
             with backend.guarded(), tf.init_scope():
-                backend.start_training()
+                backend.optimizer_created()
 
     return optimizer_init
 

@@ -321,6 +321,7 @@ class GraphRecorder:
         inline saved 0.5-3.6 ms of the ~18-20 ms of CPU the hashes add per step and cost
         1.3-1.4 s more CPU in the trace and first call: 400 steps or more to repay
         (docs/benchmarks.md, TensorFlow)."""
+        t = _as_declared(t)
         if always:
             plan = static_plan(t)
             hasher = self.vars.hasher
@@ -453,3 +454,17 @@ class GraphRecorder:
         fp.content, fp.meta = (stored - 1) & MASK64, meta
         fp.finalize()
         return fp
+
+
+def _as_declared(t: Any) -> Any:
+    """``t`` as hashed: an output whose static shape holds no element is hashed empty, as the
+    graph declares it. oneDNN's kernels (the default on x86 CPUs) return
+    FusedBatchNormGradV2/V3's unused reserve spaces, shaped (0,) in the graph, with one
+    value: the guard planned for an empty tensor refused to reshape it, and the captured run
+    failed inside the script's step ("the script failed": a tf_keras or Sonnet BatchNorm
+    under op-level capture); hashed as made, the value is whatever the kernel left there."""
+    if t.shape.is_fully_defined() and t.shape.num_elements() == 0:
+        # not a slice of ``t``: grappler drops a slice it sees take the whole (empty) input
+        with tf.control_dependencies([t]):  # the write still waits for the op
+            return tf.zeros(t.shape, t.dtype)
+    return t

@@ -34,7 +34,12 @@ MASK64 = (1 << 64) - 1
 #: share their base's version]) instead of being hashed again. 4: TensorFlow graphs derive
 #: ``Tile``, ``BroadcastTo`` and ``FloorMod`` outputs, and a variable read right after a
 #: write to it (tensorflow/reads.py, Note [Reads after a write]), instead of hashing them.
-SCHEME = "4"
+#: 5: a call of torch.optim's Adam or SGD update kernel is one op record whose outputs
+#: (parameters, gradients, optimizer state) are derived from the call's inputs at their
+#: list index (torch/kernels.py, Note [Optimizer kernels as one record]), where each of
+#: its ~9 pointwise ops per parameter was a record: op rows and the per-tensor fingerprints
+#: of a step with op-level capture are not those of scheme 4.
+SCHEME = "5"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device
 _CHUNK_KEY_OFFSET = 1 << 40  # chunk weights come from a disjoint part of the key stream

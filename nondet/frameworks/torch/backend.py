@@ -33,7 +33,7 @@ from nondet import channel, loop_end
 from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.step_thread import STEP_THREAD
-from nondet.frameworks.torch import children, comm, compiled, cuda, draws, owners
+from nondet.frameworks.torch import children, comm, compiled, cuda, draws, kernels, owners
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
@@ -106,6 +106,7 @@ class TorchBackend(StepLifecycle):
         self.entries.install()
         compiled.install(self)
         children.install(self)
+        kernels.install(self)
         comm.install(self._work_waited)
         cuda.install_replay_hook(self.recorder.graph_outputs,
                                  lambda: not self.disabled and self.recorder.window, self.guarded)

@@ -295,7 +295,7 @@ def test_nondet_failing_around_the_kernel_runs_it_once_and_reports(
         plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
         for step in range(4):
             _train(plain, plain_opt, step, None)
-        with kernels_recorded(monkeypatch) as (rec, host, mode):
+        with kernels_recorded(monkeypatch) as (_rec, host, mode):
             model = _model()
             optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
             for step in range(3):
@@ -317,7 +317,7 @@ def test_nondet_failing_around_the_kernel_runs_it_once_and_reports(
 
 def test_the_kernels_own_error_reaches_the_script_unchanged(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    with kernels_recorded(monkeypatch) as (rec, host, mode):
+    with kernels_recorded(monkeypatch) as (_rec, host, mode):
         params = [torch.ones(3)]
         with mode, torch.no_grad():
             wrapped = SGD_MODULE._single_tensor_sgd

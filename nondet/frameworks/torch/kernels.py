@@ -160,7 +160,7 @@ class KernelCalls:
         for key, value in (*enumerate(args), *sorted(kwargs.items())):
             kind = type(value)
             if kind is list or kind is tuple:
-                kinds = set()
+                kinds: set[Any] = set()
                 for t in value:
                     if t is None:
                         kinds.add(None)

@@ -27,7 +27,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+from torch.utils._python_dispatch import (
+    _disable_current_modes,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
 
 from nondet import channel, loop_end
 from nondet.frameworks.base import Session, StepLifecycle, StepState
@@ -320,10 +324,14 @@ class TorchBackend(StepLifecycle):
         was_paused, was_active = self.paused, self.recorder.active
         self.paused, self.recorder.active = True, False
         try:
-            if _dispatch_depth() or _pre_dispatch_depth():
+            depth = _dispatch_depth()
+            if _pre_dispatch_depth() or depth > 1:
                 with _disable_current_modes(), torch.no_grad():
                     yield
-            else:  # no mode to take off (steps without op capture): what it would do
+            elif depth:  # one mode (ours, in steps with op capture): what it would do
+                with _pop_mode_temporarily(), torch.no_grad():
+                    yield
+            else:  # no mode to take off (steps without op capture)
                 with torch.no_grad():
                     yield
         finally:

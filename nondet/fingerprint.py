@@ -37,7 +37,12 @@ MASK64 = (1 << 64) - 1
 #: 5: TensorFlow graphs derive ``MaxPool`` outputs from their input's;
 #: TensorFlow step rows hold the data that entered (graph inputs made from host data,
 #: a clean step's eager entries, the initial values of the variables a step made:
-#: tensorflow/entries.py), so their ``data_fp`` is no longer 0.
+#: tensorflow/entries.py), so their ``data_fp`` is no longer 0; and
+#: a call of torch.optim's Adam or SGD update kernel is one op record whose outputs
+#: (parameters, gradients, optimizer state) are derived from the call's inputs at their
+#: list index (torch/kernels.py, Note [Optimizer kernels as one record]), where each of
+#: its ~9 pointwise ops per parameter was a record: op rows and the per-tensor fingerprints
+#: of a step with op-level capture are not those of scheme 4.
 SCHEME = "5"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device

@@ -21,19 +21,32 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+from torch.utils._python_dispatch import (
+    _disable_current_modes,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
 
 from nondet import channel, loop_end
 from nondet.frameworks.base import Session, StepLifecycle, StepState
 from nondet.frameworks.fp import Fp, group_fp
 from nondet.frameworks.step_thread import STEP_THREAD
-from nondet.frameworks.torch import children, comm, compiled, cuda, draws, nocompile, owners
+from nondet.frameworks.torch import (
+    children,
+    comm,
+    compiled,
+    cuda,
+    draws,
+    kernels,
+    nocompile,
+    owners,
+)
 from nondet.frameworks.torch import seeding as torch_seeding
 from nondet.frameworks.torch.entries import DataEntries
 from nondet.frameworks.torch.hashing import TorchHasher
@@ -43,12 +56,16 @@ from nondet.frameworks.torch.state import Named as Tensors
 from nondet.frameworks.torch.state import (
     holds_values,
     module_paths,
+    named_params,
     named_state,
     torch_environment,
     torch_facts,
 )
 from nondet.frameworks.torch.stepstate import Named, StateFingerprints
 from nondet.records import Kind, Phase
+
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_pre_dispatch_depth: Callable[[], int] = torch._ops._len_torch_dispatch_stack_pre_dispatch
 
 
 class TorchBackend(StepLifecycle):
@@ -117,6 +134,7 @@ class TorchBackend(StepLifecycle):
         self.entries.install()
         compiled.install(self)
         children.install(self)
+        kernels.install(self)
         comm.install(self._work_waited)
         cuda.install_replay_hook(self.recorder.graph_outputs,
                                  lambda: not self.disabled and self.recorder.window, self.guarded)
@@ -359,16 +377,28 @@ class TorchBackend(StepLifecycle):
         was_paused, was_active = self.paused, self.recorder.active
         self.paused, self.recorder.active = True, False
         try:
-            with _disable_current_modes(), torch.no_grad():
-                yield
+            depth = _dispatch_depth()
+            if _pre_dispatch_depth() or depth > 1:
+                with _disable_current_modes(), torch.no_grad():
+                    yield
+            elif depth:  # one mode (ours, in steps with op capture): what it would do
+                with _pop_mode_temporarily(), torch.no_grad():
+                    yield
+            else:  # no mode to take off (steps without op capture)
+                with torch.no_grad():
+                    yield
         finally:
             self.paused, self.recorder.active = was_paused, was_active and not self.disabled
 
     # -- step-level state ------------------------------------------------------------------------
     def _named_state(self) -> tuple[Tensors, Tensors, Tensors]:
-        """The step state's named tensors; held state joins once the step count has changed
-        owner since it was held, or is about to at this step's end (the gradients are read
-        before it) (Note [State made on another thread])."""
+        """The step state's named tensors (Note [State made on another thread])."""
+        self._join_held()
+        return named_state(self.roots, self.optimizers, self.param_names, self.owner_names)
+
+    def _join_held(self) -> None:
+        """Held state joins once the step count has changed owner since it was held, or is
+        about to at this step's end (the gradients are read before it)."""
         handing_over = STEP_THREAD.handing_over()
         if handing_over or STEP_THREAD.changes != self.owner_changes:
             # the change about to be counted is this one, not a later owner's
@@ -376,10 +406,10 @@ class TorchBackend(StepLifecycle):
             self.roots += self.held_roots
             self.optimizers += self.held_optimizers
             self.held_roots, self.held_optimizers = [], []
-        return named_state(self.roots, self.optimizers, self.param_names, self.owner_names)
 
     def _grad_snapshot(self) -> Named:
-        params, _, _ = self._named_state()
+        self._join_held()
+        params = named_params(self.roots, self.optimizers, self.param_names, self.owner_names)
         with self.paused_capture():
             return self.state_fps.named([(n, p.grad) for n, p in params if p.grad is not None],
                                         detailed=self.session.captures_ops())

@@ -204,6 +204,9 @@ class FingerprintCache(StepRecords):
         #: and hashed again after the op (Note [Writes during an op] in shared.py).
         self.shared_is_volatile = False
         self.rereads: list[tuple[Fp, Fp]] = []  # (before, after) still on a device
+        #: ops recorded so far whose outputs were not derived from their inputs (hashed,
+        #: uninitialized, wrapped, a collective's): kernels.py checks a kernel's first call
+        self.underived = 0
 
     # -- fingerprints -----------------------------------------------------------------------
 

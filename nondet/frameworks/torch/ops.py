@@ -192,6 +192,9 @@ class OpRecorder(FingerprintCache):
             # (set_ changes which memory a tensor shows, not the memory's bytes)
             for t in outputs:
                 self.note_write(t)
+        if info.aux or info.partly_written or info.comm or info.uninit_output \
+                or info.from_storage or garbage_moved:
+            self.underived += 1  # outputs not derived from inputs (kernels.py)
         if info.aux:  # never hashed nor compared (optable.AUX_OUTPUTS)
             aux = aux_tensors(out, info.aux)
             outputs = [t for t in outputs if not any(t is a for a in aux)]
@@ -225,6 +228,8 @@ class OpRecorder(FingerprintCache):
             # (what ``remember`` and ``wrote`` do, without looking the entries up again)
             derived = info.pointwise and not (info.move
                                               and cuda.crosses_devices(args, outputs))
+            if outputs and not derived:
+                self.underived += 1  # hashed (kernels.py)
             parents = ins + taints
             settling = self.settling if mutates else None
             for t in outputs:

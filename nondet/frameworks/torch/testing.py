@@ -78,6 +78,33 @@ class RecordMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped
             self.recorder.op_out = None  # as CaptureMode: the op's output is not kept alive
 
 
+class KernelHost:
+    """What kernels.KernelCalls asks of the backend, for a recorder driven by ``mode``."""
+
+    def __init__(self, rec: OpRecorder, mode: TorchDispatchMode) -> None:
+        self.recorder = rec
+        self.mode = mode
+        self.disabled = False
+        self.paused = False
+        self.failures = 0  # hook_failed calls (nondet's own errors)
+
+    @property
+    def session(self) -> Any:
+        return self.recorder.session
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.OPTIMIZER
+
+    def current_module(self) -> int:
+        return -1
+
+    def hook_failed(self) -> None:
+        self.failures += 1
+        self.disabled = True
+        self.recorder.window = self.recorder.active = False
+
+
 def recorder(keep: bool = False) -> OpRecorder:
     return OpRecorder(FakeHost(keep))  # type: ignore[arg-type]  # a partial host
 

@@ -112,6 +112,11 @@ class KernelCalls:
     def wrap(self, original: Callable[..., Any], name: str) -> Callable[..., Any]:
         @functools.wraps(original)
         def kernel(*args: Any, **kwargs: Any) -> Any:
+            # Traced by Dynamo (a compiled ``opt.step``): the kernel alone, before any of
+            # nondet's state is read, which Dynamo would guard on and recompile the user's
+            # function when it changes (Note [nondet's frames and Dynamo] in nocompile.py)
+            if torch.compiler.is_compiling():
+                return original(*args, **kwargs)
             return self.call(original, name, args, kwargs)
 
         kernel.__nondet_kernel__ = original  # type: ignore[attr-defined]

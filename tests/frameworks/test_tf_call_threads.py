@@ -5,7 +5,8 @@ on the recorder's shared call stack, so the main thread's traced call lost its e
 the other thread's call trimmed them away) at points set by thread timing: a deterministic
 script's data rows differed between two runs, a false alarm. Each script runs twice as the
 first pair runs it; every step has exactly one row of its graph input, and the two runs'
-data rows are the same."""
+data rows are the same. Likewise a batch drawn in Python by a loader thread is no data of
+the step the main thread happens to be in."""
 
 from __future__ import annotations
 
@@ -69,6 +70,20 @@ stop.set()
 thread.join()
 """
 
+LOADER = """
+import queue
+ds = tf.data.Dataset.from_tensor_slices(X).batch(16).repeat()
+batches = queue.Queue(maxsize=4)
+def loader():  # a Python thread drawing from tf.data eagerly, feeding the training loop
+    for i, xb in enumerate(ds):
+        if i >= STEPS:
+            break
+        batches.put(xb.numpy())
+threading.Thread(target=loader, daemon=True).start()
+for _ in range(STEPS):
+    train(batches.get())
+"""
+
 STEPS = 40
 
 
@@ -107,3 +122,9 @@ def test_a_tf_function_in_a_tf_data_py_function_leaves_the_steps_data_alone(
 def test_a_tf_function_called_by_a_background_thread_leaves_the_steps_data_alone(
         tmp_path: Path) -> None:
     _check(tmp_path, BACKGROUND)
+
+
+def test_a_loader_thread_drawing_from_tf_data_leaves_the_steps_data_alone(
+        tmp_path: Path) -> None:
+    # its batches were data rows of whichever step the main thread was in
+    _check(tmp_path, LOADER)

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.step_thread import STEP_THREAD
 from nondet.frameworks.tensorflow.entries import Call
 from nondet.frameworks.tensorflow.graph import first_replica, under_strategy
 from nondet.frameworks.tensorflow.hashing import hashable
@@ -140,7 +141,10 @@ def install(backend: HookHost) -> Any:
     @functools.wraps(original_next)
     @not_converted
     def iterator_next(iterator: Any) -> Any:
-        if backend.disabled or backend.evaluating or not tf.executing_eagerly():
+        if backend.disabled or backend.evaluating or not tf.executing_eagerly() \
+                or (backend.recorder.foreign() and not STEP_THREAD.owned()):
+            # (a loader thread feeding a queue: its batches are drawn at points of the
+            # step set by thread timing; Note [Calls from other threads])
             return original_next(iterator)
         with backend.guarded():
             backend.before_batch()
@@ -178,6 +182,8 @@ def install(backend: HookHost) -> Any:
 # fingerprints to the step's; all at points set by thread timing, so a deterministic
 # script's data rows differed between runs (a false alarm, "data: runs diverge"). Calls,
 # first reads (first_reads.py) and the step order are kept for the recorder's thread only.
+# Likewise a batch drawn in Python by another thread (a loader thread feeding a queue) is
+# no data of the step it happens to fall in, unless that thread trains (owns the steps).
 
 
 def _hook_calls(backend: HookHost) -> None:

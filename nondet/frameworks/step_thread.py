@@ -66,6 +66,10 @@ class StepThread:
         return owner is not None and owner is not threading.current_thread() \
             and owner.is_alive()
 
+    def owned(self) -> bool:
+        """True if the calling thread owns the step count."""
+        return self._owner is threading.current_thread()
+
     def handing_over(self) -> bool:
         """True if the calling thread's next step end takes the step count over from an
         owner that has ended (or already did: ``changes`` tells which)."""

@@ -135,3 +135,49 @@ def test_a_batch_read_eagerly_by_a_loop_is_named_as_the_op_records_name_it(
         assert _data(c, step)[:2] == [f"tf_data:IteratorGetNext @ {loop}",
                                       "tf_data:iterator next"]
         assert not any(d.startswith("external:graph input") for d in _data(c, step))
+
+
+def test_a_batch_read_in_a_nested_function_is_placed_only_if_its_callers_traced_nothing_first(
+        tmp_path: Path) -> None:
+    # A nested tf.function is traced inside its caller's trace: an op the caller traced
+    # before calling it runs first, and a re-run records it before the batch (entries.py,
+    # TraceOrder._unpreceded). Before, only the callee's own graph was looked at: the batch
+    # of ``after_op`` was placed while the same code written flat was not.
+    body = """
+    import nondet
+    it = iter(tf.data.Dataset.from_tensor_slices(arr).batch(4).repeat())
+    w = tf.Variable(tf.ones([4, 1]))
+    flat = tf.ones([2, 4])
+
+    @tf.function
+    def draw(it):
+        return it.get_next()
+
+    @tf.function
+    def after_op(it, flat):
+        noise = tf.reduce_sum(tf.matmul(flat, w))  # can make a difference, traced first
+        return tf.reduce_sum(draw(it) @ w) + noise
+
+    @tf.function
+    def after_op_flat(it, flat):  # the same without the nesting
+        noise = tf.reduce_sum(tf.matmul(flat, w))
+        return tf.reduce_sum(it.get_next() @ w) + noise
+
+    @tf.function
+    def draw_first(it):  # (a function of its own: a nested one is traced once, then shared)
+        return it.get_next()  # DRAW FIRST
+
+    @tf.function
+    def first(it, flat):  # the batch first: placed, nested or not
+        x = draw_first(it)
+        return tf.reduce_sum(x @ w) + tf.reduce_sum(tf.matmul(flat, w))
+
+    for step in range(3):
+        (after_op, after_op_flat, first)[step](it, flat)
+        nondet.step()
+    """
+    c = _first_pair_run(tmp_path, body)
+    batches = [[d for d in _data(c, step) if d.startswith("tf_data:IteratorGetNext")]
+               for step in range(3)]
+    assert batches == [["tf_data:IteratorGetNext"], ["tf_data:IteratorGetNext"],
+                       [f"tf_data:IteratorGetNext @ {line_of(tmp_path, '# DRAW FIRST')}"]]

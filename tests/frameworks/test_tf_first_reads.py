@@ -124,3 +124,38 @@ def test_a_dataset_function_that_writes_a_variable_keeps_reads_hashed(tmp_path: 
     for step in (0, 1):
         reads = [r["out"] for r in records(c, step) if r["name"] == "variable:variable read"]
         assert reads == [_fp(np.arange(6, dtype=np.float32))]
+
+
+FAILED_CALL = """
+import nondet
+
+v = tf.Variable(tf.range(6, dtype=tf.float32), name="v")
+
+@tf.function
+def step(x):
+    a = v.read_value() * 2.0  # a first read
+    written = v.assign_add(tf.ones([6]))
+    with tf.control_dependencies([written]):
+        x = tf.debugging.check_numerics(x, "bad input")  # fails after the write
+    return tf.reduce_sum(a * x)
+
+step(tf.ones([6]))
+nondet.step()  # step 0: v is range + 1 after it
+try:
+    step(tf.fill([6], float("nan")))  # writes v (range + 2), then raises
+except tf.errors.InvalidArgumentError:
+    pass
+step(tf.ones([6]))  # reads range + 2
+nondet.step()  # step 1
+"""
+
+
+def test_a_call_that_raised_may_have_written_a_first_reads_variable(tmp_path: Path) -> None:
+    """A traced call that raises is never collected (no op callback), but it may have
+    written before it stopped: the next call's first read takes the value it wrote, not the
+    one known from before it (Note [First reads])."""
+    c = capture(tmp_path, FAILED_CALL, op_steps=None)
+    for step, value in ((0, np.arange(6, dtype=np.float32)),
+                        (1, np.arange(6, dtype=np.float32) + 2)):
+        reads = [r["out"] for r in records(c, step) if r["name"] == "variable:variable read"]
+        assert reads == [_fp(value)], step

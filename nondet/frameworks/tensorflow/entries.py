@@ -33,9 +33,9 @@ a difference, or as an entry that is no row:
 - at trace time (``TraceOrder``), per graph: the position of each graph input's first read
   by a recorded op (where the re-run records it: ``traced.GraphRecorder._producer``) and of
   each data op, and whether an op that can make a difference was traced in the graph (or a
-  function it calls) before it. Variable reads, derived ops (a function of their inputs:
-  ``graph.DERIVED_OPS``), skipped ops and other entries cannot: the variables were compared
-  at the previous step's end.
+  function it calls, or, for a nested function, its callers) before it. Variable reads,
+  derived ops (a function of their inputs: ``graph.DERIVED_OPS``), skipped ops and other
+  entries cannot: the variables were compared at the previous step's end.
 - at run time (``StepOrder``), per step: whether an eager op the re-run records as an op,
   or a call of a graph that may make a difference, ran before. Eager ops the re-run does
   not record (no numeric input or output: ``VarHandleOp``, ``MakeIterator``) leave the step
@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.python.framework.func_graph import FuncGraph
 
 from nondet.frameworks.base import Sources
 from nondet.frameworks.fp import Fp
@@ -148,7 +149,7 @@ class FirstRead:
 
     position: int  # TraceOrder position: orders the entries of one call
     source: int  # string id of its line (-1: none: never placed)
-    first: bool  # nothing that can make a difference was traced before it in its graph
+    first: bool  # nothing that can make a difference was traced before it (its graph, callers)
     values: bool = False  # some op reads its values (not only its shape)
 
 
@@ -201,15 +202,16 @@ class TraceOrder:
     def note(self, op_type: str, inputs: Iterable[Any] | None, graph: Any,
              placeable: bool) -> tuple[int, bool]:
         """An op traced into ``graph``: its position, and whether nothing that can make a
-        difference was traced before it there (``placeable``: the re-run records this
-        graph's ops)."""
+        difference was traced before it there or in a caller whose trace encloses it
+        (``placeable``: the re-run records this graph's ops)."""
         order = self._order(graph)
         self.position += 1
         if order is None:
             return self.position, False
         if not placeable:
             order.placeable = False
-        first = not order.busy and order.placeable
+        first = not order.busy and order.placeable and self._unpreceded(
+            getattr(graph, "outer_graph", None))
         if op_type not in SKIPPED_OPS and op_type not in LATE_OPS:
             for t in inputs or ():
                 if not hashable(t):
@@ -226,6 +228,20 @@ class TraceOrder:
         if op_type not in INERT_GRAPH_OPS:
             self._busy(graph)
         return self.position, first
+
+    def _unpreceded(self, graph: Any) -> bool:
+        """Nothing that can make a difference was traced before now in ``graph`` (the
+        caller of a nested tf.function, whose trace encloses the callee's), nor in the
+        functions enclosing it: the ops a caller traced before calling run before the
+        callee's (the mirror of ``_busy``). Only traced functions count: the eager
+        context's default graph, at the end of the chain, is marked busy by every
+        function's ops."""
+        while isinstance(graph, FuncGraph):
+            order = self.of(graph)
+            if order is not None and (order.busy or not order.placeable):
+                return False
+            graph = getattr(graph, "outer_graph", None)
+        return True
 
     def _busy(self, graph: Any) -> None:
         """An op that can make a difference was traced in ``graph``: it runs within every

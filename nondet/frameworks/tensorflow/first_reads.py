@@ -21,7 +21,8 @@ step's 112 guarded hashes are such reads (docs/benchmarks.md, TensorFlow, "Ninth
 What may have written a variable is judged conservatively, and a possible write makes
 nondet forget what it knew (the next call in an op window then hashes afresh):
 - every eager function call forgets everything once its records are collected (the step's
-  state hash, right after the call that ends a step, gives it all back);
+  state hash, right after the call that ends a step, gives it all back), or once it raised
+  (no records are collected then, but it may have written before it stopped);
 - an eager op that takes a variable's handle and is not a read forgets that variable; one
   that takes any other resource (a copy of a handle could be any variable) forgets
   everything, unless it is an iterator op;
@@ -216,11 +217,24 @@ class FirstReads:
 
         def call_flat(function: Any, *args: Any) -> Any:
             first._seen(function)
-            return original(function, *args)
+            try:
+                return original(function, *args)
+            except BaseException:
+                first._failed_call()
+                raise
 
         call_flat._nondet_original = original  # type: ignore[attr-defined]
         cls.call_flat = call_flat
         self.hooked = True
+
+    def _failed_call(self) -> None:
+        """A call raised (a failed ``check_numerics``, an ``OutOfRangeError`` of an iterator
+        read inside it): no op callback collects it, but it may have written variables
+        before it stopped, so forget as ``called`` does, also the call in flight. A call
+        of another thread (whose writes are not seen anyway) leaves this thread's call
+        alone."""
+        if threading.get_ident() == self._thread and not self.busy():
+            self.called()
 
     def _seen(self, function: Any) -> None:
         """The wrapper's work; never raises into the script."""

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
+from nondet.frameworks.step_thread import STEP_THREAD
 from nondet.frameworks.tensorflow.entries import Call
 from nondet.frameworks.tensorflow.graph import first_replica, under_strategy
 from nondet.frameworks.tensorflow.hashing import hashable
@@ -140,7 +141,10 @@ def install(backend: HookHost) -> Any:
     @functools.wraps(original_next)
     @not_converted
     def iterator_next(iterator: Any) -> Any:
-        if backend.disabled or backend.evaluating or not tf.executing_eagerly():
+        if backend.disabled or backend.evaluating or not tf.executing_eagerly() \
+                or (backend.recorder.foreign() and not STEP_THREAD.owned()):
+            # (a loader thread feeding a queue: its batches are drawn at points of the
+            # step set by thread timing; Note [Calls from other threads])
             return original_next(iterator)
         with backend.guarded():
             backend.before_batch()
@@ -164,20 +168,40 @@ def install(backend: HookHost) -> Any:
     return creator_scope
 
 
+# Note [Calls from other threads]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# TensorFlow's op callbacks are per thread: nondet sees the ops of the thread that made its
+# recorder (``GraphRecorder.thread``), and a traced call's end (``TFBackend.after_function``,
+# which takes the call's entries and may end the step) only there. A ``tf.function`` is
+# also called from other threads: a helper inside a ``tf.py_function`` of a tf.data
+# ``map`` (run by tf.data's threads) or of the training graph (TensorFlow's inter-op
+# threads), a monitoring or checkpointing thread. Such a call must leave the step's state
+# alone: pushed on ``recorder.calls``, it was taken by the main thread's next call end
+# (whose own entries were lost) or trimmed it away, and its ``call_entries`` used the
+# step's ``StepOrder`` (taking the values of the variables made in the step) and added
+# fingerprints to the step's; all at points set by thread timing, so a deterministic
+# script's data rows differed between runs (a false alarm, "data: runs diverge"). Calls,
+# first reads (first_reads.py) and the step order are kept for the recorder's thread only.
+# Likewise a batch drawn in Python by another thread (a loader thread feeding a queue) is
+# no data of the step it happens to fall in, unless that thread trains (owns the steps).
+
+
 def _hook_calls(backend: HookHost) -> None:
     """Every eager call of a traced function goes through ``ConcreteFunction._call_flat``
     with its flat inputs and its graph: the graph inputs made from host data are data of
-    the step (entries.py), taken before the call (its end may end the step)."""
+    the step (entries.py), taken before the call (its end may end the step). Calls from
+    another thread pass through (Note [Calls from other threads])."""
     from tensorflow.python.eager.polymorphic_function import concrete_function
 
     original = concrete_function.ConcreteFunction._call_flat
 
     @functools.wraps(original)
     def call_flat(function: Any, tensor_inputs: Any, captured_inputs: Any) -> Any:
-        if backend.disabled or backend.evaluating or backend.recorder.busy \
+        recorder = backend.recorder
+        if backend.disabled or backend.evaluating or recorder.busy or recorder.foreign() \
                 or not tf.executing_eagerly():  # (busy: nondet's own, the state hash)
             return original(function, tensor_inputs, captured_inputs)
-        calls = backend.recorder.calls
+        calls = recorder.calls
         depth = len(calls)
         with backend.guarded():
             calls.append(backend.call_starting(function, [*tensor_inputs, *captured_inputs]))

@@ -135,6 +135,9 @@ class GraphRecorder:
         self.repeats = RepeatReads()
         self.trace_order = TraceOrder(self.session.sources)
         self._local = threading.local()
+        #: the thread whose op callbacks nondet sees (``TFOpRecorder`` adds them in it: they
+        #: are per thread): Note [Calls from other threads] in hooks.py
+        self.thread = threading.get_ident()
         self.firsts = FirstReads(lambda: backend.tracked_variables(),
                                  lambda needed: backend.variable_contents(needed),
                                  lambda: backend.hook_failed())
@@ -153,6 +156,10 @@ class GraphRecorder:
     def busy(self) -> bool:
         """Inside nondet's own work (``quiet``, or the op callback itself) in this thread."""
         return bool(getattr(self._local, "busy", False))
+
+    def foreign(self) -> bool:
+        """Called from a thread other than the one whose op callbacks nondet sees."""
+        return threading.get_ident() != self.thread
 
     @contextmanager
     def quiet(self) -> Iterator[None]:

@@ -246,6 +246,22 @@ def test_torch_seeding_calls_are_recorded(session: FakeSession,
     assert not session.meta
 
 
+def test_pinned_seeds_reach_random_and_random_state_instances(
+        session: FakeSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``random.Random(seed)`` and ``np.random.RandomState(seed)`` are recorded seeding calls:
+    # the pin_seeds fix must pin them as it pins ``random.seed`` (a number; a string seed
+    # is left as it is).
+    want = (random.Random(500).random(), random.Random("text").random(),
+            np.random.RandomState(501).rand())  # before the pin: as given
+    monkeypatch.setattr(seeding, "PINNED", 500)
+    got = (random.Random(987654).random(), random.Random("text").random(),
+           np.random.RandomState(13579).rand())
+    assert got == want
+    recorded = [value for site in session.seeds() for value in site[3]]
+    assert recorded.count("500") == 2 and recorded.count("501") == 2  # the pinned, recorded
+    assert "987654" not in recorded and "13579" not in recorded
+
+
 def test_pinned_seeds_reach_a_torch_generator_too(session: FakeSession,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # The pin_seeds fix verifies a seed read from the clock; a generator seeded with one

@@ -103,6 +103,8 @@ def install(session: Session) -> None:
             if x is None:
                 text = note("python.unseeded_random", caller)
             elif type(self) is not random.SystemRandom:
+                if seeding.PINNED is not None:  # the pin_seeds fix reaches instances too
+                    (x,), _ = log.pinned((x,), {}, caller)
                 log.record("random.Random", x, caller)
         original_random_init(self, x)
         if text is not None:
@@ -204,6 +206,8 @@ def _recording_random_state(log: seeding.SeedLog, note: Any, use: GeneratorUse) 
                 if seed is None:
                     text = note("numpy.unseeded_generator", caller)
                 else:
+                    if seeding.PINNED is not None:  # as random.Random(x) above
+                        (seed,), _ = log.pinned((seed,), {}, caller)
                     log.record("np.random.RandomState", seed, caller)
             super().__init__(seed)
             if text is not None:

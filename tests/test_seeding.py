@@ -246,6 +246,42 @@ def test_torch_seeding_calls_are_recorded(session: FakeSession,
     assert not session.meta
 
 
+def test_pinned_seeds_reach_random_and_random_state_instances(
+        session: FakeSession, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``random.Random(seed)`` and ``np.random.RandomState(seed)`` are recorded seeding calls:
+    # the pin_seeds fix must pin them as it pins ``random.seed`` (a number; a string seed
+    # is left as it is).
+    want = (random.Random(500).random(), random.Random("text").random(),
+            np.random.RandomState(501).rand())  # before the pin: as given
+    monkeypatch.setattr(seeding, "PINNED", 500)
+    got = (random.Random(987654).random(), random.Random("text").random(),
+           np.random.RandomState(13579).rand())
+    assert got == want
+    recorded = [value for site in session.seeds() for value in site[3]]
+    assert recorded.count("500") == 2 and recorded.count("501") == 2  # the pinned, recorded
+    assert "987654" not in recorded and "13579" not in recorded
+
+
+def test_pinned_seeds_reach_a_torch_generator_too(session: FakeSession,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pin_seeds fix verifies a seed read from the clock; a generator seeded with one
+    # (``torch.Generator().manual_seed(int(time.time()))``) must get the pinned seed too,
+    # else the fix "did not help" (found by h-kernreal on a plain GPT-2 loop).
+    torch = pytest.importorskip("torch")
+    from nondet.frameworks.torch import seeding as torch_seeding
+
+    for owner, name in ((torch, "manual_seed"), (torch.random, "manual_seed"),
+                        (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"),
+                        (torch, "Generator")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    torch_seeding.install(session)  # type: ignore[arg-type]
+    monkeypatch.setattr(seeding, "PINNED", 1000)
+    torch.manual_seed(123456)
+    g = torch.Generator().manual_seed(654321)
+    assert torch.initial_seed() == 1000 and g.initial_seed() == 1001
+    assert [s[3] for s in session.seeds()] == [["1000"], ["1001"]]
+
+
 # -- the parent: comparing two captures -----------------------------------------------------
 STEPS = [{"step": -1, "params_fp": 1}, {"step": 0, "loss": 0.5, "loss_fp": 7, "params_fp": 3},
          {"step": 1, "loss": 0.25, "loss_fp": 8, "params_fp": 5}]

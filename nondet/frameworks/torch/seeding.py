@@ -40,7 +40,10 @@ def _recording_generator(log: seeding.SeedLog) -> type:
 
         def manual_seed(self, seed: Any) -> Any:
             if not log.nested():
-                log.record("torch.Generator.manual_seed", seed, sys._getframe(1))
+                caller = sys._getframe(1)
+                if seeding.PINNED is not None:  # the pin_seeds fix, as for torch.manual_seed
+                    (seed,), _ = log.pinned((seed,), {}, caller)
+                log.record("torch.Generator.manual_seed", seed, caller)
             return super().manual_seed(seed)
 
     return standin.finish(Generator, base)

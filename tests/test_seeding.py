@@ -489,6 +489,32 @@ def test_tensorflow_and_keras_seeding_calls_are_recorded(session: FakeSession,
     assert int(g.normal([]).shape.rank) == 0 and not session.meta
 
 
+def test_pinned_seeds_reach_a_tensorflow_generator_too(session: FakeSession,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # As torch.Generator above: ``tf.random.Generator.from_seed(int(time.time()))`` must get
+    # the pinned seed in the pin_seeds fix's runs, else the fix "did not help".
+    tf = pytest.importorskip("tensorflow")
+    from tensorflow.python.framework import random_seed
+    from tensorflow.python.ops import stateful_random_ops
+
+    from nondet.frameworks.tensorflow import seeding as tf_seeding
+
+    monkeypatch.setattr(tf.random, "set_seed", tf.random.set_seed)
+    monkeypatch.setattr(tf.compat.v1, "set_random_seed", tf.compat.v1.set_random_seed)
+    monkeypatch.setattr(tf.compat.v1.random, "set_random_seed",
+                        tf.compat.v1.random.set_random_seed)
+    original = stateful_random_ops.Generator.__dict__["from_seed"]
+    monkeypatch.setattr(stateful_random_ops.Generator, "from_seed", original)
+    monkeypatch.setattr(random_seed, "get_seed", random_seed.get_seed)
+    tf_seeding.install(session)  # type: ignore[arg-type]
+    monkeypatch.setattr(seeding, "PINNED", 1000)
+    tf.random.set_seed(123456)
+    g = tf.random.Generator.from_seed(654321)
+    expected = original.__func__(stateful_random_ops.Generator, 1001)
+    assert g.normal([4]).numpy().tolist() == expected.normal([4]).numpy().tolist()
+    assert [s[3] for s in session.seeds() if s[2] == ""] == [["1000"], ["1001"]]
+
+
 def test_a_class_derived_from_a_stand_in_keeps_its_own_isinstance() -> None:
     code = textwrap.dedent("""
         import datetime

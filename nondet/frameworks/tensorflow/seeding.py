@@ -34,7 +34,10 @@ def install(session: Session) -> None:
 
     def from_seed(cls: type, seed: Any, alg: Any = None) -> Any:
         if not log.nested():
-            log.record("tf.random.Generator.from_seed", seed, sys._getframe(1))
+            caller = sys._getframe(1)
+            if seeding.PINNED is not None:  # the pin_seeds fix, as for tf.random.set_seed
+                (seed,), _ = log.pinned((seed,), {}, caller)
+            log.record("tf.random.Generator.from_seed", seed, caller)
         return original_from_seed(cls, seed, alg)
 
     generator.from_seed = classmethod(from_seed)

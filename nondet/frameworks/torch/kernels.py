@@ -54,7 +54,8 @@ from nondet.fingerprint import name_code, pack_words, scalar_value
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import cuda
 from nondet.frameworks.torch import tensors as safe
-from nondet.frameworks.torch.cache import _cpu_meta, _describe
+from nondet.frameworks.torch.cache import _describe
+from nondet.frameworks.torch.cache import _out_meta as _cached_out_meta
 from nondet.frameworks.torch.compiled import in_region
 from nondet.records import Flag, Kind
 
@@ -257,21 +258,11 @@ class KernelCalls:
                      ctx[1], ctx[2], out_fps, ins, taints, tuple(scalars), numel, [])
 
 
-#: (list position, *describe(t)) of a kernel's output and the same words packed, by list
-#: position, dtype and shape (a kernel sees the same few every step); capped.
-_OUT_META: dict[tuple[Any, ...], tuple[tuple[int, ...], bytes]] = {}
-
-
 def _out_meta(k: int, t: torch.Tensor) -> tuple[tuple[int, ...], bytes]:
+    """``(list position, *describe(t))`` of a kernel's output, and the same words packed
+    (a plain CPU tensor's from cache.py's table: a kernel sees the same few every step)."""
     if type(t) in _PLAIN and t.is_cpu:
-        key = (k, t.dtype, t.shape)
-        known = _OUT_META.get(key)
-        if known is None:
-            meta = (k, *_cpu_meta(t)[0])
-            known = meta, pack_words(meta)
-            if len(_OUT_META) < 4096:
-                _OUT_META[key] = known
-        return known
+        return _cached_out_meta(k, t)
     meta = (k, *_describe(t))
     return meta, pack_words(meta)
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from nondet import paused, settings
+from nondet import paused, procstat, settings
 
 #: Seconds without a frame and without CPU use before a run counts as idle
 #: (``NONDET_IDLE_AFTER`` overrides it: a shorter value for tests, a longer for scripts
@@ -28,7 +27,6 @@ IDLE_AFTER = settings.DURATIONS["NONDET_IDLE_AFTER"]
 #: Below this fraction of one core over the window, a process tree is not computing.
 BUSY_FRACTION = 0.02
 
-_PROC = Path("/proc")
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -40,22 +38,15 @@ def idle_after() -> float:
 def _tree(pid: int) -> list[tuple[float, str]] | None:
     """(CPU seconds, state letter) of ``pid`` and each living descendant, or None when
     ``/proc`` cannot tell (not Linux, or the process is gone)."""
+    stats = procstat.stat_fields()
+    if stats is None:
+        return None
     parents: dict[int, int] = {}
     rows: dict[int, tuple[float, str]] = {}
-    try:
-        entries = [e for e in os.listdir(_PROC) if e.isdigit()]
-    except OSError:
-        return None
-    for entry in entries:
+    for entry, fields in stats.items():
         try:
-            text = (_PROC / entry / "stat").read_text()
-        except OSError:
-            continue  # gone meanwhile
-        # the command name (field 2) may hold spaces and parentheses: split after its end
-        fields = text[text.rfind(")") + 2:].split()
-        try:
-            parents[int(entry)] = int(fields[1])
-            rows[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICKS, fields[0]
+            parents[entry] = int(fields[1])
+            rows[entry] = (int(fields[11]) + int(fields[12])) / _TICKS, fields[0]
         except (IndexError, ValueError):
             continue
     if pid not in rows:

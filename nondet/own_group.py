@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 
-_PROC = Path("/proc")
+from nondet import procstat
 
 
 def install() -> None:
@@ -69,20 +68,13 @@ def _signal_run(root: int, group: int, sig: int, kill: Callable[[int, int], None
 def run_processes(root: int, group: int) -> list[int]:
     """``root`` and its living descendants whose process group is ``group``, parents first
     ([root] alone where ``/proc`` cannot tell)."""
-    parents: dict[int, tuple[int, int]] = {}
-    try:
-        entries = [e for e in os.listdir(_PROC) if e.isdigit()]
-    except OSError:
+    stats = procstat.stat_fields()
+    if stats is None:
         return [root]
-    for entry in entries:
+    parents: dict[int, tuple[int, int]] = {}
+    for pid, fields in stats.items():
         try:
-            text = (_PROC / entry / "stat").read_text()
-        except OSError:
-            continue  # gone meanwhile
-        # the command name (field 2) may hold spaces and parentheses: split after its end
-        fields = text[text.rfind(")") + 2:].split()
-        try:
-            parents[int(entry)] = (int(fields[1]), int(fields[2]))
+            parents[pid] = (int(fields[1]), int(fields[2]))
         except (IndexError, ValueError):
             continue
     found, frontier = [], [root]

@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from cnn_torch import reference_cnn
 from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
@@ -77,19 +78,7 @@ def main() -> None:
     backend: Any = create(session)
     session.backends.append(backend)
 
-    torch.manual_seed(0)
-    c1, c2 = (64, 128) if opts.reference else (16, 32)
-    model = nn.Sequential(
-        nn.Conv2d(3, c1, 3, padding=1), nn.BatchNorm2d(c1), nn.ReLU(),
-        nn.Conv2d(c1, c2, 3, padding=1), nn.BatchNorm2d(c2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(c2, c2, 3, padding=1), nn.BatchNorm2d(c2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(c2 * 8 * 8, 128), nn.ReLU(), nn.Dropout(0.1),
-        nn.Linear(128, 10),
-    )
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    images = torch.randn(8, 32, 3, 32, 32, generator=g)
-    labels = torch.randint(0, 10, (8, 32), generator=g)
+    model, optimizer, images, labels = reference_cnn(not opts.reference)
 
     def step(i: int) -> None:
         loss = nn.functional.cross_entropy(model(images[i % 8]), labels[i % 8])

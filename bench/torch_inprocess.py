@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from cnn_torch import reference_cnn
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -63,19 +64,7 @@ def main() -> None:
                         help="with --step-level: the step end of a step with op capture")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
-    torch.manual_seed(0)
-    c1, c2 = (16, 32) if opts.narrow else (64, 128)
-    model = nn.Sequential(
-        nn.Conv2d(3, c1, 3, padding=1), nn.BatchNorm2d(c1), nn.ReLU(),
-        nn.Conv2d(c1, c2, 3, padding=1), nn.BatchNorm2d(c2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(c2, c2, 3, padding=1), nn.BatchNorm2d(c2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(c2 * 8 * 8, 128), nn.ReLU(), nn.Dropout(0.1),
-        nn.Linear(128, 10),
-    )
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    images = torch.randn(8, 32, 3, 32, 32, generator=g)
-    labels = torch.randint(0, 10, (8, 32), generator=g)
+    model, optimizer, images, labels = reference_cnn(opts.narrow)
 
     def step(i: int) -> torch.Tensor:
         loss = nn.functional.cross_entropy(model(images[i % 8]), labels[i % 8])

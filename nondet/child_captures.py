@@ -22,7 +22,7 @@ from nondet import channel
 from nondet.errors import NondetError
 from nondet.report import Divergence
 from nondet.store import Capture, CaptureWriter, open_capture
-from nondet.stream import RunStream
+from nondet.stream import STORE_SECONDS, RunStream
 
 #: Root attributes of the run's capture a child's capture repeats (``launch._open_writer``).
 _INHERITED = ("command", "script", "module", "script_sha256", "seed", "started", "cwd",
@@ -60,7 +60,7 @@ def _store_one(frames: Path, run_capture: Path) -> Path:
     target = frames.with_suffix(".h5")
     label = frames.stem.removeprefix("run-")
     stream = _FileStream(target)
-    stream.writer = CaptureWriter(target, {**attrs, "label": label})
+    stream.writer = CaptureWriter(target, {**attrs, "label": label}, store_every=STORE_SECONDS)
     status, code = channel.CRASHED, None
     try:
         parser = channel.FrameParser()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -54,7 +55,7 @@ from nondet.runspec import (
     child_env,
 )
 from nondet.store import CaptureWriter
-from nondet.stream import RunStream
+from nondet.stream import STORE_SECONDS, RunStream
 
 #: Ranks are ended this long after their agent has exited (they should have ended with it).
 AGENT_EXIT_GRACE = 10.0
@@ -95,9 +96,14 @@ class RankStream(RunStream):
         try:
             while True:
                 try:
-                    data = self.conn.recv(1 << 16)
-                except OSError:
+                    # a quiet rank's waiting rows are stored meanwhile (store_due)
+                    ready, _, _ = select.select([self.conn], [], [], 0.2)
+                    data = self.conn.recv(1 << 16) if ready else None
+                except (OSError, ValueError):  # ValueError: the socket was closed
                     break
+                if data is None:
+                    self.store_due()
+                    continue
                 if not data:
                     break
                 now = time.monotonic()
@@ -105,6 +111,11 @@ class RankStream(RunStream):
                 self.last_frame = now
                 for kind, payload in parser.feed(data):
                     self._handle(kind, payload)
+                self.store_due()
+        except Exception as exc:  # nondet's bug: an internal error, never a verdict
+            self.hook_error = self.hook_error or (
+                f"nondet's reader of rank {self.rank} failed: {type(exc).__name__}: {exc}")
+            self.request_stop()
         finally:
             self.ended_at = time.monotonic()
             self._ended()
@@ -264,7 +275,8 @@ class Job:
         rank = int(hello["rank"])
         stream = RankStream(self.dir / f"rank{rank}.h5", conn, hello)
         stream.writer = CaptureWriter(stream.path, capture_attrs(
-            self.target, self.plan, self.seed, rank=rank, world_size=stream.world_size))
+            self.target, self.plan, self.seed, rank=rank, world_size=stream.world_size),
+            store_every=STORE_SECONDS)
         self.ranks[rank] = stream
         stream.thread.start()
 

@@ -29,7 +29,7 @@ from nondet.runspec import RunResult as RunResult
 from nondet.runspec import Target as Target
 from nondet.runspec import capture_attrs, child_argv, child_config, child_env
 from nondet.store import CaptureWriter
-from nondet.stream import RunStream, ensure_space, write_failure
+from nondet.stream import STORE_SECONDS, RunStream, ensure_space, write_failure
 
 #: seconds a run that closed nondet's pipe (from C: ``fdguard``) may take to open it again
 #: (its watcher does within half a second) before nondet gives up on recording it
@@ -109,7 +109,8 @@ class CapturedRun(RunStream):
             thread.start()
 
     def _open_writer(self) -> CaptureWriter:
-        return CaptureWriter(self.path, capture_attrs(self.target, self.plan, self.seed))
+        return CaptureWriter(self.path, capture_attrs(self.target, self.plan, self.seed),
+                             store_every=STORE_SECONDS)
 
     def request_stop(self) -> None:
         """Ask the child to stop at its next step boundary (idempotent)."""
@@ -286,6 +287,10 @@ class CapturedRun(RunStream):
     def _pump_frames(self, fd: int) -> None:
         try:
             self._read_frames(fd)
+        except Exception as exc:  # nondet's bug: an internal error, never a verdict
+            self.hook_error = self.hook_error or (
+                f"nondet's reader of the run failed: {type(exc).__name__}: {exc}")
+            self.request_stop()
         finally:
             os.close(fd)
             with self._dumps_done:
@@ -349,7 +354,9 @@ class CapturedRun(RunStream):
                 if self._idle is not None:
                     self._idle.activity()
                 self._handle_frames(parser.feed(data))
+                self.store_due()
                 continue
+            self.store_due()
             lost_since = None  # a writer again: the run opened the pipe again
             # The child may have exited while a forked grandchild (a DataLoader worker)
             # still holds the pipe open: stop once it ended and the pipe is quiet.

@@ -26,6 +26,10 @@ from nondet.records import COMM_DTYPE, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE, Group
 from nondet.store import CaptureWriter
 from nondet.store.writer import hdf5_write_failed
 
+#: How long rows may wait in nondet's memory before they are stored and flushed (Note [Rows
+#: stored in batches] in store/writer.py): what a SIGKILLed nondet can lose at most.
+STORE_SECONDS = 0.25
+
 _ROW_BYTES = {channel.TENSORS: TENSOR_DTYPE.itemsize, channel.STEP: STEP_DTYPE.itemsize}
 
 
@@ -126,15 +130,12 @@ class RunStream:
         handler = self._handlers.get(kind)
         if handler is None:
             return
-        try:
+        def store() -> None:
             ensure_space(self.path, len(payload))
             handler(payload)
-        except OSError as exc:  # the capture file cannot be written (disk full, I/O error)
-            self._write_failed(exc, self.path)
-        except RuntimeError as exc:
-            if not hdf5_write_failed(exc):
-                raise
-            self._write_failed(OSError(str(exc)), self.path)  # h5py's flush: same trouble
+
+        try:
+            self._stored(store)
         except (ValueError, KeyError, TypeError) as exc:
             if self.write_error:
                 return  # the capture was closed while this frame was stored
@@ -144,6 +145,32 @@ class RunStream:
             self.hook_error = self.hook_error or (
                 f"malformed {kind!r} frame from the run ({len(payload)} bytes): "
                 f"{type(exc).__name__}: {exc}")
+
+    def store_due(self) -> None:
+        """Store the rows that have waited long enough (Note [Rows stored in batches] in
+        store/writer.py): the reading loop calls this between reads, so the rows of a run
+        that goes quiet (a long step, an evaluation) reach the file within moments."""
+        if self.writer is None or self.write_error:
+            return
+        try:
+            self._stored(self.writer.store_due)
+        except (ValueError, KeyError, TypeError) as exc:
+            if not self.write_error:  # nondet's bug: the run ends as an internal error
+                self.hook_error = self.hook_error or (
+                    f"storing the run's rows failed: {type(exc).__name__}: {exc}")
+
+    def _stored(self, write: Callable[[], None]) -> None:
+        """Run one write to the capture; a refused write stops the run (``_write_failed``)."""
+        try:
+            write()
+        except OSError as exc:  # the capture file cannot be written (disk full, I/O error)
+            self._write_failed(exc, self.path)
+        except RuntimeError as exc:
+            if not hdf5_write_failed(exc):
+                raise
+            self._write_failed(OSError(str(exc)), self.path)  # h5py's flush: same trouble
+        except (ValueError, KeyError, TypeError):
+            raise
         except Exception:
             if not self.write_error:
                 raise
@@ -235,7 +262,8 @@ RESERVE_BYTES = 1 << 20
 
 
 def ensure_space(path: Path, nbytes: int) -> None:
-    """Raise ENOSPC before a write that would leave less than RESERVE_BYTES free."""
+    """Raise ENOSPC before a write that would leave less than RESERVE_BYTES free (rows
+    waiting to be stored fit in it: CaptureWriter.MAX_PENDING_BYTES)."""
     try:
         st = os.statvfs(path.parent)
     except OSError:

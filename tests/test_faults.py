@@ -323,7 +323,11 @@ def test_a_real_full_filesystem_stops_in_time_to_close_the_captures(tmp_path: Pa
     assert "Traceback" not in result.stderr and "Segmentation" not in result.stderr
     captures = [line.split() for line in result.stdout.splitlines()
                 if line.startswith("capture ")]
-    assert [c[2] for c in captures] == ["write_failed", "write_failed"], result.stdout
+    # the run whose write was refused says so; the other was stopped then (or was refused
+    # too, when both reached the reserve before the stop)
+    statuses = sorted(c[2] for c in captures)
+    assert statuses in (["stopped", "write_failed"], ["write_failed", "write_failed"]), \
+        result.stdout
     assert all(int(c[3]) > 100 for c in captures)  # everything up to the last flushed step
 
 

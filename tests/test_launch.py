@@ -185,7 +185,8 @@ def test_control_words_are_not_sent_after_the_pipe_is_closed(tmp_path: Path) -> 
 
 def test_disk_full_before_the_run_starts_is_one_line(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    def full(self: CaptureWriter, path: Path, attrs: dict[str, object]) -> None:
+    def full(self: CaptureWriter, path: Path, attrs: dict[str, object],
+             store_every: float = 0.0) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(CaptureWriter, "__init__", full)

@@ -14,8 +14,9 @@ Layout (format 1.x)::
     /op_index         INDEX_DTYPE rows: where each step's ops start in /ops
     /dumps/<name>     full values of one op's outputs (written only to measure a difference)
 
-Everything is appended and flushed per step, so an interrupted run leaves a readable file
-whose ``status`` attribute is not "complete".
+Rows are appended and flushed in batches at most a quarter second apart (Note [Rows
+stored in batches] in writer.py), so an interrupted run leaves a readable file whose
+``status`` attribute is not "complete".
 
 Note [Damage detection] (format 1.1): every table and dump has HDF5's fletcher32 filter,
 and the file uses the 1.10 object format, whose metadata (superblock, object headers, chunk

@@ -1,17 +1,18 @@
 """Reading a capture whose writer was killed before it closed the file.
 
 Note [Unclosed captures]
-The writer (``store/writer.py``, in nondet's own process) flushes the file at every step,
-so what a SIGKILLed nondet leaves behind (``kill -9``, a CI job's timeout, the OOM killer)
-is consistent up to its last flush. HDF5 still refuses to open it: the 1.10 superblock
-keeps "open for writing" flags that only a clean close resets (``h5clear -s`` resets them
-by writing the file). nondet never writes a capture it reads: HDF5 reads this one through
-a file object whose first bytes are the superblock with those flags cleared and its
-checksum (Jenkins' lookup3, as HDF5 computes it) recomputed; every other byte is the
-file's. This is tried only after HDF5 could take the file's lock, so no process is still
-writing it (a live writer holds the lock: "unable to lock file"). Whatever the flush left
-is then checked like any capture (Note [Damage detection]); the run's status attribute,
-never written by the killed writer, says the run did not finish.
+The writer (``store/writer.py``, in nondet's own process) flushes the file with every
+batch of rows it stores (at most a quarter second apart while a run sends any: Note [Rows
+stored in batches]), so what a SIGKILLed nondet leaves behind (``kill -9``, a CI job's
+timeout, the OOM killer) is consistent up to its last flush. HDF5 still refuses to open
+it: the 1.10 superblock keeps "open for writing" flags that only a clean close resets
+(``h5clear -s`` resets them by writing the file). nondet never writes a capture it reads:
+HDF5 reads this one through a file object whose first bytes are the superblock with those
+flags cleared and its checksum (Jenkins' lookup3, as HDF5 computes it) recomputed; every
+other byte is the file's. This is tried only after HDF5 could take the file's lock, so no
+process is still writing it (a live writer holds the lock: "unable to lock file").
+Whatever the flush left is then checked like any capture (Note [Damage detection]); the
+run's status attribute, never written by the killed writer, says the run did not finish.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -47,11 +48,37 @@ def _h5py() -> Any:
 
 
 class CaptureWriter:
-    """Parent side: receives a run's messages and appends them to its HDF5 file."""
+    """Parent side: receives a run's messages and appends them to its HDF5 file.
 
-    def __init__(self, path: Path, attrs: dict[str, Any]) -> None:
+    Note [Rows stored in batches]
+    Storing a step row (an HDF5 append, the step count attribute, a flush) costs 0.3 ms of
+    CPU on an idle machine and about 1 ms while the run trains on both cores, where it
+    takes that time from the run: a 15 ms step measured 1.2x under step-level capture, a
+    quarter of it this process's work per row. With ``store_every`` > 0 the rows of every
+    table wait in memory and are stored together, with one flush, once the oldest stored
+    batch is ``store_every`` seconds old (``add_step``), or when the stream asks between
+    reads (``store_due``: rows that arrived before a long quiet step are stored within
+    moments), and before anything else flushes or the file closes. The run's own process
+    holds nothing back: a crash of the run loses no row (this process has them all). What
+    a SIGKILLed nondet leaves is consistent up to its last store, at most ``store_every``
+    seconds behind the run (Note [Unclosed captures]), and never more than
+    ``MAX_PENDING_BYTES`` of rows wait. 0: every step row is stored and
+    flushed as it comes (tests and tools writing captures directly).
+    """
+
+    #: Rows waiting are stored once they are this large, whatever their age: a run stopped
+    #: for a full disk stores them at its close, within stream.RESERVE_BYTES.
+    MAX_PENDING_BYTES = 256 * 1024
+
+    def __init__(self, path: Path, attrs: dict[str, Any], store_every: float = 0.0) -> None:
         h5py = _h5py()
         self.path = path
+        self.store_every = store_every
+        #: rows waiting to be stored, by table, in arrival order (Note [Rows stored in batches])
+        self._pending: dict[str, list[np.ndarray]] = {}
+        self._pending_bytes = 0
+        self._rows: dict[str, int] = dict.fromkeys(TABLES, 0)  # stored and waiting, by table
+        self._stored_at = time.monotonic()
         path.parent.mkdir(parents=True, exist_ok=True)
         # The 1.10 object format: checksummed metadata (Note [Damage detection]).
         self._file = h5py.File(path, "w", libver=("v110", "v110"))
@@ -147,33 +174,57 @@ class CaptureWriter:
 
     def add_step(self, row: np.ndarray) -> None:
         with self._writing():
-            _append(self._tables["steps"], row)
+            self._queue("steps", row)
             self.n_steps += int((row["step"] >= 0).sum())
-            changed = {STRINGS_CRC_ATTR: self._strings_crc} \
-                if self._strings_crc != self._stored_crc else {}
-            self._stored_crc = self._strings_crc
-            self._set("", {"steps": self.n_steps, **changed})
-            self._file.flush()
+            if time.monotonic() - self._stored_at >= self.store_every and not self._closing:
+                self._store()
+
+    def store_due(self) -> None:
+        """Store the rows that wait, if the last store is ``store_every`` seconds old."""
+        if self._pending and time.monotonic() - self._stored_at >= self.store_every:
+            with self._writing():
+                if not self._closing:  # closed meanwhile: what waited was stored then
+                    self._store()
+
+    def _queue(self, table: str, rows: np.ndarray) -> None:
+        # a copy: the caller's array may be a view of a buffer it reuses
+        self._pending.setdefault(table, []).append(np.array(rows, dtype=TABLES[table]))
+        self._rows[table] += len(rows)
+        self._pending_bytes += rows.nbytes
+        if self._pending_bytes >= self.MAX_PENDING_BYTES and not self._closing:
+            self._store()
+
+    def _store(self) -> None:
+        """Append every waiting row, then the step count and strings checksum, and flush:
+        the file on disk is always a whole prefix of what the run sent."""
+        pending, self._pending, self._pending_bytes = self._pending, {}, 0
+        for table, parts in pending.items():
+            _append(self._tables[table], parts[0] if len(parts) == 1 else np.concatenate(parts))
+        changed = {STRINGS_CRC_ATTR: self._strings_crc} \
+            if self._strings_crc != self._stored_crc else {}
+        self._stored_crc = self._strings_crc
+        self._set("", {"steps": self.n_steps, **changed})
+        self._file.flush()
+        self._stored_at = time.monotonic()
 
     def add_tensors(self, rows: np.ndarray) -> None:
         with self._writing():
-            _append(self._tables["tensors"], rows)
+            self._queue("tensors", rows)
 
     def add_ops(self, rows: np.ndarray) -> None:
         if len(rows) == 0:
             return
         with self._writing():
-            ops = self._tables["ops"]
-            start = ops.shape[0]
-            _append(ops, rows)
+            start = self._rows["ops"]
+            self._queue("ops", rows)
             index = np.zeros(1, dtype=INDEX_DTYPE)
             index["step"], index["start"], index["count"] = rows["step"][0], start, len(rows)
-            _append(self._tables["op_index"], index)
+            self._queue("op_index", index)
 
     def add_comm(self, rows: np.ndarray) -> None:
         if len(rows):
             with self._writing():
-                _append(self._tables["comm"], rows)
+                self._queue("comm", rows)
 
     def add_dump(self, name: str, array: np.ndarray, attrs: dict[str, Any]) -> None:
         with self._writing():
@@ -182,7 +233,7 @@ class CaptureWriter:
             ds = self._file["dumps"].create_dataset(name, data=array, **checked)
             for key, value in attrs.items():
                 ds.attrs[key] = _attr(value)
-            self._file.flush()  # written while ``ds`` is open (see ``_tables``)
+            self._store()  # flushed while ``ds`` is open (see ``_tables``), with the rows
 
     def close(self, status: str, exit_code: int | None) -> None:
         with _H5_LOCK:
@@ -190,6 +241,7 @@ class CaptureWriter:
                 return
             self._closing = True
             try:
+                self._store()
                 self._set("", {"status": status,
                                "exit_code": -1 if exit_code is None else exit_code,
                                STRINGS_CRC_ATTR: self._strings_crc})

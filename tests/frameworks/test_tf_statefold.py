@@ -38,6 +38,9 @@ def _tracked() -> list[tuple[TrackedVariable, Any]]:
         # more than one chunk: 2 * CHUNK_WORDS + 4 float32 values are CHUNK_WORDS + 2 words
         (Group.OPTIM, gen.normal(size=2 * CHUNK_WORDS + 4).astype(np.float32)),
         (Group.OPTIM, gen.normal(size=(4, 2)).astype(np.float32)),
+        # large enough for a dot product of their own, against the shared position keys
+        (Group.PARAM, gen.normal(size=(200, 200)).astype(np.float32)),  # 20,000 words
+        (Group.OPTIM, gen.normal(size=17_000)),  # float64: 17,000 words
     ]
     out = []
     for i, (group, value) in enumerate(values):
@@ -73,6 +76,26 @@ def test_folded_groups_equal_the_per_variable_path_and_the_host() -> None:
             m for v in members for m in statehash._meta(v)))
     tracked[8][1].assign_add(tf.ones_like(tracked[8][1]))  # the second chunk's words count
     assert folded.state(tracked, False).optim != traced.optim
+    changed = folded.state(tracked, False)
+    tracked[10][1].assign_add(tf.ones_like(tracked[10][1]))  # a member on the shared keys
+    assert folded.state(tracked, False).params != changed.params
+
+
+def test_large_members_read_the_shared_position_keys_not_folded_ones() -> None:
+    """A member of one piece and at most a chunk keeps no folded keys of its own (they were
+    as many bytes as its words); the two-chunk member and the small ones still do."""
+    tracked = _tracked()
+    members = [v for t, v in tracked if t.group == Group.OPTIM]
+    group = statefold.FoldedGroup(members, [True] * len(members), HASHER.keys)
+    words = {id(v): statefold.words_of(v) or 0 for v in members}
+    shared = words[id(tracked[11][1])]
+    assert shared == 17_000
+    assert group.keys.shape[0] == sum(words.values()) - shared
+    # without the shared keys (another device), every member is folded: the same content
+    alone = statefold.FoldedGroup(members, [True] * len(members))
+    assert alone.keys.shape[0] == sum(words.values())
+    values = [v.value() for v in members]
+    assert int(group.content(values)) == int(alone.content(values))
 
 
 def test_the_state_graph_has_a_few_ops_per_variable() -> None:

@@ -13,6 +13,13 @@ variable on its own. Hashing variable by variable made about 20 graph nodes per 
 (slicing the shared keys, sizes, casts), ~1,100 nodes on the narrow benchmark model, and
 their dispatch, not the arithmetic, was most of the state hash's time.
 
+A variable of at least ``_OWN_PIECE`` words and at most a chunk is not folded: its content
+is its member key times the dot product of its words with the shared position keys
+(``GraphHasher.keys``, the same number, since products distribute modulo 2**64). Every such
+variable reads the same prefix of those keys, which stays in cache from one to the next,
+where folded keys were as many more bytes read as the words themselves (on the narrow
+benchmark model the state hash read 6.7 MB a step instead of 3.3, and kept 3.3 MB of keys).
+
 The folded keys take as many bytes as the words they weigh, so they are made only when the
 variables hashed this way hold at most ``FOLDED_WORDS`` words (32 MiB of keys); beyond
 that the state is large, steps are long, and the per-variable path costs little in
@@ -88,28 +95,42 @@ class FoldedGroup:
     one variable set; ``content`` is called eagerly or while tracing, with the variables
     in the order they were given here."""
 
-    def __init__(self, members: Sequence[Any], ready: Sequence[bool]) -> None:
+    def __init__(self, members: Sequence[Any], ready: Sequence[bool],
+                 position_keys: Any = None) -> None:
+        """``position_keys``: the shared keys of a chunk (``GraphHasher.keys``), for the
+        large members to read instead of folded keys of their own (module docstring);
+        None, or on another device than the members: every member folded."""
         weights = chunk_keys(len(members))
+        self.device = getattr(members[0], "device", "") if members else ""
+        shared = (position_keys is not None
+                  and getattr(position_keys, "device", None) == self.device)
+        self.position_keys = position_keys if shared else None
         by_kind: dict[str, list[int]] = {}
+        own: set[str] = set()  # the pieces of one large member
         for k, v in enumerate(members):
             if ready[k] and v.shape.num_elements():  # not initialized: zeros, content 0
                 kind = _piece_kind(v)
                 if kind != "other" and (words_of(v) or 0) >= _OWN_PIECE:
                     kind = f"{kind}:{k}"  # large: a dot product of its own, not copied
+                    own.add(kind)
                 by_kind.setdefault(kind, []).append(k)
         self.pieces = sorted(by_kind.items())
         # word size of each member (the general path needs it; its shape is static)
         self.words = [word_size(v.shape.num_elements() * v.dtype.size) for v in members]
-        keys = [_member_keys(words_of(members[k]) or 0, int(weights[k]))
-                for _, ks in self.pieces for k in ks]
-        self.bounds: list[tuple[int, int]] = []
+        # each piece's place in the folded keys, or its member key when it reads the shared
+        # position keys (one large member of at most a chunk)
+        self.bounds: list[tuple[int, int] | int] = []
+        keys: list[np.ndarray] = []
         start = 0
-        for _, ks in self.pieces:
+        for kind, ks in self.pieces:
             size = sum(words_of(members[k]) or 0 for k in ks)
+            if self.position_keys is not None and kind in own and size <= CHUNK_WORDS:
+                self.bounds.append(int(weights[ks[0]]))
+                continue
+            keys.extend(_member_keys(words_of(members[k]) or 0, int(weights[k])) for k in ks)
             self.bounds.append((start, size))
             start += size
         host_keys = np.concatenate(keys) if keys else np.zeros(0, np.int64)
-        self.device = getattr(members[0], "device", "") if members else ""
         # A variable, not a constant: a traced function copies small eager constants in
         # through the host, and reads a variable where it lives. Made by nondet: the
         # backend does not track it (``TFBackend.own_variables``).
@@ -120,8 +141,9 @@ class FoldedGroup:
         """The group's content (int64 scalar) from its members' values (in the order the
         members were given; those not initialized are not read)."""
         keys = self.keys.value()
+        shared = self.position_keys.value() if self.position_keys is not None else None
         total = tf.constant(0, tf.int64)
-        for (kind, ks), (start, size) in zip(self.pieces, self.bounds, strict=True):
+        for (kind, ks), bounds in zip(self.pieces, self.bounds, strict=True):
             if kind.startswith("pairs:"):
                 flat = _concat([tf.reshape(values[k], [-1]) for k in ks])
                 words = tf.bitcast(tf.reshape(flat, [-1, 2]), tf.int64)
@@ -131,7 +153,13 @@ class FoldedGroup:
             else:
                 words = _concat([_as_words(_flat(values[k]), self.words[k], _widen)
                                  for k in ks])
-            total += _dot(words, tf.slice(keys, [start], [size]), self.device)
+            if isinstance(bounds, int):  # one member, weighed by the shared keys
+                size = int(words.shape[0])
+                content = _dot(words, tf.slice(shared, [0], [size]), self.device)
+                total += content * tf.constant(bounds, tf.int64)
+            else:
+                start, size = bounds
+                total += _dot(words, tf.slice(keys, [start], [size]), self.device)
         return total
 
 

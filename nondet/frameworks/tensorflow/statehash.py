@@ -140,7 +140,8 @@ class StateHasher:
         if not detailed and foldable(hashed):  # a few ops per group (statefold.py)
             folded = {g: FoldedGroup(
                 [v for v, h in zip(variables, groups, strict=True) if h == g],
-                [r for r, h in zip(ready, groups, strict=True) if h == g]) for g in _GROUPS}
+                [r for r, h in zip(ready, groups, strict=True) if h == g],
+                hasher.keys) for g in _GROUPS}
         # per-variable contents: all of them, or with folded groups the generators' only
         singles = [i for i, g in enumerate(groups) if folded is None or g == Group.DATA]
 

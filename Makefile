@@ -28,8 +28,14 @@ demo:
 XDIST ?= -n 2 --dist loadfile --max-worker-restart 0
 SUITE_LIMIT ?= 4800
 
+# Keras 2 (tf_keras) for its capture tests, without its dependencies: its wheel asks for the
+# `tensorflow` package, which would install a second, GPU build of TensorFlow beside
+# tensorflow-cpu (the same module, pinned to 2.21 in pyproject.toml).
+TF_KERAS ?= tf_keras==2.21.*
+
 test: install lint typecheck
 	./tools/ensure-chromium
+	$(BIN)/pip install --quiet --no-deps '$(TF_KERAS)'
 	timeout --signal=INT --kill-after=60 $(SUITE_LIMIT) \
 	  $(BIN)/python -m pytest -q $(XDIST) --durations=50; code=$$?; \
 	  if [ $$code -eq 124 ]; then echo "make test: pytest ran over $(SUITE_LIMIT) s and was stopped"; fi; \

@@ -47,7 +47,32 @@ def test_a_killed_writer_keeps_every_row_stored_before_its_last_batch(tmp_path: 
     capture = open_capture(path)
     assert capture.status == "interrupted"  # never closed
     assert [int(r["step"]) for r in capture.steps] == [0, 1]
-    assert capture.n_steps == 2  # the count attribute agrees with the table
+    assert capture.n_steps == 2
+    assert int(capture.attrs["steps"]) == 2  # the count attribute agrees with the table
+
+
+# A row that fills the byte cap is stored at once, with a step count that includes it.
+_STORED_BY_THE_CAP = """
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from nondet.store.writer import CaptureWriter
+from tests.conftest import step_rows
+CaptureWriter.MAX_PENDING_BYTES = 1
+writer = CaptureWriter(Path(sys.argv[1]), {{"label": "a", "seed": 0}}, store_every=3600)
+writer.add_step(step_rows({{"step": 0, "params_fp": 1}}))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_row_stored_by_the_byte_cap_is_counted_in_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run-a.h5"
+    done = subprocess.run([sys.executable, "-c", _STORED_BY_THE_CAP.format(repo=str(REPO)),
+                           str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    capture = open_capture(path)
+    assert [int(r["step"]) for r in capture.steps] == [0]
+    assert int(capture.attrs["steps"]) == 1
 
 
 def test_closing_stores_the_rows_that_wait_with_their_op_index(tmp_path: Path) -> None:

@@ -174,8 +174,9 @@ class CaptureWriter:
 
     def add_step(self, row: np.ndarray) -> None:
         with self._writing():
-            self._queue("steps", row)
+            # counted first: a store the queue makes (its byte cap) writes the count with it
             self.n_steps += int((row["step"] >= 0).sum())
+            self._queue("steps", row)
             if time.monotonic() - self._stored_at >= self.store_every and not self._closing:
                 self._store()
 

@@ -67,7 +67,8 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
                  "tensors hash by a number given in the order they are first hashed, not by "
                  "address: a set of tensors iterates in the same order in every run"),
     Intervention("tf.data_deterministic", "patch",
-                 "every tf.data Options given with_options() made deterministic=True"),
+                 "every tf.data Options given with_options() made deterministic=True, and "
+                 "every map/interleave/batch call given deterministic=False given True"),
     Intervention("tf.image_stateless", "patch",
                  "every tf.image.random_* op made its tf.image.stateless_random_* twin, "
                  "seeded by the element's values and the call's place in the trace"),
@@ -217,6 +218,34 @@ def _tf_data_deterministic(_seed: int) -> None:
         return original(self, options, name=name)
 
     tf.data.Dataset.with_options = with_options
+    for name in _ORDERED_STAGES:
+        original_stage = getattr(tf.data.Dataset, name, None)
+        if original_stage is not None:
+            setattr(tf.data.Dataset, name, _in_order(original_stage))
+
+
+#: Dataset methods that take a ``deterministic`` argument (TF 2.21).
+_ORDERED_STAGES = ("map", "interleave", "batch")
+
+
+def _in_order(method: Any) -> Any:
+    """``method`` with ``deterministic=False`` made True (given by name or position)."""
+    import functools
+    import inspect
+
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def stage(*args: Any, **kwargs: Any) -> Any:
+        try:
+            given = signature.bind(*args, **kwargs)
+        except TypeError:  # the call is wrong as written: TensorFlow says so
+            return method(*args, **kwargs)
+        if given.arguments.get("deterministic") is False:
+            given.arguments["deterministic"] = True
+        return method(*given.args, **given.kwargs)
+
+    return stage
 
 
 def _numpy_seed_unseeded_generators(seed: int) -> None:

@@ -120,23 +120,38 @@ def install(session: Session) -> None:
         original_seed(a, version)
 
     random.seed = log.wrap("random.seed", seed, lambda a=None, *_, **__: a)
-    frameworks.after_import("keras", lambda: _wrap_keras_seed(log))
-    frameworks.after_import("tf_keras", lambda: _wrap_keras_seed(log, ("tf_keras.utils",)))
+    frameworks.after_import("keras", lambda: _wrap_keras_seed(log, "keras"))
+    frameworks.after_import("tf_keras", lambda: _wrap_keras_seed(log, "tf_keras"))
     frameworks.after_import("keras", lambda: _note_keras_default_seeds(session, log))
 
 
-def _wrap_keras_seed(log: seeding.SeedLog, names: tuple[str, ...] = (
-        "keras.utils", "keras._tf_keras.keras.utils")) -> None:
+#: Where each Keras defines ``set_random_seed``; every module exporting it imports it from
+#: there (``keras.utils``, ``keras._tf_keras.keras.utils``, ``tf_keras.utils``,
+#: ``tf_keras.api._v2.keras.utils``, which is ``tf.keras.utils`` under
+#: ``TF_USE_LEGACY_KERAS=1``, ...).
+KERAS_SEED_SOURCES = {"keras": "keras.src.utils.rng_utils",
+                      "tf_keras": "tf_keras.src.utils.tf_utils"}
+_KERAS_SEED_WRAPPED = "_nondet_records_seed"
+
+
+def _wrap_keras_seed(log: seeding.SeedLog, package: str) -> None:
     """``keras.utils.set_random_seed`` seeds Python, NumPy and its backend (TensorFlow,
     torch or JAX) from Keras' own code, whose calls are not recorded: the user's call is.
     Here, not in a framework backend: Keras on torch may never import TensorFlow. Keras 2
-    (``tf_keras``) has the same function."""
-    for name in names:
-        module = sys.modules.get(name)
-        original = getattr(module, "set_random_seed", None)
-        if module is not None and original is not None:
-            module.set_random_seed = log.wrap(  # type: ignore[attr-defined]
-                "keras.utils.set_random_seed", original, seeding.first_arg)
+    (``tf_keras``) has the same function. Wrapped where it is defined and in every module
+    already holding it (read from their ``__dict__``: a lazy module's ``__getattr__``
+    would import), so an exporting module imported later (TensorFlow imports
+    ``tf.keras``'s on first use) takes the wrapped one."""
+    source = sys.modules.get(KERAS_SEED_SOURCES[package])
+    original = getattr(source, "set_random_seed", None)
+    if source is None or original is None or getattr(original, _KERAS_SEED_WRAPPED, False):
+        return
+    wrapped = log.wrap("keras.utils.set_random_seed", original, seeding.first_arg)
+    setattr(wrapped, _KERAS_SEED_WRAPPED, True)
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get("set_random_seed") is original:
+            module.set_random_seed = wrapped  # type: ignore[attr-defined]
 
 
 def _note_keras_default_seeds(session: Session, log: seeding.SeedLog) -> None:

@@ -28,6 +28,7 @@ def test_every_recipe_names_known_interventions() -> None:
     ("PT-GETITEM-CPU", "torch.deterministic"),
     ("DATA-PT-INORDER", "torch.dataloader_in_order"),
     ("TF-DATA-OPTIONS", "tf.data_deterministic"),
+    ("TF-DATA-STAGE-ORDER", "tf.data_deterministic"),
     ("TF-BIASADDGRAD", "tf.op_determinism"),
     ("PY-SEED-VARIES", "seeding.pin_seeds"),
     ("KERAS-PYDATASET-WORKERS", "keras.pydataset_one_worker"),
@@ -115,6 +116,32 @@ def test_tf_generators_from_the_os_are_seeded_by_their_patch() -> None:
     assert len(set(first[1:])) == 3  # each generator its own stream
     plain = child("")
     assert plain[0] == "[]" and plain[1] != first[1] and plain[1:] != child("")[1:]
+
+
+_TF_STAGES = """
+import tensorflow as tf
+from nondet import interventions
+interventions.apply_requested(0)
+ds = tf.data.Dataset.range(4)
+print(ds.map(lambda x: x, 2, False)._deterministic)  # by position
+print(ds.map(lambda x: x, num_parallel_calls=2, deterministic=False)._deterministic)
+print(ds.batch(2, num_parallel_calls=2, deterministic=False)._deterministic)
+print(ds.map(lambda x: x, num_parallel_calls=2)._deterministic)  # unset stays unset
+"""
+
+
+def test_tf_stages_given_deterministic_false_are_put_in_order_by_their_patch() -> None:
+    pytest.importorskip("tensorflow")
+
+    def child(apply: str) -> list[str]:
+        env = {**os.environ, "PYTHONPATH": str(REPO), interventions.APPLY_ENV: apply,
+               "TF_CPP_MIN_LOG_LEVEL": "3"}
+        out = subprocess.run([sys.executable, "-c", _TF_STAGES], env=env, capture_output=True,
+                             text=True, timeout=300, check=True)
+        return out.stdout.splitlines()[-4:]
+
+    assert child("tf.data_deterministic") == ["true", "true", "true", "default"]
+    assert child("") == ["false", "false", "false", "default"]
 
 
 def test_a_failing_intervention_is_one_line_and_the_script_runs_on(

@@ -55,6 +55,16 @@ class FakeSession:
                 for k, v in sorted(self.facts.items()) if k.startswith(seeding.SEED_FACT_PREFIX)]
 
 
+def _restore_keras_seed_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keras' ``set_random_seed`` is wrapped in every module holding it (pyhooks): put each
+    back after the test."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and "set_random_seed" in namespace \
+                and module.__name__.partition(".")[0] in pyhooks.KERAS_SEED_SOURCES:
+            monkeypatch.setattr(module, "set_random_seed", namespace["set_random_seed"])
+
+
 @pytest.fixture
 def session(monkeypatch: pytest.MonkeyPatch) -> FakeSession:
     """A session whose hooks are all undone after the test (monkeypatch restores)."""
@@ -64,10 +74,7 @@ def session(monkeypatch: pytest.MonkeyPatch) -> FakeSession:
         monkeypatch.setattr(owner, name, getattr(owner, name))
     monkeypatch.setattr(random.Random, "__init__", random.Random.__init__)
     monkeypatch.setattr(frameworks, "_watchers", {})  # pyhooks waits for keras there
-    for name in ("keras.utils", "keras._tf_keras.keras.utils"):
-        if name in sys.modules:  # imported by an earlier test: wrapped at once, undone after
-            monkeypatch.setattr(sys.modules[name], "set_random_seed",
-                                sys.modules[name].set_random_seed)
+    _restore_keras_seed_after(monkeypatch)  # imported by an earlier test: wrapped at once
     fake = FakeSession(Path(__file__))  # the user's "script" lives in tests/
     monkeypatch.setattr(session_module, "_CURRENT", fake)
     monkeypatch.setattr(seeding, "_LOG", None)
@@ -470,10 +477,7 @@ def test_tensorflow_and_keras_seeding_calls_are_recorded(session: FakeSession,
                         tf.compat.v1.random.set_random_seed)
     monkeypatch.setattr(stateful_random_ops.Generator, "from_seed",
                         stateful_random_ops.Generator.__dict__["from_seed"])
-    for name in ("keras.utils", "keras._tf_keras.keras.utils"):
-        if name in sys.modules:
-            monkeypatch.setattr(sys.modules[name], "set_random_seed",
-                                sys.modules[name].set_random_seed)
+    _restore_keras_seed_after(monkeypatch)
     tf_seeding.install(session)  # type: ignore[arg-type]
     for callback in frameworks._watchers.pop("keras", []):
         callback()  # what the import hook does once keras is imported (pyhooks' wrapper)

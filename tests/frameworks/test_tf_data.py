@@ -125,6 +125,13 @@ def test_relaxed_options_are_fixed_by_setting_them_back() -> None:
         "TF-DATA-OPTIONS", "options.deterministic = True", True)
 
 
+def test_a_stage_given_deterministic_false_is_fixed_at_that_call() -> None:
+    first = _suggestions(**{"tf.data.stage_deterministic": False})[0]
+    assert first.recipe.id == "TF-DATA-STAGE-ORDER" and first.applies_here
+    assert "without deterministic=False" in first.fix
+    assert first.recipe.apply[0] == "tf.data_deterministic"
+
+
 def test_a_pydataset_with_workers_is_fixed_in_getitem() -> None:
     first = _suggestions(**{"keras.pydataset_workers": 4})[0]
     assert first.recipe.id == "KERAS-PYDATASET-WORKERS"
@@ -200,12 +207,18 @@ _SLICES = "tf.data.Dataset.from_tensor_slices(tf.fill((3, 2, 4), tf.cast(i, tf.f
      "num_parallel_calls=1", False),
     (f"interleave(lambda i: {_SLICES}.shuffle(3), cycle_length=2, num_parallel_calls=2",
      False),
+    # a lookup table's reads (Keras' TextVectorization, StringLookup) are stateful ops
+    # that every element reads alike
+    ("map(lambda i: tf.fill((2, 4), tf.cast(TABLE.lookup(i % 3), tf.float32)), "
+     "num_parallel_calls=2", False),
 ])
 def test_a_parallel_stage_with_a_stateful_function_is_where_batches_are_made(
         tmp_path: Path, stage: str, stateful: bool) -> None:
     """keras-io's augmentation: random ops inside map(..., num_parallel_calls=N) take their
     random state in thread-completion order although the elements come out in order."""
     body = f"""
+    TABLE = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
+        tf.constant([0, 1, 2], tf.int64), tf.constant([5, 6, 7], tf.int64)), default_value=0)
     ds = tf.data.Dataset.range(16)
     ds = ds.{stage})  # MAP
     """
@@ -218,6 +231,40 @@ def test_a_parallel_stage_with_a_stateful_function_is_where_batches_are_made(
     else:
         assert map_line not in _data_lines(c, 1)
         assert notes == []
+
+
+def test_a_stage_given_deterministic_false_is_the_line_and_noted_when_runs_agree(
+        tmp_path: Path) -> None:
+    """``map(..., deterministic=False)`` hands out elements in completion order: its line
+    is where batches that differ are named, even with a stateful parallel stage built after
+    it, a fact selects its recipe, and a note says so when the two runs happen to agree."""
+    body = """
+    ds = tf.data.Dataset.range(16)
+    ds = ds.map(lambda i: tf.fill((2, 4), tf.cast(i, tf.float32)), 2, False)  # UNORDERED
+    ds = ds.map(lambda x: x + tf.random.uniform(()), num_parallel_calls=2)  # STATEFUL
+    """
+    c, _ = run_script(tmp_path, dedent(body) + EAGER_LOOP, op_steps=[1])
+    unordered = line_of(tmp_path, "# UNORDERED")
+    assert _data_lines(c, 1) == {unordered}
+    assert c.facts.get("tf.data.stage_deterministic") is False
+    notes = [str(v) for k, v in c.facts.items() if k.startswith("capture_note.tf_data_unordered")]
+    assert len(notes) == 1 and f"train.py:{unordered} was given deterministic=False" in notes[0]
+    stateful = [str(v) for k, v in c.facts.items()
+                if k == "capture_note.tf_data_stateful_parallel"]
+    assert len(stateful) == 1 and line_of(tmp_path, "# STATEFUL") in stateful[0]
+
+
+def test_a_stage_given_deterministic_true_or_under_op_determinism_says_nothing(
+        tmp_path: Path) -> None:
+    body = """
+    ds = tf.data.Dataset.range(16).map(lambda i: tf.fill((2, 4), tf.cast(i, tf.float32)),
+                                       num_parallel_calls=2, deterministic=True)
+    tf.config.experimental.enable_op_determinism()
+    ds = ds.map(lambda x: x * 2, num_parallel_calls=2, deterministic=False)  # IN ORDER NOW
+    """
+    c, _ = run_script(tmp_path, dedent(body) + EAGER_LOOP, op_steps=[1])
+    assert "tf.data.stage_deterministic" not in c.facts
+    assert not [k for k in c.facts if k.startswith("capture_note.tf_data_unordered")]
 
 
 def test_a_stateful_call_inside_a_converted_map_function_is_named_not_the_map(

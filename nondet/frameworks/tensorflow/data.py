@@ -68,6 +68,23 @@ STATEFUL_STAGE_NOTE = (
     "tf.config.experimental.enable_op_determinism() runs it in order")
 
 
+UNORDERED_STAGE_NOTE = (
+    "the tf.data stage built at {source} was given deterministic=False: it hands out "
+    "elements in the order its parallel calls finish, so its batches can differ between "
+    "runs even when two runs agree; leave the argument out (or deterministic=True) there")
+
+#: Fact: a tf.data stage was built with ``deterministic=False`` (recipe TF-DATA-STAGE-ORDER).
+STAGE_ORDER_FACT = "tf.data.stage_deterministic"
+
+
+def op_determinism_enabled() -> bool:
+    """``tf.config.experimental.enable_op_determinism()`` is in force: tf.data then runs
+    every stage in order and a stateful function on one element at a time."""
+    from tensorflow.python.framework import config
+
+    return bool(config.is_op_determinism_enabled())  # not exported: tf.config has only set
+
+
 def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) -> bool:
     """A stage built to run a stateful function on several elements at once (``map(f,
     num_parallel_calls=...)`` with a Keras random layer, whose seed is a variable read and
@@ -76,9 +93,7 @@ def stateful_parallel_stage(op_type: str, inputs: Any, attrs: dict[str, Any]) ->
     batches that differ were made (keras-io's augmentation in ``train_ds.map(...)``)."""
     if not op_type.startswith(_PARALLEL_STAGES):
         return False
-    from tensorflow.python.framework import config
-
-    if config.is_op_determinism_enabled():  # not exported: tf.config has only enable/disable
+    if op_determinism_enabled():
         return False  # tf.data then runs a stateful function on one element at a time
     # num_parallel_calls is the stage's last input; 1 runs the calls one after the other
     calls = inputs[-1] if inputs else None

@@ -17,7 +17,10 @@ from tensorflow.python.framework import op_callbacks
 from nondet.fingerprint import name_code
 from nondet.frameworks.fp import Fp, combined, resolve
 from nondet.frameworks.tensorflow.data import (
+    STAGE_ORDER_FACT,
     STATEFUL_STAGE_NOTE,
+    UNORDERED_STAGE_NOTE,
+    op_determinism_enabled,
     stage_function,
     stateful_parallel_stage,
 )
@@ -128,10 +131,18 @@ class TFOpRecorder(GraphRecorder):
         inner = self.stage_lines.take(function) if function else -1
         flag = pairs.get("deterministic")
         if (flag.decode() if isinstance(flag, bytes) else flag) == "false":
-            self.reordering_stage = self.session.sources.here(4)
+            if op_determinism_enabled():
+                return  # tf.data runs every stage in order then
+            stage = self.session.sources.here(4)
+            self.reordering_stage = self.unordered_stage = stage
+            self.session.send_facts({STAGE_ORDER_FACT: False})
+            # a race that did not strike in these two runs is still there (as below)
+            self.backend.note_once(f"tf_data_unordered:{stage}", UNORDERED_STAGE_NOTE.format(
+                source=self.session.string(stage) or "?"))
         elif stateful_parallel_stage(op_type, inputs, pairs):
             stage = self.session.sources.here(4)
-            self.reordering_stage = inner if inner >= 0 else stage
+            if self.unordered_stage < 0:  # else that stage is the likelier cause: its line
+                self.reordering_stage = inner if inner >= 0 else stage
             # A race that did not strike in these two runs is still there: say so even
             # when they repeat (shown with every report on this capture).
             self.backend.note_once("tf_data_stateful_parallel", STATEFUL_STAGE_NOTE.format(

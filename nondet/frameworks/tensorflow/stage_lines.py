@@ -22,8 +22,12 @@ from typing import Any
 
 from nondet.frameworks.base import Sources
 
-#: Stateful ops that change no value a batch is made of: never the line to name.
-_NOT_A_CAUSE = frozenset({"Assert", "Print", "PrintV2", "NoOp"})
+#: Stateful ops that change no value a batch is made of: never the line to name. A lookup
+#: table's reads (Keras' TextVectorization and StringLookup) find what every element would
+#: find: TensorFlow marks them stateful because the table is a resource.
+_NOT_A_CAUSE = frozenset({"Assert", "Print", "PrintV2", "NoOp", "LookupTableFind",
+                          "LookupTableFindV2", "LookupTableSize", "LookupTableSizeV2",
+                          "LookupTableExport", "LookupTableExportV2"})
 
 #: Op types with these in their name build a dataset or its shuffle seeds: TensorFlow marks
 #: dataset sources stateful (``TensorSliceDataset``, ``TFRecordDatasetV2``), but an

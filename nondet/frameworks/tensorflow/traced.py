@@ -132,6 +132,7 @@ class GraphRecorder:
         self.updates_seen = 0
         self.carried: tuple[int, float] | None = None  # loss hash + 1 and value, see collect
         self.reordering_stage = -1  # source of the last tf.data stage built unordered
+        self.unordered_stage = -1  # source of the last one given deterministic=False
         self.repeats = RepeatReads()
         self.trace_order = TraceOrder(self.session.sources)
         self._local = threading.local()

@@ -30,6 +30,9 @@ class Kind:
     name: str
     what: str  # what was drawn, for the note
     seeds: frozenset[str]  # the seeding APIs (as ``seeding`` records them) that fix it
+    #: a script that never seeds it gets a note here too (the other kinds get
+    #: ``seed_diff``'s notes for a script that never seeds TensorFlow or Keras)
+    never_seeded_note: bool = False
 
 
 #: Keras 3's default seeds come from Python's ``random`` (``make_default_seed``): every
@@ -42,7 +45,13 @@ KERAS_DEFAULT = Kind("keras_default_seed", "Keras drew a default seed from Pytho
 TF_GLOBAL = Kind("tf_global_seed", "a TensorFlow random op without seed= drew from the "
                  "global seed (tf.random.*, an unseeded shuffle or initializer)",
                  frozenset({"tf.random.set_seed", "keras.utils.set_random_seed"}))
-KINDS = {kind.name: kind for kind in (KERAS_DEFAULT, TF_GLOBAL)}
+#: Python's global ``random`` drawn by the script's own code (``random.randint`` in a
+#: ``Dataset.__getitem__``, a seed drawn with ``random.randint`` before ``random.seed``):
+#: draws a library makes on its own are left out (they need not feed training).
+PYTHON_GLOBAL = Kind("python_random", "the script draws from Python's random module",
+                     frozenset({"random.seed", "keras.utils.set_random_seed"}),
+                     never_seeded_note=True)
+KINDS = {kind.name: kind for kind in (KERAS_DEFAULT, TF_GLOBAL, PYTHON_GLOBAL)}
 
 
 class EarlyDraws:
@@ -52,6 +61,10 @@ class EarlyDraws:
         self._session = session
         self._log = log
         self._done: set[str] = set()  # kinds sent, or seeded by the script already
+
+    def done(self, kind: Kind) -> bool:
+        """Nothing more to record for ``kind`` (sent, or the script seeded it)."""
+        return kind.name in self._done
 
     def drawn(self, kind: Kind, frame: FrameType | None) -> None:
         """A draw of ``kind`` made from ``frame``. Never raises into the script."""
@@ -100,14 +113,23 @@ def first_site(calls: dict[tuple[str, str, str], list[tuple[int, int, str]]],
 
 
 def notes_for(facts: dict[str, Any],
-              calls: dict[tuple[str, str, str], list[tuple[int, int, str]]]) -> list[str]:
+              calls: dict[tuple[str, str, str], list[tuple[int, int, str]]],
+              kinds: list[Kind] | None = None) -> list[str]:
     """One note per kind drawn before the script seeded it, when the script seeds it at
-    all (``calls`` is the capture's seeding calls, ``seed_diff.seed_calls``)."""
+    all, or never seeds it (``Kind.never_seeded_note``); ``calls`` is the capture's seeding
+    calls (``seed_diff.seed_calls``)."""
     notes = []
-    for name, kind in KINDS.items():
-        fact = facts.get(FACT_PREFIX + name)
+    for kind in KINDS.values() if kinds is None else kinds:
+        fact = facts.get(FACT_PREFIX + kind.name)
         site = fact.get("site") if isinstance(fact, dict) else None
         seeded = first_site(calls, kind.seeds)
+        if isinstance(site, str) and seeded is None and kind.never_seeded_note:
+            notes.append(
+                f"at {site} {kind.what} and never seeds it: nondet seeded it alike in both "
+                "runs (--seed), so these two runs match, but the script run on its own draws "
+                "different values there each time (its plain runs differ if they feed "
+                "training) [PY-ENTROPY]: call random.seed(0) at the start of the script")
+            continue
         if not isinstance(site, str) or seeded is None:
             continue
         api, seed_site = seeded

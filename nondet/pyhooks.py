@@ -120,9 +120,58 @@ def install(session: Session) -> None:
         original_seed(a, version)
 
     random.seed = log.wrap("random.seed", seed, lambda a=None, *_, **__: a)
+    _watch_python_draws(session, log)
     frameworks.after_import("keras", lambda: _wrap_keras_seed(log, "keras"))
     frameworks.after_import("tf_keras", lambda: _wrap_keras_seed(log, "tf_keras"))
     frameworks.after_import("keras", lambda: _note_keras_default_seeds(session, log))
+
+
+#: The ``random`` module's functions that draw from its global generator.
+_PYTHON_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle",
+                 "sample", "gauss", "normalvariate", "getrandbits", "randbytes", "triangular",
+                 "betavariate", "expovariate", "gammavariate", "lognormvariate",
+                 "paretovariate", "vonmisesvariate", "weibullvariate", "binomialvariate")
+
+
+def _watch_python_draws(session: Session, log: seeding.SeedLog) -> None:
+    """The first draw the script's own code makes from Python's global ``random`` before
+    seeding it (``early_draws.PYTHON_GLOBAL``): nondet seeds that generator in both runs,
+    so they repeat where plain runs draw fresh values. Once recorded, or once the script
+    has seeded it, the module's functions are nondet's no longer (a name imported
+    earlier with ``from random import`` keeps a wrapper that only checks a set)."""
+    early = early_draws.EarlyDraws(session, log)
+    kind = early_draws.PYTHON_GLOBAL
+    originals = {name: getattr(random, name) for name in _PYTHON_DRAWS
+                 if callable(getattr(random, name, None))}
+    wrappers: dict[str, Any] = {}
+
+    def restore() -> None:
+        for name, original in originals.items():
+            if getattr(random, name, None) is wrappers.get(name):
+                setattr(random, name, original)
+
+    def watched(original: Any) -> Any:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            if not early.done(kind):
+                caller = sys._getframe(1)
+                try:
+                    users = log.is_users(caller)
+                except Exception:
+                    log.failed()
+                    users = False
+                if users:  # the script's own call (a library's need not feed training)
+                    early.drawn(kind, caller)
+                if early.done(kind):
+                    restore()
+            return original(*args, **kwargs)
+
+        draw.__wrapped__ = original  # type: ignore[attr-defined]
+        draw.__doc__, draw.__name__ = original.__doc__, original.__name__
+        return draw
+
+    for name, original in originals.items():
+        wrappers[name] = watched(original)
+        setattr(random, name, wrappers[name])
 
 
 #: Where each Keras defines ``set_random_seed``; every module exporting it imports it from

@@ -246,16 +246,18 @@ def unseeded_script_notes(capture: Capture) -> list[str]:
     (which seeds it) and not on its own: the verdict alone would hide that. So does one
     that seeds TensorFlow alone while Keras 3 draws its default seeds from Python, and a
     torch script that draws before it seeds."""
-    if capture.facts.get("framework") == "torch":
-        return _torch_draw_notes(capture)
-    if capture.facts.get("framework") != "tensorflow":
-        return []
     calls = seed_calls(capture)
+    # the script's own draws from Python's random, whatever the framework
+    python = early_draws.notes_for(capture.facts, calls, [early_draws.PYTHON_GLOBAL])
+    if capture.facts.get("framework") == "torch":
+        return _torch_draw_notes(capture) + python
+    if capture.facts.get("framework") != "tensorflow":
+        return python
     apis = {api for api, _, _ in calls}
     if not apis & TF_GLOBAL_SEEDS:
-        return [UNSEEDED_TF_NOTE]
+        return [UNSEEDED_TF_NOTE, *python]
     if capture.facts.get(KERAS_DEFAULT_SEED) is True and not apis & PYTHON_SEEDS:
-        return [KERAS_PYTHON_SEED_NOTE]
+        return [KERAS_PYTHON_SEED_NOTE, *python]
     return early_draws.notes_for(capture.facts, calls)
 
 

@@ -43,7 +43,11 @@ MASK64 = (1 << 64) - 1
 #: list index (torch/kernels.py, Note [Optimizer kernels as one record]), where each of
 #: its ~9 pointwise ops per parameter was a record: op rows and the per-tensor fingerprints
 #: of a step with op-level capture are not those of scheme 4.
-SCHEME = "5"
+#: 6: a torch step row's group fingerprints (parameters, buffers, gradients, optimizer
+#: state) are the group's own in steps with op-level capture too (torch/stepstate.py
+#: ``GroupFps``), where they combined the per-tensor fingerprints: a capture's step rows no
+#: longer depend on which steps had op capture.
+SCHEME = "6"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device
 _CHUNK_KEY_OFFSET = 1 << 40  # chunk weights come from a disjoint part of the key stream

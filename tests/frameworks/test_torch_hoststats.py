@@ -15,7 +15,9 @@ torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from nondet.frameworks.torch.state import named_state  # noqa: E402
-from nondet.frameworks.torch.stepstate import StateFingerprints  # noqa: E402
+from nondet.frameworks.torch.stepstate import GroupFps, StateFingerprints  # noqa: E402
+
+NO_GRADS = GroupFps([], [])
 from nondet.frameworks.torch.testing import recorder  # noqa: E402
 from nondet.records import Group  # noqa: E402
 
@@ -130,11 +132,38 @@ def test_a_cpu_step_end_runs_no_torch_reduction(detailed: bool) -> None:
             assert row.maxabs == maxabs and row.total == pytest.approx(total, rel=1e-12)
 
 
+def test_the_step_rows_fingerprints_are_the_same_with_and_without_op_capture() -> None:
+    """A step with op capture has a fingerprint per tensor as well, but its step row is the
+    group's own fingerprint, as in a step without: ``nondet diff`` of a ``nondet run``
+    capture and an ``--ops all`` one of the same deterministic script said "grads, params
+    differ" at every step only one of them captured ops."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.BatchNorm1d(20),
+                                torch.nn.Linear(20, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 30)).square().mean().backward()
+    optimizer.step()
+    names = {id(x): n for n, x in [*model.named_parameters(), *model.named_buffers()]}
+    params, buffers, optim = named_state([model], [weakref.ref(optimizer)], names)
+    rows, tensors = [], []
+    for detailed in (False, True):
+        rec = recorder()
+        state_fps = StateFingerprints(rec, rec.hasher)
+        with torch.no_grad():
+            grads = state_fps.named([(n, p.grad) for n, p in params if p.grad is not None],
+                                    detailed)
+            state, _ = state_fps.step_state(params, buffers, optim, grads, None, detailed)
+        rows.append((state.params, state.buffers, state.grads, state.optim))
+        tensors.append(len(state.tensors))
+    assert rows[0] == rows[1] and all(rows[0])
+    assert tensors[0] == 0 and tensors[1] > 10  # the detailed step still names its tensors
+
+
 def test_a_parameter_numpy_cannot_read_sums_with_torch() -> None:
     """A bfloat16 parameter among float32 ones: the parameter sum is torch's."""
     params = [("a", torch.randn(50)), ("b", torch.randn(40).to(torch.bfloat16))]
     rec = recorder()
-    state, _ = StateFingerprints(rec, rec.hasher).step_state(params, [], [], [], None, False)
+    state, _ = StateFingerprints(rec, rec.hasher).step_state(params, [], [], NO_GRADS, None, False)
     want = sum(float(p.sum(dtype=torch.float64)) for _, p in params)
     assert state.params_sum == pytest.approx(want, rel=1e-12)
 
@@ -148,10 +177,10 @@ def test_the_parameter_sum_is_the_same_float_with_and_without_statistics() -> No
     params.append(("bf", torch.randn(9, generator=g).to(torch.bfloat16)))  # the torch path
     rec = recorder()
     state_fps = StateFingerprints(rec, rec.hasher)
-    sums = [state_fps.step_state(params[:4], [], [], [], None, detailed)[0].params_sum
+    sums = [state_fps.step_state(params[:4], [], [], NO_GRADS, None, detailed)[0].params_sum
             for detailed in (False, True)]
     assert sums[0] == sums[1]
-    with_bf16 = [state_fps.step_state(params, [], [], [], None, detailed)[0].params_sum
+    with_bf16 = [state_fps.step_state(params, [], [], NO_GRADS, None, detailed)[0].params_sum
                  for detailed in (False, True)]
     assert with_bf16[0] == with_bf16[1]
 

@@ -61,7 +61,7 @@ from nondet.frameworks.torch.state import (
     torch_environment,
     torch_facts,
 )
-from nondet.frameworks.torch.stepstate import Named, StateFingerprints
+from nondet.frameworks.torch.stepstate import GroupFps, StateFingerprints
 from nondet.records import Kind, Phase
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
@@ -111,7 +111,7 @@ class TorchBackend(StepLifecycle):
 
     def _reset_step(self) -> None:
         super()._reset_step()
-        self.grads: Named | None = None
+        self.grads: GroupFps | None = None
         self.loss_scalar: torch.Tensor | None = None  # read once, at the step end
 
     # -- hooks -------------------------------------------------------------------------------
@@ -407,7 +407,7 @@ class TorchBackend(StepLifecycle):
             self.optimizers += self.held_optimizers
             self.held_roots, self.held_optimizers = [], []
 
-    def _grad_snapshot(self) -> Named:
+    def _grad_snapshot(self) -> GroupFps:
         self._join_held()
         params = named_params(self.roots, self.optimizers, self.param_names, self.owner_names)
         with self.paused_capture():

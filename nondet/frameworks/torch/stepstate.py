@@ -6,6 +6,7 @@ else one fingerprint per group."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +24,20 @@ from nondet.records import Group
 Named = list[tuple[str, Fp, torch.Tensor | None]]
 
 
+@dataclass
+class GroupFps:
+    """One group's fingerprints at a step end. ``group``: what the step row's value is made
+    of, the same in every step, with op capture or without: one fingerprint of the group's
+    tensors concatenated (per device), then its numbers. ``rows``: the tensor rows of a
+    step with op capture (one per named tensor, so the report can name them), else
+    ``group`` itself. Captures of one script made under other schedules (``nondet run``'s
+    and ``--ops all``'s, a baseline's) compare step by step: their step rows must not
+    depend on which steps had op capture."""
+
+    rows: Named
+    group: list[Fp]
+
+
 class StateFingerprints:
     """Fingerprints of the named state, through the recorder (its cache in captured steps,
     its pending values resolved with the step's own in one read-back). Call it while the
@@ -37,32 +52,28 @@ class StateFingerprints:
                                                          Group.GRAD, Group.OPTIM)}
 
     def named(self, named: list[tuple[str, Any]], detailed: bool,
-              group: Group = Group.GRAD) -> Named:
-        """Fingerprints of named tensors (and numbers) of ``group``: one per tensor in steps
-        with op capture (the report can then name them), else one for the whole group,
-        hashed as a single concatenation (a few large ops instead of several small ones per
-        tensor)."""
+              group: Group = Group.GRAD) -> GroupFps:
+        """Fingerprints of named tensors (and numbers) of ``group``: one for the whole
+        group, hashed as a single concatenation (a few large ops instead of several small
+        ones per tensor), and in steps with op capture one per tensor too."""
         numbers: Named = [(n, Fp(value=scalar_value(v)), None) for n, v in named
                           if not isinstance(v, torch.Tensor)]
         tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
-        out: Named
-        if detailed:
-            out = [(n, self.of(t), t) for n, t in tensors]
-        else:
-            out = [("(group)", fp, None) for fp in self.recorder.fingerprint_many(
-                [t for _, t in tensors], self.views[group])]
-        return out + numbers
+        whole: Named = [("(group)", fp, None) for fp in self.recorder.fingerprint_many(
+            [t for _, t in tensors], self.views[group])] + numbers
+        rows = [(n, self.of(t), t) for n, t in tensors] + numbers if detailed else whole
+        return GroupFps(rows, [fp for _, fp, _ in whole])
 
     def of(self, t: torch.Tensor) -> Fp:
         """The fingerprint of one tensor: from the cache if current, else hashed now."""
         return self.recorder.known(t) or self.recorder.remember(t, self.recorder.fingerprint(t))
 
     def step_state(self, params: list[tuple[str, Any]], buffers: list[tuple[str, Any]],
-                   optim: list[tuple[str, Any]], grads: Named,
+                   optim: list[tuple[str, Any]], grads: GroupFps,
                    loss_scalar: torch.Tensor | None, detailed: bool
                    ) -> tuple[StepState, float | None]:
         """The step's state row, and the loss read back with it (None: no loss scalar)."""
-        groups: list[tuple[Group, Named]] = [
+        groups: list[tuple[Group, GroupFps]] = [
             (Group.PARAM, self.named(params, detailed, Group.PARAM)),
             (Group.BUFFER, self.named(buffers, detailed, Group.BUFFER)),
             (Group.GRAD, grads),
@@ -72,8 +83,8 @@ class StateFingerprints:
         rng = [self.recorder.fingerprint(torch.get_rng_state())]
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             rng.extend(self.recorder.fingerprint(s) for s in torch.cuda.get_rng_state_all())
-        keys = [(group, name, t) for group, items in (groups if detailed else [])
-                for name, _, t in items if t is not None]
+        keys = [(group, name, t) for group, fps in (groups if detailed else [])
+                for name, _, t in fps.rows if t is not None]
         computed = self.hasher.stats_many([t for _, _, t in keys])
         stats = dict(zip([(group, name) for group, name, _ in keys], computed, strict=True))
         # a detailed step has each parameter's sum already: the same float, not summed twice
@@ -98,15 +109,15 @@ class StateFingerprints:
         host_stats = {key: (value(pair[0]), value(pair[1])) for key, pair in stats.items()
                       if pair}
         state = StepState(
-            params=group_fp([fp.value or 0 for _, fp, _ in groups[0][1]]),
-            buffers=group_fp([fp.value or 0 for _, fp, _ in groups[1][1]]),
-            grads=group_fp([fp.value or 0 for _, fp, _ in groups[2][1]]),
-            optim=group_fp([fp.value or 0 for _, fp, _ in groups[3][1]]),
+            params=group_fp([fp.value or 0 for fp in groups[0][1].group]),
+            buffers=group_fp([fp.value or 0 for fp in groups[1][1].group]),
+            grads=group_fp([fp.value or 0 for fp in groups[2][1].group]),
+            optim=group_fp([fp.value or 0 for fp in groups[3][1].group]),
             params_sum=params_value,
             rng=[fp.value or 0 for fp in rng],
         )
-        for group, items in groups if detailed else []:
-            for name, fp, t in items:
+        for group, fps in groups if detailed else []:
+            for name, fp, t in fps.rows:
                 total, maxabs = host_stats.get((group, name), (math.nan, math.nan))
                 state.tensors.append(TensorRow(group, name, fp.value or 0, total, maxabs,
                                                t.numel() if t is not None else 0))

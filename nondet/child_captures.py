@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from nondet import channel
+from nondet import channel, outdir
 from nondet.errors import NondetError
 from nondet.report import Divergence
 from nondet.store import Capture, CaptureWriter, open_capture
@@ -58,6 +58,7 @@ def _store_one(frames: Path, run_capture: Path) -> Path:
     with _h5py().File(run_capture, "r") as f:
         attrs = {k: decode_attr(f.attrs[k]) for k in _INHERITED if k in f.attrs}
     target = frames.with_suffix(".h5")
+    outdir.claim(target)  # nondet's own, for pruning later
     label = frames.stem.removeprefix("run-")
     stream = _FileStream(target)
     stream.writer = CaptureWriter(target, {**attrs, "label": label}, store_every=STORE_SECONDS)

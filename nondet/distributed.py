@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nondet import channel, inherited, paused
+from nondet import channel, inherited, outdir, paused
 from nondet.errors import NondetError
 from nondet.launchline import RUN_MODULE, multi_node
 from nondet.runspec import (
@@ -165,6 +165,8 @@ class Job:
         self.target, self.plan, self.seed = target, plan, seed
         self.dir = out_dir / f"run-{plan.label}"
         self.log_path = out_dir / f"run-{plan.label}.log"
+        outdir.claim(self.log_path)  # nondet's own, for pruning later (the ranks' directory
+        # is not listed: a directory there keeps the invocation)
         self.extra_env = extra_env or {}
         self.echo = echo
         self.stall_after = stall_after

@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from nondet import channel, child_captures, idle, inherited, output
+from nondet import channel, child_captures, idle, inherited, outdir, output
 from nondet.errors import NondetError, Terminated
 from nondet.runspec import Plan as Plan  # re-exported: tests and callers name runs here
 from nondet.runspec import RunResult as RunResult
@@ -30,6 +30,7 @@ from nondet.runspec import Target as Target
 from nondet.runspec import capture_attrs, child_argv, child_config, child_env
 from nondet.store import CaptureWriter
 from nondet.stream import STORE_SECONDS, RunStream, ensure_space, write_failure
+from nondet.worker_seeds import seeds_file
 
 #: seconds a run that closed nondet's pipe (from C: ``fdguard``) may take to open it again
 #: (its watcher does within half a second) before nondet gives up on recording it
@@ -51,6 +52,9 @@ class CapturedRun(RunStream):
         self.plan = plan
         self.seed = seed
         self.log_path = out_dir / f"run-{plan.label}.log"
+        for made in (self.path, self.log_path,  # nondet's own, for pruning later
+                     Path(seeds_file(str(out_dir), plan.label))):
+            outdir.claim(made)
         self.on_step = on_step
         self.on_end = on_end
         self.echo = echo

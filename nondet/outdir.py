@@ -11,9 +11,10 @@ Every ``nondet run``/``check`` gets a directory of its own under ``--out``::
 so two invocations in one project never share (or overwrite) a capture, and ``--out .``
 never touches the project's own files. nondet deletes only what it can prove it made: a
 directory whose name has the invocation pattern *and* that holds nondet's marker, and in
-it only files named like nondet's captures and logs. Anything else (a user's
-``run-notes.log``, a baseline kept next to the captures, an invocation directory someone
-added files to) stays.
+it only the files nondet listed there as it made them (``claim``: the captures and logs of
+its runs). Anything else (a user's ``run-notes.log``, a baseline kept next to the
+captures, an invocation directory someone added files to, one made before nondet kept that
+list) stays.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ LATEST = "latest"
 #: Invocation directories kept when older ones are pruned (the current one included).
 KEEP = 5
 
+#: The names of the files nondet made in an invocation directory, one per line (``claim``).
+MADE = ".nondet-made"
+
 _NAME = re.compile(r"^\d{8}-\d{6}-\d+(\.\d+)?$")
-_OWN_FILE = re.compile(r"^run-[A-Za-z0-9_.-]+\.(h5|log)$")
 
 
 @dataclass(frozen=True)
@@ -185,11 +188,34 @@ def _started(path: Path) -> tuple[float, str]:
         return 0.0, path.name
 
 
+def claim(path: Path) -> None:
+    """List ``path``, a file nondet is about to make, as nondet's own for ``prune``, when
+    its directory is an invocation's (other directories are the user's: nothing is
+    listed, nothing there is ever removed). One short append: runs of one invocation in
+    parallel processes do not interleave. On any error the file is simply not listed
+    (then kept)."""
+    if not (path.parent / MARKER).is_file():
+        return
+    try:
+        with open(path.parent / MADE, "a", encoding="utf-8") as made:
+            made.write(path.name + "\n")
+    except OSError:
+        pass
+
+
+def _made(path: Path) -> set[str]:
+    try:
+        return set((path / MADE).read_text(encoding="utf-8").splitlines())
+    except (OSError, ValueError):
+        return set()
+
+
 def prune(root: Path, *, keep: int, current: str = "") -> list[Path]:
     """Remove old invocation directories beyond the newest ``keep``; returns those removed.
 
     Only directories ``is_invocation`` accepts, not in use, and in them only nondet's own
-    files (captures, logs, the marker); a directory holding anything else is left as it is.
+    files (those ``claim`` listed, the list, the marker); a directory holding anything
+    else is left as it is.
     """
     try:
         mine = sorted((p for p in root.iterdir() if is_invocation(p)), key=_started)
@@ -200,14 +226,16 @@ def prune(root: Path, *, keep: int, current: str = "") -> list[Path]:
         if path.name == current or _in_use(path):
             continue
         try:
+            made = _made(path)
             others = [p for p in path.iterdir()
-                      if p.name != MARKER and not (_OWN_FILE.match(p.name) and p.is_file()
-                                                   and not p.is_symlink())]
+                      if p.name not in (MARKER, MADE) and not (
+                          p.name in made and p.is_file() and not p.is_symlink())]
             if others:
                 continue  # someone put their own files here: not ours to delete
             for p in path.iterdir():
-                if p.name != MARKER:
+                if p.name not in (MARKER, MADE):
                     p.unlink()
+            (path / MADE).unlink(missing_ok=True)
             (path / MARKER).unlink()
             path.rmdir()
             removed.append(path)

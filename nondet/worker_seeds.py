@@ -55,6 +55,11 @@ def path_for(session: Session) -> str | None:
     label = getattr(config, "label", None)
     if not folder or not isinstance(label, str):
         return None
+    return seeds_file(folder, label)
+
+
+def seeds_file(folder: str, label: str) -> str:
+    """The file the workers of run ``label`` append to, in ``folder``."""
     return os.path.join(folder, f"run-{label}.worker-seeds")
 
 

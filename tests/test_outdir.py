@@ -51,8 +51,9 @@ def _old_invocation(root: Path, name: str, pid: int) -> Path:
     path = root / name
     path.mkdir(parents=True)
     _mark(path, pid)
-    (path / "run-a.h5").write_bytes(b"capture")
-    (path / "run-a.log").write_bytes(b"log")
+    for made in ("run-a.h5", "run-a.log"):  # as nondet's runs make them: listed first
+        outdir.claim(path / made)
+        (path / made).write_bytes(made.encode())
     return path
 
 
@@ -84,6 +85,23 @@ def test_prune_removes_only_old_unused_marked_directories(tmp_path: Path) -> Non
     # The two newest stay; of the older ones, the one whose process still runs stays too.
     assert sorted(removed) == sorted(old[:2]) and all(not p.exists() for p in old[:2])
     assert all(p.exists() for p in (*old[2:], alive))
+
+
+def test_files_named_like_nondets_that_it_did_not_make_are_kept(tmp_path: Path) -> None:
+    """A user's ``run-notes.log`` or ``run-final.h5`` put into an old invocation directory
+    was deleted with it: their names match nondet's, but nondet did not list them."""
+    dead = _dead_pid()
+    old = [_old_invocation(tmp_path, f"20210101-00000{i}-{dead}", dead) for i in range(4)]
+    (old[0] / "run-notes.log").write_bytes(b"my notes")
+    (old[1] / "run-final.h5").write_bytes(b"my weights")
+    unlisted = tmp_path / f"20200101-000000-{dead}"  # made before nondet listed its files
+    unlisted.mkdir()
+    _mark(unlisted, dead)
+    (unlisted / "run-a.h5").write_bytes(b"capture")
+    assert outdir.prune(tmp_path, keep=1) == [old[2]]
+    assert (old[0] / "run-notes.log").read_bytes() == b"my notes"
+    assert (old[1] / "run-final.h5").read_bytes() == b"my weights"
+    assert (unlisted / "run-a.h5").exists() and old[3].exists()
 
 
 def test_latest_points_at_the_invocation_that_finished_last(tmp_path: Path) -> None:

@@ -245,10 +245,15 @@ def _extra_steps_count(a: Capture, b: Capture) -> bool:
     ended (different step counts), or one ended while the other, stopped by nondet, had
     already gone past its end (lockstep stops a run once the other ends: a script that
     exits early in one run only). A run that is shorter because it was stopped or
-    interrupted is compared over the steps both have."""
+    interrupted is compared over the steps both have; one that nondet ended because it
+    had gone idle (no frame, no CPU: ``nondet.idle``) would never have gone on, so its
+    steps are all it had: a run that hangs mid-training while its twin trains on is
+    nondeterminism, not two runs that agree."""
     shorter, longer = (a, b) if a.n_steps <= b.n_steps else (b, a)
-    return shorter.status == "complete" and (
-        longer.status == "complete" or longer.n_steps > shorter.n_steps)
+    ended = shorter.status == "complete" or shorter.idle_ended > 0
+    return ended and (
+        longer.status == "complete" or longer.idle_ended > 0
+        or longer.n_steps > shorter.n_steps)
 
 
 def _training_state_differs(a: Capture, b: Capture, count_extra_steps: bool) -> bool:

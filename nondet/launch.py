@@ -24,6 +24,7 @@ import numpy as np
 
 from nondet import channel, child_captures, idle, inherited, outdir, output
 from nondet.errors import NondetError, Terminated
+from nondet.store.writer import IDLE_ENDED
 from nondet.runspec import Plan as Plan  # re-exported: tests and callers name runs here
 from nondet.runspec import RunResult as RunResult
 from nondet.runspec import Target as Target
@@ -256,7 +257,8 @@ class CapturedRun(RunStream):
             status = channel.CRASHED
         if code in (130, -signal.SIGINT) and status not in (channel.COMPLETE, channel.STOPPED):
             status = channel.INTERRUPTED
-        self._close_writer(status, code)
+        self._close_writer(status, code, {IDLE_ENDED: self._idle_ended} if self._idle_ended
+                           else None)
         child_captures.store(self.path)  # the run's recorded child processes, beside it
         self._result_cache = RunResult(
             label=self.plan.label, path=self.path, log_path=self.log_path, status=status,

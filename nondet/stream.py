@@ -79,11 +79,12 @@ class RunStream:
         """The run will send nothing more (END arrived, or its pipe closed)."""
         return self._end_reported
 
-    def _close_writer(self, status: str, code: int | None) -> None:
+    def _close_writer(self, status: str, code: int | None,
+                      attrs: dict[str, Any] | None = None) -> None:
         if self.writer is None:
             return
         try:
-            self.writer.close(status, code)
+            self.writer.close(status, code, attrs)
         except OSError:
             pass  # disk full: the file keeps what was flushed at the last step
         except RuntimeError as exc:  # h5py, once a write failed: "truncate request failed"

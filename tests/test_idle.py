@@ -141,3 +141,39 @@ def test_a_script_that_sleeps_after_training_is_compared_not_waited_for(
     assert sum("nondet ended it" in note for note in report["notes"]) == count, report["notes"]
     out = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
     assert out.stdout.strip() == ""  # no run left sleeping
+
+
+HANGS_IN_ONE_RUN = """
+import os, sys, time, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+try:  # the first run to get here hangs after step 1 (a deadlock that strikes once)
+    os.close(os.open(sys.argv[1], os.O_CREAT | os.O_EXCL))
+    hangs = True
+except FileExistsError:
+    hangs = False
+for step in range(4):
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    while hangs and step == 1:
+        time.sleep(1000)
+"""
+
+
+@pytest.mark.parametrize("schedule", [[], ["--schedule", "sequential"]],
+                         ids=["lockstep", "sequential"])
+def test_a_run_that_hangs_mid_training_while_its_twin_trains_on_is_a_finding(
+        tmp_path: Path, schedule: list[str]) -> None:
+    """It was ended as idle and its 2 steps compared with the twin's first 2: "deterministic",
+    exit 0, for a script that hangs in one run in two."""
+    script = tmp_path / "train.py"
+    script.write_text(HANGS_IN_ONE_RUN)
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", *schedule, str(script),
+                     str(tmp_path / "hung.mark"), cwd=tmp_path,
+                     env={"NONDET_IDLE_AFTER": "4"}, timeout=BOUND)
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert sorted(r["steps"] for r in report["runs"]) == [2, 4]
+    assert report["first_divergence"]["step"] == 2
+    assert any("nondet ended it" in note for note in report["notes"]), report["notes"]

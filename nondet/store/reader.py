@@ -37,6 +37,7 @@ from nondet.store.unclosed import marked_open, open_unclosed
 from nondet.store.writer import (
     DIGEST_ATTR,
     FORMAT_MAJOR,
+    IDLE_ENDED,
     SOURCE_TEXT_MARK,
     STRINGS_CRC_ATTR,
     TABLES,
@@ -81,6 +82,15 @@ class Capture:
         status = str(self.attrs.get("status", "unknown"))
         # a writer killed mid-run never wrote how the run ended (Note [Unclosed captures])
         return "interrupted" if self.unclosed and status == "running" else status
+
+    @property
+    def idle_ended(self) -> float:
+        """> 0: nondet ended the run after this many seconds in which it sent nothing and
+        used no CPU (``nondet.idle``); its status is then ``stopped``."""
+        try:
+            return float(self.attrs.get(IDLE_ENDED, 0.0))
+        except (TypeError, ValueError):  # a capture is untrusted input
+            return 0.0
 
     @property
     def complete(self) -> bool:

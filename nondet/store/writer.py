@@ -32,6 +32,8 @@ TABLES: dict[str, np.dtype] = {"steps": STEP_DTYPE, "tensors": TENSOR_DTYPE, "op
 OPTIONAL_TABLES = ("comm",)
 DIGEST_ATTR = "nondet_digest"
 STRINGS_CRC_ATTR = "nondet_strings_crc"
+#: Root attribute: nondet ended the run after this many idle seconds (``nondet.idle``).
+IDLE_ENDED = "idle_ended"
 #: Strings with this prefix are not names but the text of a source line:
 #: "<mark><file:line>\n<the line's text>" (see session.SourceLocator).
 SOURCE_TEXT_MARK = "\x1fsource\x1f"
@@ -236,14 +238,17 @@ class CaptureWriter:
                 ds.attrs[key] = _attr(value)
             self._store()  # flushed while ``ds`` is open (see ``_tables``), with the rows
 
-    def close(self, status: str, exit_code: int | None) -> None:
+    def close(self, status: str, exit_code: int | None,
+              attrs: dict[str, Any] | None = None) -> None:
+        """Store what waits, write how the run ended (``attrs``: more root attributes, such
+        as ``idle_ended``) and close the file."""
         with _H5_LOCK:
             if self._closing or not self._file.id.valid:
                 return
             self._closing = True
             try:
                 self._store()
-                self._set("", {"status": status,
+                self._set("", {**(attrs or {}), "status": status,
                                "exit_code": -1 if exit_code is None else exit_code,
                                STRINGS_CRC_ATTR: self._strings_crc})
                 self._file.flush()  # a refused write shows here, before the close

@@ -24,12 +24,12 @@ import numpy as np
 
 from nondet import channel, child_captures, idle, inherited, outdir, output
 from nondet.errors import NondetError, Terminated
-from nondet.store.writer import IDLE_ENDED
 from nondet.runspec import Plan as Plan  # re-exported: tests and callers name runs here
 from nondet.runspec import RunResult as RunResult
 from nondet.runspec import Target as Target
 from nondet.runspec import capture_attrs, child_argv, child_config, child_env
 from nondet.store import CaptureWriter
+from nondet.store.writer import IDLE_ENDED
 from nondet.stream import STORE_SECONDS, RunStream, ensure_space, write_failure
 from nondet.worker_seeds import seeds_file
 

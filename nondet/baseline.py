@@ -8,13 +8,16 @@ no tensor values, nothing secret beyond the script's path and the machine's desc
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
 
 from nondet.environment import INFORMATIONAL, differences
 from nondet.errors import NondetError
+from nondet.printable import LINE_MAX, clip
 from nondet.store import Capture, open_capture
 
 #: Environment keys that describe a run without changing its numbers.
@@ -79,6 +82,28 @@ def script_mismatch(baseline: Capture, script: str | None, module: str | None,
         return f"{script} has changed since it was made (sha256 {base_digest[:12]} then, " \
                f"{digest[:12]} now)"
     return ""
+
+
+def args_mismatch(baseline: Capture, module: str | None, args: list[str]) -> str:
+    """Why the baseline ran the script with other arguments than this check ("" if the
+    same, or if the baseline does not say): ``--gamma 0.98`` against a baseline made
+    without it trains another model, which a step comparison reports as nondeterminism."""
+    command = baseline.attrs.get("command")
+    try:  # stored as JSON text (a capture is untrusted input: anything else says nothing)
+        command = json.loads(command) if isinstance(command, str) else command
+    except ValueError:
+        return ""
+    if not isinstance(command, list) or not all(isinstance(x, str) for x in command):
+        return ""
+    base_args = command[2:] if module else command[1:]  # after "-m module" or the script
+    if base_args == list(args):
+        return ""
+    return (f"it was made with the arguments {_shown(base_args)}, this check runs "
+            f"{_shown(list(args))}")
+
+
+def _shown(args: list[str]) -> str:
+    return clip(shlex.join(args), LINE_MAX) if args else "(none)"
 
 
 def _text(path: Path) -> str:

@@ -230,6 +230,11 @@ def against_baseline(target: Target, options: Options, progress: ProgressSink,
     if mismatch and not allow_script_change:
         raise NondetError(f"the baseline {path} is of a different script: {mismatch}; update it "
                           "with --update-baseline, or compare anyway with --allow-script-change")
+    other_args = baseline.args_mismatch(base, target.module, list(target.args))
+    if other_args and not allow_script_change:
+        raise NondetError(f"the baseline {path} ran the script with other arguments: "
+                          f"{other_args}; update it with --update-baseline, or compare anyway "
+                          "with --allow-script-change")
     progress.stage(f"run: {target.describe()}, compared with the baseline {path}")
     result = _run_single(target, Plan("a", [], _first_plan(options)[1]), options, progress)
     current = open_capture(result.path)

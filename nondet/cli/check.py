@@ -70,8 +70,8 @@ def _raw_value(args: list[str], option: str) -> str | None:
               help="Compare with a baseline made in a different environment anyway; the "
                    "finding is then labelled as possibly caused by that drift.")
 @click.option("--allow-script-change", is_flag=True,
-              help="Compare with a baseline made from a different script (or another version "
-                   "of it) anyway.")
+              help="Compare with a baseline made from a different script (another version "
+                   "of it, or other script arguments) anyway.")
 @click.option("--verify-fix", is_flag=True,
               help="When the runs differ, re-run with the suggested fixes applied to verify "
                    "them (as `nondet run` does).")

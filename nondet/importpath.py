@@ -37,12 +37,13 @@ def startup_env(env: dict[str, str]) -> dict[str, str | None]:
 
 
 def script_entry(script: str) -> str | None:
-    """What ``python SCRIPT`` puts first on ``sys.path``: the script's directory; for a
-    directory or zip file run by its ``__main__.py``, None (``runpy.run_path`` puts the
-    directory or archive itself there, as python does)."""
+    """What ``python SCRIPT`` puts first on ``sys.path``: the script's directory, symbolic
+    links resolved (``train.py`` linked from elsewhere imports its sibling modules from
+    where it really is); for a directory or zip file run by its ``__main__.py``, None
+    (``runpy.run_path`` puts the directory or archive itself there, as python does)."""
     if os.path.isdir(script) or zipfile.is_zipfile(script):
         return None
-    return os.path.dirname(script)
+    return os.path.dirname(os.path.realpath(script))
 
 
 def as_plain_python(saved: dict[str, str | None], first: str | None) -> None:

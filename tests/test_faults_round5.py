@@ -111,6 +111,31 @@ def test_a_directory_with_a_main_is_a_script_as_for_python(tmp_path: Path) -> No
     assert script_entry(str(tmp_path / "app" / "__main__.py")) == str(tmp_path / "app")
 
 
+def test_a_script_linked_from_elsewhere_imports_its_siblings_as_for_python(
+        tmp_path: Path) -> None:
+    # Trial: `nondet run linked.py`, a symlink to a script in another directory that
+    # imports a module beside it: "the script failed in run a: ModuleNotFoundError", exit 2;
+    # python resolves the link before putting the script's directory on sys.path.
+    from nondet.importpath import script_entry
+
+    real = tmp_path / "real dir ü"
+    real.mkdir()
+    (real / "helper_mod.py").write_text("VALUE = 3\n")
+    (real / "train.py").write_text(
+        "import torch, helper_mod\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        "opt = torch.optim.SGD(m.parameters(), 0.1)\n"
+        "for _ in range(helper_mod.VALUE):\n"
+        "    loss = m(torch.ones(1, 2)).sum(); opt.zero_grad(); loss.backward(); opt.step()\n")
+    (tmp_path / "linked.py").symlink_to(real / "train.py")
+    assert script_entry(str(tmp_path / "linked.py")) == str(real)
+    done = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", "--no-verify",
+                           "linked.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_captures_whose_directory_the_script_deleted_are_said_to_be_gone(
         tmp_path: Path) -> None:
     # Trial: a script running `shutil.rmtree(".nondet")` at step 1: "nondet: error: capture

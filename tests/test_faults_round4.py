@@ -163,14 +163,29 @@ def test_a_terminated_check_leaves_terminated_for_ci_not_an_internal_error(
         tmp_path: Path) -> None:
     # Before: the JUnit and JSON of a check cancelled by SIGTERM said "internal error in
     # nondet: Terminated", exit_code 3, while the process exited 143
-    from nondet.cli.check import _write_failure
+    from nondet.cli.failure import write_failure
 
-    _write_failure(Terminated(signal.SIGTERM), "nondet check", 1.0, tmp_path / "j.xml",
-                   tmp_path / "r.json")
+    write_failure(Terminated(signal.SIGTERM), "nondet check", 1.0, tmp_path / "j.xml",
+                  tmp_path / "r.json")
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["exit_code"] == 143 and report["verdict"] == "error", report
     assert "internal" not in (tmp_path / "j.xml").read_text()
     assert "terminated (SIGTERM)" in (tmp_path / "j.xml").read_text()
+
+
+def test_a_run_without_a_verdict_still_writes_its_json(tmp_path: Path) -> None:
+    # Trial: `nondet run --json r.json` of a script that fails (exit 2) wrote no file, where
+    # `check --json` writes verdict "error": a CI step reading the run's JSON found nothing
+    (tmp_path / "train.py").write_text("raise SystemExit('boom')\n")
+    (tmp_path / "mine.json").write_text("the user's")
+    done = run_cli("run", "-q", "--json", "r.json", "train.py", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (report["verdict"], report["exit_code"]) == ("error", 2)
+    assert "the script failed in run a" in report["notes"][0]
+    missing = run_cli("run", "-q", "--json", "mine.json", "gone.py", cwd=tmp_path, timeout=60)
+    assert missing.returncode == 2 and "script not found" in missing.stderr
+    assert (tmp_path / "mine.json").read_text() == "the user's"  # never over a user's file
 
 
 @pytest.mark.parametrize("option", [[], ["--out"], ["--json"], ["--html"]])

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -17,7 +15,6 @@ from nondet.cli._options import (
     invocation,
     make_options,
     make_target,
-    new_or_ours,
     require_utf8,
     source_root,
     target_command,
@@ -25,7 +22,7 @@ from nondet.cli._options import (
     write_html,
     write_output,
 )
-from nondet.errors import NondetError, Terminated
+from nondet.cli.failure import write_failure
 from nondet.exitcodes import ExitCode
 from nondet.outdir import display
 
@@ -40,7 +37,7 @@ class CheckCommand(TargetCommand):
             return super().parse_args(ctx, args)
         except click.UsageError as exc:
             junit_path, json_path = _raw_value(raw, "--junit"), _raw_value(raw, "--json")
-            _write_failure(exc, "nondet check", 0.0,
+            write_failure(exc, "nondet check", 0.0,
                            Path(junit_path) if junit_path else None,
                            Path(json_path) if json_path else None)
             raise
@@ -137,7 +134,7 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
                 else:
                     report = pipeline.diagnose(target, options, progress)
     except BaseException as exc:
-        _write_failure(exc, name, time.monotonic() - started, junit_path, json_path)
+        write_failure(exc, name, time.monotonic() - started, junit_path, json_path)
         raise
     elapsed = time.monotonic() - started
     if github.enabled():
@@ -161,58 +158,3 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
     return int(report.exit_code)
 
 
-def _failure_code(exc: BaseException) -> ExitCode:
-    if isinstance(exc, NondetError):
-        return exc.exit_code
-    if isinstance(exc, click.exceptions.Exit):
-        return _known(exc.exit_code)
-    if isinstance(exc, click.ClickException):
-        return ExitCode.USAGE
-    if isinstance(exc, KeyboardInterrupt | click.exceptions.Abort):
-        return ExitCode.INTERRUPTED
-    if isinstance(exc, Terminated):  # it was "internal error in nondet: Terminated", exit 3
-        return ExitCode.TERMINATED
-    if isinstance(exc, SystemExit):
-        return _known(exc.code if isinstance(exc.code, int) else ExitCode.USAGE)
-    return ExitCode.INTERNAL
-
-
-def _known(code: int) -> ExitCode:
-    return ExitCode(code) if code in {int(c) for c in ExitCode} else ExitCode.USAGE
-
-
-def _write_failure(exc: BaseException, name: str, seconds: float, junit_path: Path | None,
-                   json_path: Path | None) -> None:
-    """A check that could not reach a verdict still leaves its JUnit and JSON for CI (exit
-    2, 3 and 130 alike); writing them never hides the error itself."""
-    from nondet.report import Report, json_file, junit
-
-    if isinstance(exc, SystemExit | click.exceptions.Exit) and not getattr(
-            exc, "code", getattr(exc, "exit_code", 1)):
-        return  # a clean exit is not a failure
-    code = _failure_code(exc)
-    if code == ExitCode.INTERNAL:
-        message = (f"internal error in nondet: {type(exc).__name__}: "
-                   f"{(str(exc).splitlines() or [''])[0]} (a bug log is named on stderr)")
-    elif code == ExitCode.INTERRUPTED:
-        message = "interrupted"
-    elif code == ExitCode.TERMINATED:
-        name_of = signal.Signals(exc.signum).name if isinstance(exc, Terminated) else "SIGTERM"
-        message = f"terminated ({name_of})"
-    elif isinstance(exc, click.ClickException):
-        message = exc.format_message()
-    else:
-        message = str(exc)
-    message = display(message)
-    failed = Report(verdict="error", exit_code=code, runs=[], command=name, notes=[message])
-    writers: list[tuple[Path | None, str, Any]] = [
-        (junit_path, "--junit", lambda p: junit.write(failed, p, name, seconds, error=message)),
-        (json_path, "--json", lambda p: json_file.write(failed, p)),
-    ]
-    for path, option, write in writers:
-        if path is None or not new_or_ours(path, option):
-            continue  # never over a file of the user's (the script taken for the path)
-        try:
-            write(path)
-        except Exception:  # the original error is what the user sees
-            pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import click
@@ -19,6 +20,7 @@ from nondet.cli._options import (
     write_html,
     write_output,
 )
+from nondet.cli.failure import write_failure
 
 
 @target_command()
@@ -45,20 +47,25 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
     from nondet.progress import Progress
     from nondet.report import json_file, text
 
-    target = make_target(module, script_and_args)
-    check_output_file(json_path, "--json")
-    check_html_file(html_path)
-    with invocation(out_dir) as own_dir:
-        options = make_options(seed=seed, out_dir=own_dir, ops=ops, max_steps=max_steps,
-                               schedule=schedule, verbose=verbose, apply=apply,
-                               verify=not no_verify and not apply, max_fixes=max_fixes,
-                               verify_steps=verify_steps, verify_budget=verify_budget,
-                               verify_pairs=verify_pairs)
-        with Progress(app.err, quiet=quiet) as progress:
-            if runs > 2:
-                report = pipeline.repeat(target, options, progress, runs)
-            else:
-                report = pipeline.diagnose(target, options, progress)
+    started = time.monotonic()
+    try:
+        target = make_target(module, script_and_args)
+        check_output_file(json_path, "--json")
+        check_html_file(html_path)
+        with invocation(out_dir) as own_dir:
+            options = make_options(seed=seed, out_dir=own_dir, ops=ops, max_steps=max_steps,
+                                   schedule=schedule, verbose=verbose, apply=apply,
+                                   verify=not no_verify and not apply, max_fixes=max_fixes,
+                                   verify_steps=verify_steps, verify_budget=verify_budget,
+                                   verify_pairs=verify_pairs)
+            with Progress(app.err, quiet=quiet) as progress:
+                if runs > 2:
+                    report = pipeline.repeat(target, options, progress, runs)
+                else:
+                    report = pipeline.diagnose(target, options, progress)
+    except BaseException as exc:  # no verdict: --json still says why (as check's does)
+        write_failure(exc, "nondet run", time.monotonic() - started, None, json_path)
+        raise
     text.render(report, app.out)  # the report first: a --json that cannot be written is
     if json_path is not None:     # then an error below it, not instead of it
         write_output("--json", json_path, lambda: json_file.write(report, json_path))

@@ -259,7 +259,7 @@ def check_result(result: RunResult) -> RunResult:
         if shared is not None:  # the twin run's file, not the script: say so
             raise NondetError(f"run {result.label} failed because {shared}; its output is in "
                               f"{result.log_path}", details=result.log_tail())
-        last = clip(last_line(result.error) or last_line(result.log_tail()), LINE_MAX)
+        last = clip(last_line(result.error) or _exception_line(result.log_tail()), LINE_MAX)
         how = f"exit code {result.exit_code}" if result.exit_code >= 0 else \
             f"killed by signal {-result.exit_code}"
         raise ScriptFailed(
@@ -278,6 +278,16 @@ class InternalChildError(Exception):
         super().__init__("nondet's hooks failed inside the recorded run: "
                          + (child_traceback.strip().splitlines() or ["?"])[-1])
         self.child_traceback = child_traceback
+
+
+def _exception_line(log_tail: str) -> str:
+    """The exception line of a traceback the script's output ends with; "" when it printed
+    none (``os._exit(7)`` mid-training): its last line is then whatever it printed last
+    (TensorFlow's start-up log), not the error, and is shown with the rest of the output."""
+    if "Traceback (most recent call last)" not in log_tail \
+            and "Fatal Python error" not in log_tail:
+        return ""
+    return last_line(log_tail)
 
 
 def last_line(text: str) -> str:

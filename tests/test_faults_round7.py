@@ -277,6 +277,23 @@ def test_a_failed_runs_output_is_shown_in_bounded_lines(tmp_path: Path) -> None:
                                         "RuntimeError: boom;")
 
 
+def test_a_run_that_exits_without_an_exception_is_not_quoted_by_its_last_output_line(
+        tmp_path: Path) -> None:
+    # Trial: a TensorFlow script ending with os._exit(7) mid-fit: "the script failed in run
+    # a (exit code 7): I0000 ... oneDNN custom operations are on", a start-up log line
+    # quoted as the error
+    from nondet.schedule import check_result
+
+    log = tmp_path / "run-a.log"
+    log.write_text("I0000 00:00 port.cc:153] oneDNN custom operations are on.\nepoch 1\n")
+    result = RunResult(label="a", path=tmp_path / "run-a.h5", log_path=log, status="failed",
+                       exit_code=7, steps=2)
+    with pytest.raises(ScriptFailed) as failed:
+        check_result(result)
+    assert str(failed.value).startswith("the script failed in run a (exit code 7); its output")
+    assert failed.value.details.endswith("epoch 1")  # the output is still shown below
+
+
 _PAUSED_WATCH = """\
 import os, signal, time
 from nondet.cli._common import handle_errors

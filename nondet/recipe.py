@@ -75,6 +75,9 @@ class Suggestion:
     applies_here: bool | None  # None when the installed version is unknown
     note: str = ""
     details: list[str] = field(default_factory=list)
+    #: where the capture says the fix goes (the recipe's ``sites``: the line that made an
+    #: unseeded generator), when it says so
+    sites: list[str] = field(default_factory=list)
     # verification (pipeline): True the runs repeated with the fix applied, False they did
     # not (or the script failed with it), None not tried or not applicable from outside
     verified: bool | None = None
@@ -154,8 +157,9 @@ def suggest(facts: dict[str, Any], limit: int = 3,
     out.sort(key=lambda s: s.applies_here is False)
     for suggestion in out:
         for fact, text in suggestion.recipe.sites:
-            suggestion.details.extend(text.format(site=site)
-                                      for site in (sites or {}).get(fact, []))
+            found = [str(site) for site in (sites or {}).get(fact, [])]
+            suggestion.details.extend(text.format(site=site) for site in found)
+            suggestion.sites.extend(found)
     return out[:limit]
 
 

@@ -189,8 +189,10 @@ def _combined(sources: list[Source], applied: tuple[str, ...], steps: int | None
             combined.env.update(intervention.env)
             continue
         line = fix.fix
-        where = source.first_divergence.source
-        if intervention.how == "patch" and where:  # the user's change goes at that line
+        # the user's change goes where the capture says (the line that made the unseeded
+        # generator), else at the line the source was found
+        where = ", ".join(fix.sites[:3]) or source.first_divergence.source
+        if intervention.how == "patch" and where:
             line = (line.replace("  # ", f"  # at {where}: ", 1) if "  # " in line
                     else f"{line}  # at {where}")
         if line not in combined.code:

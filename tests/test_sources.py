@@ -240,3 +240,31 @@ def test_verify_pairs_a_fix_must_hold_in_every_pair(tmp_path: Path) -> None:
     assert "in each of 3 pairs" in only.verify_note
     assert "did not hold in every pair (held in 1 of 2 pairs)" in only.verify_note
     assert len(written) == 10
+
+
+def test_a_patched_fix_goes_where_the_capture_says_it_does() -> None:
+    """An unseeded Generator made at line 40 and drawn from at line 69: the combined fix
+    said "# at train.py:69" (the draw) while the fix's own detail named line 40."""
+    from nondet.report import Source
+
+    by_id = {r.id: r for r in recipe.load()}
+    made_at = recipe.Suggestion(by_id["PY-NP-GENERATOR"], "rng = np.random.default_rng(seed)",
+                                "code", "", True, verified=True,
+                                verified_with="numpy.seed_unseeded_generators",
+                                sites=["train.py:40"])
+    found = Source(Divergence("entry", 0, "forward", op="tensor", source="train.py:69"),
+                   [made_at])
+    combined = sources._combined([found], ("numpy.seed_unseeded_generators",))
+    assert combined.code == ["rng = np.random.default_rng(seed)  # at train.py:40"]
+    unsited = Source(found.first_divergence, [recipe.Suggestion(
+        by_id["PY-NP-GENERATOR"], "rng = np.random.default_rng(seed)", "code", "", True,
+        verified=True, verified_with="numpy.seed_unseeded_generators")])
+    assert sources._combined([unsited], ()).code == [
+        "rng = np.random.default_rng(seed)  # at train.py:69"]  # the finding's line then
+
+
+def test_suggestions_carry_the_sites_the_capture_names() -> None:
+    facts = {"framework": "torch", "kind": "entry", "entry_kind": "external",
+             "numpy.unseeded_generator": True}
+    first = recipe.suggest(facts, sites={"numpy.unseeded_generator": ["train.py:40"]})[0]
+    assert first.recipe.id == "PY-NP-GENERATOR" and first.sites == ["train.py:40"]

@@ -180,3 +180,13 @@ def test_an_optimizer_given_a_set_explains_an_op_whose_inputs_came_in_another_or
     # a race found by the injection rule (inputs equal) keeps its own cause
     assert "PY-TENSOR-SET-ORDER" not in _ids(op="aten._foreach_norm.Scalar", device="cpu",
                                              phase="optimizer", explained=True, **facts)
+
+
+def test_a_tensorflow_entry_gets_no_torch_worker_fix() -> None:
+    # Trial (keras-io custom loop with an unseeded NumPy draw): "also [PY-THIRDPARTY-RNG]
+    # cv2.setRNGSeed(torch.initial_seed() ...) inside worker_init_fn" in a TensorFlow report
+    facts = {"framework": "tensorflow", "kind": "entry", "entry_kind": "external",
+             "tensorflow_version": "2.21.0"}
+    assert "PY-THIRDPARTY-RNG" not in [s.recipe.id for s in recipe.suggest(facts, limit=9)]
+    torch_facts = {**facts, "framework": "torch", "torch_version": "2.13.0"}
+    assert "PY-THIRDPARTY-RNG" in [s.recipe.id for s in recipe.suggest(torch_facts, limit=9)]

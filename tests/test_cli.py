@@ -177,6 +177,14 @@ def test_show_prints_tables(tmp_path: Path) -> None:
     assert "aten.mm.default" in result.stdout and "train.py:3" in result.stdout
 
 
+@pytest.mark.parametrize("count", ["-1", "0", "1"])
+def test_show_refuses_a_step_count_it_cannot_show(tmp_path: Path, count: str) -> None:
+    # Trial: `show --steps -1` (or 0, 1) printed duplicated rows and misplaced "..." rows
+    a, _ = _two_captures(tmp_path, differ=False)
+    result = run_cli("show", "--steps", count, str(a))
+    assert result.returncode == 2 and "--steps" in result.stderr, result.stdout
+
+
 def test_internal_error_exits_3_and_writes_a_log(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from nondet import analysis, cli

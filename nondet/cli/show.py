@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 @click.command(epilog=EPILOG)
 @click.argument("capture", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--steps", "max_steps", default=20, show_default=True,
-              help="Show at most this many step rows (first and last ones).")
+              type=click.IntRange(min=2),
+              help="Show at most this many step rows (first and last ones; at least 2).")
 @click.option("--ops", "op_step", type=int, metavar="STEP",
               help="List the op records of this step (-1 for init).")
 @click.pass_obj

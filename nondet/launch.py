@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from nondet import channel, child_captures, idle, inherited, outdir, output
+from nondet import channel, child_captures, idle, inherited, outdir, output, own_group
 from nondet.errors import NondetError, Terminated
 from nondet.runspec import Plan as Plan  # re-exported: tests and callers name runs here
 from nondet.runspec import RunResult as RunResult
@@ -156,12 +156,14 @@ class CapturedRun(RunStream):
         return self.kept.get((step, index))
 
     def end_if_idle(self) -> bool:
-        """End the run if it has gone idle (``nondet.idle``: no frame, no CPU for the
-        limit) while the script has not ended; its capture is then closed as ``stopped``,
-        holding the steps it recorded. Only for a run nobody makes wait (the schedule's
-        part). True if it was ended."""
+        """End the run, with every process it started, if it has gone idle
+        (``nondet.idle``: no frame, no CPU for the limit): the script has stopped training
+        without ending, its capture is closed as ``stopped`` holding the steps it recorded;
+        or the script ended (its END was sent) but the process does not exit (it waits at
+        exit for a process it started that never ends), and the run keeps its END's status.
+        Only for a run nobody makes wait (the schedule's part). True if it was ended."""
         watch = self._idle
-        if watch is None or self.end is not None or not self.running() or not watch.idle():
+        if watch is None or not self.running() or not watch.idle():
             return False
         self._idle_ended = watch.after
         self._interrupted = True
@@ -172,14 +174,29 @@ class CapturedRun(RunStream):
 
     def _terminate(self) -> int:
         assert self._proc is not None
+        tree = self._descendants()  # before the script ends: its children then leave the tree
         for sig, patience in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             if self._proc.poll() is None:
                 self._proc.send_signal(sig)
             try:
-                return self._proc.wait(timeout=patience)
+                code = self._proc.wait(timeout=patience)
             except subprocess.TimeoutExpired:
                 continue
+            _end_processes(tree)
+            return code
+        _end_processes(tree)
         return -signal.SIGKILL
+
+    def _descendants(self) -> list[int]:
+        """The processes the script started that share nondet's process group (its
+        workers, a ``multiprocessing`` child), which a signal to the script alone leaves
+        running once nondet ends the run (a descendant in a group of its own left the
+        script's group on purpose, as under a shell)."""
+        assert self._proc is not None
+        try:
+            return own_group.run_processes(self._proc.pid, os.getpgrp())[1:]
+        except OSError:
+            return []
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -213,6 +230,14 @@ class CapturedRun(RunStream):
 
     def _interrupt(self, forward: bool) -> int:
         assert self._proc is not None
+        tree = self._descendants()
+        try:
+            return self._interrupt_script(forward)
+        finally:
+            _end_processes(tree)  # the processes it started, had it not ended them itself
+
+    def _interrupt_script(self, forward: bool) -> int:
+        assert self._proc is not None
         first = signal.SIGINT if forward else None
         for sig, patience in ((first, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             if sig is not None and self._proc.poll() is None:
@@ -245,10 +270,10 @@ class CapturedRun(RunStream):
         end = self.end
         if self.write_error:
             status = channel.WRITE_FAILED
+        elif end is not None:  # (one that then did not exit, ended as idle, keeps it)
+            status = end.status
         elif self._idle_ended:
             status = channel.STOPPED  # ended on purpose, as at a step boundary
-        elif end is not None:
-            status = end.status
         elif code == 0:
             status = channel.COMPLETE
         elif self._interrupted:
@@ -372,3 +397,36 @@ class CapturedRun(RunStream):
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since > 1.0:
                     return
+
+
+#: How long the processes a run started get to end after SIGTERM before SIGKILL.
+_LEFTOVER_PATIENCE = 3.0
+
+
+def _end_processes(pids: list[int]) -> None:
+    """SIGTERM, then after ``_LEFTOVER_PATIENCE`` SIGKILL, to those of ``pids`` still
+    alive (checked with signal 0; seconds after the snapshot, a pid is not reused)."""
+    alive = [pid for pid in pids if _signal(pid, signal.SIGTERM)]
+    deadline = time.monotonic() + _LEFTOVER_PATIENCE
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [pid for pid in alive if _signal(pid, 0) and not _reaped_zombie(pid)]
+    for pid in alive:
+        _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _reaped_zombie(pid: int) -> bool:
+    """A process that has exited but not been waited for by its (new) parent yet."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[:1] == [b"Z"]
+    except OSError:
+        return True

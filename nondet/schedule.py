@@ -215,11 +215,17 @@ class Lockstep:
 
     def _collect(self, run: Run) -> RunResult:
         """The run has ended or been told to stop: it exits within the grace period, or
-        is ended by signal (its capture is closed either way)."""
-        try:
-            return run.wait(timeout=self.exit_grace)
-        except TimeoutError:
-            return run.interrupt(forward=True)
+        is ended by signal (its capture is closed either way); sooner if it goes idle
+        without exiting (it waits at exit for a process it started: ``end_if_idle``)."""
+        deadline = time.monotonic() + self.exit_grace
+        while True:
+            try:
+                return run.wait(timeout=max(min(1.0, deadline - time.monotonic()), 0.01))
+            except TimeoutError:
+                if run.end_if_idle():
+                    return run.wait(timeout=0)
+                if time.monotonic() >= deadline:
+                    return run.interrupt(forward=True)
 
 
 def _interrupt_all(runs: list[Run], forward: bool) -> None:

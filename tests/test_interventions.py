@@ -100,15 +100,21 @@ print(tf.random.get_global_generator().normal([2]).numpy().tolist())
 """
 
 
+def _probe_child(probe: str, apply: str) -> list[str]:
+    """The last 4 lines a TensorFlow probe prints in a process of its own, with the
+    interventions ``apply`` requested as a run requests them."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), interventions.APPLY_ENV: apply,
+           "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=300, check=True)
+    return out.stdout.splitlines()[-4:]
+
+
 def test_tf_generators_from_the_os_are_seeded_by_their_patch() -> None:
     pytest.importorskip("tensorflow")
 
     def child(apply: str) -> list[str]:
-        env = {**os.environ, "PYTHONPATH": str(REPO), interventions.APPLY_ENV: apply,
-               "TF_CPP_MIN_LOG_LEVEL": "3"}
-        out = subprocess.run([sys.executable, "-c", _TF_PROBE], env=env, capture_output=True,
-                             text=True, timeout=300, check=True)
-        return out.stdout.splitlines()[-4:]
+        return _probe_child(_TF_PROBE, apply)
 
     first, second = child("tf.generator_from_seed"), child("tf.generator_from_seed")
     assert first[0] == "['tf.generator_from_seed']"
@@ -132,16 +138,9 @@ print(ds.map(lambda x: x, num_parallel_calls=2)._deterministic)  # unset stays u
 
 def test_tf_stages_given_deterministic_false_are_put_in_order_by_their_patch() -> None:
     pytest.importorskip("tensorflow")
-
-    def child(apply: str) -> list[str]:
-        env = {**os.environ, "PYTHONPATH": str(REPO), interventions.APPLY_ENV: apply,
-               "TF_CPP_MIN_LOG_LEVEL": "3"}
-        out = subprocess.run([sys.executable, "-c", _TF_STAGES], env=env, capture_output=True,
-                             text=True, timeout=300, check=True)
-        return out.stdout.splitlines()[-4:]
-
-    assert child("tf.data_deterministic") == ["true", "true", "true", "default"]
-    assert child("") == ["false", "false", "false", "default"]
+    assert _probe_child(_TF_STAGES, "tf.data_deterministic") == [
+        "true", "true", "true", "default"]
+    assert _probe_child(_TF_STAGES, "") == ["false", "false", "false", "default"]
 
 
 def test_a_failing_intervention_is_one_line_and_the_script_runs_on(

@@ -97,21 +97,26 @@ class _Reductions(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
         return func(*args, **(kwargs or {}))
 
 
+def _trained_state(width: int, hidden: int) -> tuple[Any, Any, Any]:
+    """Named parameters, buffers and Adam state of a small model after one step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.BatchNorm1d(hidden),
+                                torch.nn.Linear(hidden, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, width)).square().mean().backward()
+    optimizer.step()
+    names = {id(x): n for n, x in [*model.named_parameters(), *model.named_buffers()]}
+    return named_state([model], [weakref.ref(optimizer)], names)
+
+
 @pytest.mark.parametrize("detailed", [False, True])
 def test_a_cpu_step_end_runs_no_torch_reduction(detailed: bool) -> None:
     """The parameter sum and (detailed steps) each tensor's sum and max |x| of a CPU model
     are computed by NumPy: a torch reduction would wake torch's OpenMP pool at every step
     end (milliseconds on a loaded machine). The values are torch's."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.BatchNorm1d(200),
-                                torch.nn.Linear(200, 3))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(8, 300)).square().mean().backward()
-    optimizer.step()
-    names = {id(x): n for n, x in [*model.named_parameters(), *model.named_buffers()]}
+    params, buffers, optim = _trained_state(300, 200)
     rec = recorder()
     state_fps = StateFingerprints(rec, rec.hasher)
-    params, buffers, optim = named_state([model], [weakref.ref(optimizer)], names)
     with torch.no_grad(), _Reductions() as seen:
         grads = state_fps.named([(n, p.grad) for n, p in params if p.grad is not None],
                                 detailed)
@@ -137,14 +142,7 @@ def test_the_step_rows_fingerprints_are_the_same_with_and_without_op_capture() -
     group's own fingerprint, as in a step without: ``nondet diff`` of a ``nondet run``
     capture and an ``--ops all`` one of the same deterministic script said "grads, params
     differ" at every step only one of them captured ops."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.BatchNorm1d(20),
-                                torch.nn.Linear(20, 3))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(8, 30)).square().mean().backward()
-    optimizer.step()
-    names = {id(x): n for n, x in [*model.named_parameters(), *model.named_buffers()]}
-    params, buffers, optim = named_state([model], [weakref.ref(optimizer)], names)
+    params, buffers, optim = _trained_state(30, 20)
     rows, tensors = [], []
     for detailed in (False, True):
         rec = recorder()

@@ -1,3 +1,3 @@
-from nondet.cli import main
+from nondet.entry import main
 
 main()

@@ -355,3 +355,26 @@ def test_a_script_named_like_an_option_holding_an_h_is_not_a_help_request(
     for asked in (["-h"], ["--help"], ["--seed", "3", "-h"]):
         helped = run_cli(command, *asked, cwd=tmp_path)
         assert helped.returncode == 0 and helped.stdout.startswith("Usage:"), helped.stderr
+
+
+_INTERRUPTED_IMPORT = """
+import builtins
+real_import = builtins.__import__
+
+def interrupted(name, *args, **kwargs):
+    if name == "click":  # Ctrl-C while the command line is still being imported
+        raise KeyboardInterrupt
+    return real_import(name, *args, **kwargs)
+
+builtins.__import__ = interrupted
+from nondet.entry import main
+main()
+"""
+
+
+def test_ctrl_c_while_nondet_is_imported_is_one_line_and_130() -> None:
+    # Trial: SIGINT about 0.2 s after `nondet run` started printed a KeyboardInterrupt
+    # traceback (the exit code, 130, was right)
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED_IMPORT], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert (done.returncode, done.stderr) == (130, "nondet: interrupted\n"), done.stderr

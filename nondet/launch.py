@@ -410,7 +410,7 @@ def _end_processes(pids: list[int]) -> None:
     deadline = time.monotonic() + _LEFTOVER_PATIENCE
     while alive and time.monotonic() < deadline:
         time.sleep(0.1)
-        alive = [pid for pid in alive if _signal(pid, 0) and not _reaped_zombie(pid)]
+        alive = [pid for pid in alive if _signal(pid, 0) and not _exited(pid)]
     for pid in alive:
         _signal(pid, signal.SIGKILL)
 
@@ -423,8 +423,8 @@ def _signal(pid: int, sig: int) -> bool:
     return True
 
 
-def _reaped_zombie(pid: int) -> bool:
-    """A process that has exited but not been waited for by its (new) parent yet."""
+def _exited(pid: int) -> bool:
+    """The process has exited (a zombie its new parent has not waited for yet, or gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             return stat.read().rpartition(b")")[2].split()[:1] == [b"Z"]

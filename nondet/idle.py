@@ -97,10 +97,36 @@ class IdleWatch:
         self._since = now  # start of the current quiet window
         self._cpu_since: float | None = None  # CPU time at its start
         self._last_sample = now - self._sample
+        #: when the run last sent a frame (its start until the first), and the longest
+        #: time it went between two frames so far: how long this script goes quietly
+        #: (``outlived``).
+        self.last_frame = now
+        self.longest_quiet = 0.0
 
-    def activity(self) -> None:
-        self._since = self._clock()
+    def activity(self, counts: bool = True) -> None:
+        """A frame arrived. ``counts``: the quiet spell it ends counts towards
+        ``longest_quiet``; the run's start-up until its first step row does not (imports,
+        model set-up: on a loaded machine much the longest, and it says nothing of what
+        a run does once it has sent its last step)."""
+        now = self._clock()
+        if counts:
+            self.longest_quiet = max(self.longest_quiet, now - self.last_frame)
+        self._since = self.last_frame = now
         self._cpu_since = None
+
+    def outlived(self, twin: IdleWatch, floor: float, factor: float = 5.0) -> float:
+        """Seconds this run has gone without a frame since both its last one and its
+        twin's end (``twin``: the watch of the other run of the pair, which has ended), if
+        that is longer than ``factor`` x the twin's longest quiet spell once it had started (a
+        step, the time from its last step to its end) and than ``floor``; else 0.
+
+        The twin ran the same script and ended: a run that goes quiet for several times
+        longer than the twin ever did, computing or not, is not doing what the twin did (a
+        loop that never ends in one run only) and would keep nondet waiting forever."""
+        now = self._clock()
+        quiet = now - paused.since(max(self.last_frame, twin.last_frame))
+        limit = max(floor, factor * twin.longest_quiet)
+        return quiet if quiet > limit else 0.0
 
     def idle(self) -> bool:
         now = self._clock()

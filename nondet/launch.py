@@ -70,6 +70,7 @@ class CapturedRun(RunStream):
         self._log: BinaryIO | None = None
         self._idle: idle.IdleWatch | None = None
         self._idle_ended = 0.0
+        self._outlived = False  # ended by ``end_if_outlived`` (else by ``end_if_idle``)
         self._child_fds = (-1, -1)  # the channel's descriptor numbers in the child
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -165,12 +166,33 @@ class CapturedRun(RunStream):
         watch = self._idle
         if watch is None or not self.running() or not watch.idle():
             return False
-        self._idle_ended = watch.after
+        self._end_quiet(watch.after)
+        return True
+
+    def end_if_outlived(self, twin: CapturedRun, floor: float) -> bool:
+        """End the run, with every process it started, if its twin (the other run of the
+        pair) has ended and this one has sent nothing for several times longer than the
+        twin ever went quietly (``idle.IdleWatch.outlived``), computing or not: a loop that
+        never ends in one run only. Its capture is closed as ``stopped`` holding the steps
+        it recorded, as an idle run's is. True if it was ended."""
+        watch, other = self._idle, twin._idle
+        if (watch is None or other is None or not twin.ended or self.ended
+                or not self.running()):
+            return False
+        quiet = watch.outlived(other, floor)
+        if not quiet:
+            return False
+        self._outlived = True
+        self._end_quiet(quiet)
+        return True
+
+    def _end_quiet(self, seconds: float) -> None:
+        """End a run that went quiet for ``seconds`` (idle, or outlived its twin)."""
+        self._idle_ended = seconds
         self._interrupted = True
         code = self._terminate()
         self._finish_threads()
         self._result(code)
-        return True
 
     def _terminate(self) -> int:
         assert self._proc is not None
@@ -291,6 +313,7 @@ class CapturedRun(RunStream):
             error=end.error if end else "", hook_error=self.hook_error,
             final=dict(end.final) if end else {}, write_error=self.write_error,
             unsupported=self.unsupported, idle_ended=self._idle_ended,
+            outlived=self._outlived,
         )
         return self._result_cache
 
@@ -327,6 +350,9 @@ class CapturedRun(RunStream):
             with self._dumps_done:
                 self._pipe_closed = True
                 self._dumps_done.notify_all()
+            if self._idle is not None:
+                # its end: a twin's quiet spells include its tail
+                self._idle.activity(counts=bool(self.steps))
             self._ended()
 
     def _dropped_by_script(self, fd: int) -> bool:
@@ -383,7 +409,7 @@ class CapturedRun(RunStream):
                 lost_since = None
                 idle_since = None
                 if self._idle is not None:
-                    self._idle.activity()
+                    self._idle.activity(counts=bool(self.steps))
                 self._handle_frames(parser.feed(data))
                 self.store_due()
                 continue

@@ -12,7 +12,10 @@ other; whenever the runs are told to stop, every run is told, ended or not; a ho
 ends with a release; a run that makes no progress while the other waits for it frees
 both (they may be waiting on each other: a lock, a port, a directory); and a run that
 does not exit once it has ended or been told to stop is ended by signal after a grace
-period. nondet then only ever waits for a script that is computing.
+period. nondet then only ever waits for a script that is computing, and not for long
+once the other run has ended: a run that then goes without a frame several times longer
+than its twin ever went quietly (a loop that never ends in one run only) is ended too
+(``CapturedRun.end_if_outlived``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import channel, errors, run_collisions
+from nondet import channel, errors, idle, run_collisions
 from nondet.errors import NondetError, ScriptFailed, Terminated
 from nondet.printable import LINE_MAX, clip
 from nondet.runspec import Plan, RunResult
@@ -34,6 +37,9 @@ from nondet.turns import Judge as Judge  # re-exported: the judge of every sched
 
 #: Lockstep runs keep host copies of op outputs up to this size, to measure a difference.
 KEEP_BYTES = 256 << 20
+#: A run whose twin has ended is ended after this long without a frame at least
+#: (``outlived_floor``), and after 5 x the twin's longest quiet spell (``idle.IdleWatch``).
+OUTLIVED_FLOOR = 60.0
 
 StatusSink = Callable[[str], None]
 
@@ -65,6 +71,8 @@ class Run(Protocol):
     def interrupt(self, forward: bool = False) -> RunResult: ...
 
     def end_if_idle(self) -> bool: ...
+
+    def end_if_outlived(self, twin: Any, floor: float) -> bool: ...
 
 
 RunFactory = Callable[[Plan], Run]
@@ -121,10 +129,17 @@ class Sequential:
                 run.request_stop()
 
         second.on_step = against_first
-        return result_first, check_result(_run_alone(second, None))
+        return result_first, check_result(_run_alone(second, None, twin=first))
 
 
-def _run_alone(run: Run, status: StatusSink | None) -> RunResult:
+def outlived_floor() -> float:
+    """The least time a run goes without a frame before it counts as having outlived its
+    twin (``CapturedRun.end_if_outlived``): a minute, or the idle limit if shorter."""
+    return min(OUTLIVED_FLOOR, idle.idle_after())
+
+
+def _run_alone(run: Run, status: StatusSink | None, twin: Run | None = None) -> RunResult:
+    """``twin``: the pair's run that went first and ended (sequential)."""
     if run.on_step is None and status is not None:
         run.on_step = lambda r, row: _report_step(status, r, row)
     run.start()
@@ -133,7 +148,10 @@ def _run_alone(run: Run, status: StatusSink | None) -> RunResult:
             try:
                 return run.wait(timeout=1.0)
             except TimeoutError:
-                run.end_if_idle()  # ... unless it does nothing at all (nondet.idle)
+                # ... unless it does nothing at all (nondet.idle), or goes on quietly far
+                # longer than its twin ever did
+                if not run.end_if_idle() and twin is not None:
+                    run.end_if_outlived(twin, outlived_floor())
     except (KeyboardInterrupt, Terminated) as exc:
         run.interrupt(forward=isinstance(exc, Terminated))
         raise
@@ -198,9 +216,10 @@ class Lockstep:
                     turns.stop_all()
                 if turns.stalled(time.monotonic(), self.stall_after, self.stall_factor):
                     turns.free_all()
-                for run in (a, b):
+                for run, twin in ((a, b), (b, a)):
                     if not turns.makes_wait(run):
-                        run.end_if_idle()  # it ends: on_end frees the other one
+                        # it ends: on_end frees the other one
+                        run.end_if_idle() or run.end_if_outlived(twin, outlived_floor())
             try:
                 if turns.holding and on_hold is not None:
                     on_hold(a, b)

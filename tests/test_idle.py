@@ -223,3 +223,77 @@ def _alive(pid: int) -> bool:
             return stat.read().rpartition(b")")[2].split()[:1] != [b"Z"]
     except OSError:
         return False
+
+
+def test_a_run_outlives_its_ended_twin_after_five_of_its_longest_quiet_spells() -> None:
+    clock = _Clock()
+    twin = IdleWatch(1, after=600.0, cpu=lambda pid: 0.0, clock=clock,
+                     runnable=_NEVER_RUNNABLE)
+    run = IdleWatch(2, after=600.0, cpu=lambda pid: 0.0, clock=clock,
+                    runnable=_NEVER_RUNNABLE)
+    clock.now += 30.0
+    twin.activity(counts=False)  # start-up: a frame before its first step row
+    for quiet in (1.0, 20.0, 1.0):  # steps, then its end
+        clock.now += quiet
+        twin.activity()
+    run.activity()  # this run's last step, at the twin's end
+    assert twin.longest_quiet == 20.0
+    clock.now += 99.0
+    assert run.outlived(twin, floor=60.0) == 0.0  # within 5 x 20 s
+    clock.now += 2.0
+    assert run.outlived(twin, floor=60.0) == 101.0
+    assert run.outlived(twin, floor=200.0) == 0.0  # never before the floor
+    run.activity()  # a frame: it is doing something again
+    assert run.outlived(twin, floor=60.0) == 0.0
+
+
+def test_a_run_that_outlives_its_twin_counts_from_the_twins_end() -> None:
+    clock = _Clock()
+    twin = IdleWatch(1, after=600.0, cpu=lambda pid: 0.0, clock=clock,
+                     runnable=_NEVER_RUNNABLE)
+    run = IdleWatch(2, after=600.0, cpu=lambda pid: 0.0, clock=clock,
+                    runnable=_NEVER_RUNNABLE)
+    clock.now += 1.0
+    run.activity()  # its last frame long before the twin ended (lockstep freed both)
+    clock.now += 500.0
+    twin.activity()
+    clock.now += 59.0
+    assert run.outlived(twin, floor=60.0) == 0.0
+
+
+SPINS_IN_ONE_RUN = """
+import os, sys, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+try:  # the first run to get here ends; the second spins for good (a stuck evaluation)
+    os.close(os.open(sys.argv[1], os.O_CREAT | os.O_EXCL))
+except FileExistsError:
+    while True:
+        pass
+"""
+
+
+@pytest.mark.parametrize("schedule", [[], ["--schedule", "sequential"]],
+                         ids=["lockstep", "sequential"])
+def test_a_run_that_computes_for_good_after_its_twin_ended_is_ended(
+        tmp_path: Path, schedule: list[str]) -> None:
+    """Trial: nondet waited for good (until `timeout`'s SIGTERM) for a run that looped
+    forever after training while the other had ended: such a run is never idle (it uses
+    CPU), and nothing else ended it."""
+    script = tmp_path / "train.py"
+    script.write_text(SPINS_IN_ONE_RUN)
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", *schedule, str(script),
+                     str(tmp_path / "spun.mark"), cwd=tmp_path,
+                     env={"NONDET_IDLE_AFTER": "4"}, timeout=BOUND)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert sorted((r["steps"], r["status"]) for r in report["runs"]) == [
+        (4, "complete"), (4, "stopped")]
+    assert any("after the other run had ended" in note for note in report["notes"]), \
+        report["notes"]
+    out = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
+    assert out.stdout.strip() == ""  # the spinning run was ended

@@ -178,14 +178,14 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
     if not main_differs and kids.divergence is None:
         _check_steps_compared(a, b, both_ended)
         # The verdict follows the training state: a difference that never reached loss,
-        # parameters, gradients, optimizer state or data (a logged metric, a discarded
+        # parameters, gradients or optimizer state (a logged metric, a clock reading, a discarded
         # tensor, an RNG nobody drew from again) is a note, not nondeterminism.
         where = f" at {div.source}" if div.source else ""
         step = "init" if div.step is None else f"step {div.step}"
         what = div.op or (", ".join(div.step_fields) if div.step_fields else "state")
         return replace(deterministic, notes=[*notes, (
             f"{step}: {what}{where} differs between the runs, but the training state (loss, "
-            "parameters, gradients, optimizer state, data) was identical at every step: the "
+            "parameters, gradients, optimizer state) was identical at every step: the "
             "difference never reached training")], contained=[
             {"kind": "contained", "step": div.step, "phase": div.phase, "op": div.op,
              "source": div.source}])

@@ -32,30 +32,60 @@ def rows_differ(a: np.void, b: np.void) -> tuple[str, ...]:
 
 #: Step-row fields that make up the training state: the verdict follows these.
 TRAINING_STATE = ("data_fp", "loss_fp", "grads_fp", "params_fp", "buffers_fp", "optim_fp")
+#: What training computed and kept: a difference in the data that entered counts only
+#: where one of these differs too (``training_differs``).
+TRAINED = TRAINING_STATE[1:]
 
 
 def training_differs(a: np.void, b: np.void) -> bool:
     """Whether two step rows differ in the training state (not only in RNG state or probes,
-    which no verdict follows)."""
-    return any(int(a[name]) != int(b[name]) for name in TRAINING_STATE)
+    which no verdict follows).
+
+    Data that entered with different values counts only when the rows carry training
+    fingerprints (loss, gradients, parameters, buffers, optimizer state) and one of them
+    differs, or when they carry none (a step nondet sees only its data of): a value made
+    from the clock and handed to torch (``torch.tensor(32 / elapsed)``, Lightning's
+    ``self.log(name, seconds)``) enters in every step with a new value and reaches
+    nothing that trains. Data that does reach training (a batch, a replay buffer read
+    steps later) changes the loss, the gradients or the parameters in the step it is
+    used in."""
+    if any(int(a[name]) != int(b[name]) for name in TRAINED):
+        return True
+    if int(a["data_fp"]) == int(b["data_fp"]):
+        return False
+    return not any(int(a[name]) or int(b[name]) for name in TRAINED)
+
+
+def data_only(a: np.void, b: np.void, differing: tuple[str, ...]) -> bool:
+    """The rows differ in their data alone, and that difference reached no training state
+    (``training_differs``)."""
+    return differing == ("data_fp",) and not training_differs(a, b)
 
 
 def first_step_divergence(steps_a: np.ndarray, steps_b: np.ndarray,
                           count_extra_steps: bool = True) -> StepDivergence | None:
     """The first step whose rows differ; then, if ``count_extra_steps`` (both runs ended on
     their own), the first step only one run has. A run that was stopped or interrupted is
-    compared over the steps both have."""
+    compared over the steps both have. A step whose rows differ only in data that reached
+    no training state (``training_differs``: a clock reading handed to torch) is passed
+    over for a later one that differs in more; failing any, the first such step is the
+    divergence (the verdict then follows the training state: a note)."""
     by_step_a = {int(r["step"]): r for r in steps_a}
     by_step_b = {int(r["step"]): r for r in steps_b}
+    passed_over: StepDivergence | None = None
     for step in sorted(set(by_step_a) & set(by_step_b)):
-        differing = rows_differ(by_step_a[step], by_step_b[step])
+        row_a, row_b = by_step_a[step], by_step_b[step]
+        differing = rows_differ(row_a, row_b)
         if differing:
             phase = Phase.INIT if step == INIT_STEP else dict(STEP_COMPONENTS)[differing[0]]
-            return StepDivergence(step, phase, differing)
+            found = StepDivergence(step, phase, differing)
+            if not data_only(row_a, row_b, differing):
+                return found
+            passed_over = passed_over or found
     only = sorted(set(by_step_a) ^ set(by_step_b))
     if only and count_extra_steps:
         return StepDivergence(only[0], Phase.OTHER, (), structural=True)
-    return None
+    return passed_over
 
 
 @dataclass

@@ -73,7 +73,10 @@ class LiveCompare:
         """True to keep both runs going."""
         if row_a is None or row_b is None:
             return False  # one run ended: nothing more to compare with
-        if self._first is None and compare.rows_differ(row_a, row_b):
+        differing = compare.rows_differ(row_a, row_b) if self._first is None else ()
+        if differing and not compare.data_only(row_a, row_b, differing):
+            # (data that reached nothing that trains, a clock reading handed to torch, is
+            # passed over as compare.first_step_divergence does)
             self._first = (step, row_a, row_b)
             self.first_difference = step
         if self.training_difference is None and self._first is not None \

@@ -243,6 +243,7 @@ def test_data_named_from_the_step_rows_keeps_its_line_only_when_both_runs_name_i
     captures = []
     for label, (name, fp) in rows.items():
         steps[1]["data_fp"] = fp
+        steps[1]["params_fp"] = 10 + fp  # the data reached training
         captures.append(open_capture(write_capture(
             tmp_path / f"{label}.h5", step_rows(*steps), attrs={"op_steps": [-1]},
             tensors=[(0, int(Group.DATA), name, fp, 0.0, 0.0, 4)])))

@@ -164,3 +164,30 @@ def test_mismatch_stats_sees_signed_zero_and_nan_payloads() -> None:
     y.view(np.uint32)[1] += 1  # another NaN payload
     stats = compare.mismatch_stats(x, y)
     assert stats["mismatched_elements"] == 2
+
+
+def test_data_that_reached_no_training_state_is_no_training_difference() -> None:
+    """Trial: ``torch.tensor(32 / elapsed)`` (a clock reading handed to torch) entered with
+    a new value at every step: "nondeterministic", exit 1, for a script whose loss,
+    gradients and parameters were bitwise alike at every step."""
+    a = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "data_fp": 5, "params_fp": 9},
+                  {"step": 1, "data_fp": 6, "params_fp": 10})
+    b = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "data_fp": 50, "params_fp": 9},
+                  {"step": 1, "data_fp": 60, "params_fp": 10})
+    assert not any(compare.training_differs(ra, rb) for ra, rb in zip(a, b, strict=True))
+    div = compare.first_step_divergence(a, b)  # still the first difference: for the note
+    assert div is not None and div.step == 0 and div.fields == ("data_fp",)
+    # a later step that differs in training state is the divergence, not the clock's
+    b[2]["params_fp"] = 11
+    div = compare.first_step_divergence(a, b)
+    assert div is not None and div.step == 1 and div.fields == ("data_fp", "params_fp")
+    assert compare.training_differs(a[2], b[2])
+
+
+def test_data_is_the_training_difference_where_a_step_records_nothing_else() -> None:
+    # steps nondet sees only the data of (no loss, gradients, parameters recorded)
+    a = step_rows({"step": -1}, {"step": 0, "data_fp": 5})
+    b = step_rows({"step": -1}, {"step": 0, "data_fp": 50})
+    assert compare.training_differs(a[1], b[1])
+    div = compare.first_step_divergence(a, b)
+    assert div is not None and div.step == 0 and div.phase == Phase.DATA

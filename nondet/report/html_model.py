@@ -153,6 +153,8 @@ def _headline(data: dict[str, Any], div: dict[str, Any]) -> str:
     if not div:
         runs = _l(data.get("runs"))
         if data.get("verdict") == "deterministic":
+            if _l(data.get("contained")):  # a difference that never reached training
+                return f"{len(runs)} runs trained bitwise identically"
             return f"{len(runs)} runs are bitwise identical"
         return "no verdict"
     what = {"op": f"{_s(div.get('op'))} creates the difference",

@@ -75,6 +75,9 @@ def _verdict(report: Report) -> str:
     if div is None:
         steps = ", ".join(str(r.steps) for r in report.runs)
         detail = f"{len(report.runs)} runs ({steps} steps) are bitwise identical"
+        if report.contained:  # something differed that reached no training state (a note)
+            detail = (f"{len(report.runs)} runs ({steps} steps) trained bitwise identically "
+                      "(a difference that never reached training is noted below)")
         cut = [escape(r.label or r.path) for r in report.runs if r.status == "interrupted"]
         if cut:  # `nondet diff` of what a Ctrl-C left: identical so far, not to the end
             detail += (f" over the steps both recorded (interrupted: {', '.join(cut)}; what "

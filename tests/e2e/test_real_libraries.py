@@ -106,6 +106,16 @@ def test_lightning_self_log_deepcopies_are_not_evidence(tmp_path: Path) -> None:
     assert any(n.startswith("aten.set_.source_Storage") for n in _op_names(report, 0))
 
 
+def test_lightning_logging_its_step_time_is_no_finding(tmp_path: Path) -> None:
+    """Trial: the wall-clock step time handed to ``self.log`` (a tensor made from a Python
+    float) entered with new values at every step: "nondeterministic", exit 1, with a
+    random-number cause, for a script whose training was bitwise alike."""
+    _, report = _run("lightning_log.py --log-step-time", tmp_path)
+    assert report["verdict"] == "deterministic"
+    assert any("never reached training" in note and "lightning_log.py" in note
+               for note in report["notes"]), report["notes"]
+
+
 def test_nanogpt_checkpoint_recomputation_of_dropout_is_not_a_difference(
         tmp_path: Path) -> None:
     _, report = _run("nanogpt_loop.py --checkpoint --ema", tmp_path)

@@ -19,7 +19,7 @@ from nondet import channel, interventions
 from nondet.distributed import STALL_AFTER, Job, JobResult
 from nondet.errors import NondetError, ScriptFailed
 from nondet.runspec import Plan, Target, log_tail
-from nondet.schedule import InternalChildError, last_line
+from nondet.schedule import InternalChildError, exception_line
 
 
 class JobHung(NondetError):
@@ -70,7 +70,7 @@ def check_job(job: JobResult) -> JobResult:
         rank = first.label.rsplit("rank", 1)[1]
         how = (f"exit code {first.exit_code}" if first.status == channel.FAILED
                else "it ended without a word: killed by a signal?")
-        last = last_line(first.error)
+        last = exception_line(first.error)
         raise ScriptFailed(f"the script failed in run {job.label}, rank {rank} ({how})"
                            + (f": {last}" if last else "")
                            + f"; the job's output is in {job.log_path}",

@@ -11,6 +11,7 @@ not compare the runs, and the user must change how the cache is made).
 
 from __future__ import annotations
 
+import os
 import re
 
 # TF 2.x: core/kernels/data/cache_dataset_ops.cc ("...cache lockfile already exists ('X').")
@@ -30,3 +31,52 @@ def collision(log: str) -> str | None:
             f"'{lockfile}'): nondet runs the two at once. Run the script once without nondet "
             f"to build the cache (both runs then only read it), or give .cache() a file per "
             f"run, or cache in memory (.cache() without a file name)")
+
+
+#: Entries looked at, at most, for files written while the runs ran (``written_since``).
+SCAN_BUDGET = 5000
+#: Directories never looked into: nondet's own (``.nondet``), hidden ones (``.git``), installs.
+_SKIPPED = frozenset({"site-packages", "dist-packages", "__pycache__", "node_modules"})
+
+
+def written_since(root: str, since: float, most: int = 3) -> list[str]:
+    """Up to ``most`` files under ``root`` (relative paths, newest first) last written at or
+    after ``since`` (real time), from a walk of at most ``SCAN_BUDGET`` entries that skips
+    hidden directories and installed packages. Never raises."""
+    found: list[tuple[float, str]] = []
+    pending, seen = [root], 0
+    while pending and seen < SCAN_BUDGET:
+        folder = pending.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    seen += 1
+                    if seen > SCAN_BUDGET:
+                        break
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            if not entry.name.startswith(".") and entry.name not in _SKIPPED:
+                                pending.append(entry.path)
+                        elif entry.is_file(follow_symlinks=False):
+                            mtime = entry.stat(follow_symlinks=False).st_mtime
+                            if mtime >= since:
+                                found.append((mtime, os.path.relpath(entry.path, root)))
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    return [path for _, path in sorted(found, reverse=True)[:most]]
+
+
+def side_by_side_hint(files: list[str]) -> str:
+    """What to add to "the script failed in run X" when it failed in one run of a lockstep
+    pair only, and the runs wrote ``files`` into the working directory they share: a run
+    may have read what its twin was writing (shards rewritten at every start, a file
+    truncated and filled again), which no run alone ever does."""
+    if not files:
+        return ""
+    return (f"; it failed in that run only, and the two runs, which nondet ran at once in "
+            f"the same working directory, wrote files there as they ran ({', '.join(files)}): "
+            "if the script works when run alone, one run may have read a file the other was "
+            "writing; run nondet with --schedule sequential (one run after the other), or have "
+            "each run write files of its own")

@@ -120,6 +120,11 @@ class RunResult:
 TAIL_BYTES = 64 * 1024
 
 
+def invocation_started() -> float:
+    """When this nondet invocation began (real time): what its runs wrote is newer."""
+    return _INVOCATION_STARTED
+
+
 def log_tail(path: Path, lines: int = 15) -> str:
     """The last ``lines`` lines of a log, read from its last ``TAIL_BYTES``, each cut to
     ``printable.LINE_MAX`` characters (start and end kept)."""

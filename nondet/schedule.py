@@ -20,6 +20,7 @@ than its twin ever went quietly (a loop that never ends in one run only) is ende
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import channel, errors, idle, run_collisions
+from nondet import channel, errors, idle, run_collisions, runspec
 from nondet.errors import NondetError, ScriptFailed, Terminated
 from nondet.printable import LINE_MAX, clip
 from nondet.runspec import Plan, RunResult
@@ -230,7 +231,16 @@ class Lockstep:
             # Ctrl-C reached the children too; anything else (SIGTERM, a bug) did not.
             _interrupt_all(started, forward=not isinstance(exc, KeyboardInterrupt))
             raise
-        return check_result(results[0]), check_result(results[1])
+        try:
+            return check_result(results[0]), check_result(results[1])
+        except ScriptFailed as exc:
+            failed = [r for r in results if r.status in (channel.FAILED, channel.CRASHED)]
+            if len(failed) == 1:  # a script that fails in one run of two side by side
+                hint = run_collisions.side_by_side_hint(run_collisions.written_since(
+                    os.getcwd(), runspec.invocation_started()))
+                if hint:
+                    raise ScriptFailed(f"{exc}{hint}", details=exc.details) from None
+            raise
 
     def _collect(self, run: Run) -> RunResult:
         """The run has ended or been told to stop: it exits within the grace period, or
@@ -284,7 +294,8 @@ def check_result(result: RunResult) -> RunResult:
         if shared is not None:  # the twin run's file, not the script: say so
             raise NondetError(f"run {result.label} failed because {shared}; its output is in "
                               f"{result.log_path}", details=result.log_tail())
-        last = clip(last_line(result.error) or _exception_line(result.log_tail()), LINE_MAX)
+        last = clip(exception_line(result.error) or _exception_line(result.log_tail()),
+                    LINE_MAX)
         how = f"exit code {result.exit_code}" if result.exit_code >= 0 else \
             f"killed by signal {-result.exit_code}"
         raise ScriptFailed(
@@ -312,7 +323,22 @@ def _exception_line(log_tail: str) -> str:
     if "Traceback (most recent call last)" not in log_tail \
             and "Fatal Python error" not in log_tail:
         return ""
-    return last_line(log_tail)
+    return exception_line(log_tail)
+
+
+def exception_line(text: str) -> str:
+    """The line a traceback names its exception on (``ValueError: ...``): the first
+    unindented line after its last frame. A message of several lines (Keras's "Exception
+    encountered when calling ...", TensorFlow's ``[[{{node ...}}]]`` context) ends with
+    lines that say nothing alone (``• kwargs=<class 'inspect._empty'>``). Without a frame
+    (a traceback cut short), the last line."""
+    lines = text.strip().split("\n")
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if frames:
+        for line in lines[frames[-1] + 1:]:
+            if line.strip() and not line.startswith(" "):
+                return line.strip()
+    return last_line(text)
 
 
 def last_line(text: str) -> str:

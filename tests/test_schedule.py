@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nondet import channel, errors
+from nondet import channel, errors, schedule
 from nondet.errors import ScriptFailed
 from nondet.launch import CapturedRun, Plan, RunResult, Target
 from nondet.records import OP_DTYPE, TENSOR_DTYPE
@@ -467,3 +467,30 @@ def test_lockstep_runs_a_first_step_both_runs_ask_for_at_once(tmp_path: Path) ->
     steps = [(label, step) for event, label, step in FakeRun.log if event == "step"]
     assert sorted(steps[:2]) == [("a", 0), ("b", 0)]
     assert steps[2:] == [(label, k) for k in range(1, 4) for label in "ab"]
+
+
+def test_the_exception_line_of_a_message_of_several_lines_is_its_first() -> None:
+    """Trials: Keras's "Exception encountered when calling ..." message was summed up by
+    its last line (``• kwargs=<class 'inspect._empty'>``), TensorFlow's DataLossError by
+    its node context (``[[{{node IteratorGetNext}}]]``)."""
+    keras = ("Traceback (most recent call last):\n"
+             '  File "/t/train.py", line 9, in <module>\n'
+             "    model(x)\n"
+             '  File "/k/layer.py", line 3, in call\n'
+             "    raise ValueError(...)\n"
+             "ValueError: Exception encountered when calling Dense.call().\n"
+             "\n"
+             "Input 0 has the wrong rank\n"
+             "\n"
+             "Arguments received by Dense.call():\n"
+             "  • kwargs=<class 'inspect._empty'>\n")
+    assert schedule.exception_line(keras) == (
+        "ValueError: Exception encountered when calling Dense.call().")
+    tf = ("Traceback (most recent call last):\n"
+          '  File "/t/train.py", line 20, in <module>\n'
+          "    model.fit(ds)\n"
+          "    ~~~~~~~~~^^^^\n"
+          "tensorflow.python.framework.errors_impl.DataLossError: corrupted record at 4040\n"
+          "\t [[{{node IteratorGetNext}}]] [Op:__inference_multi_step_on_iterator_2138]\n")
+    assert schedule.exception_line(tf).endswith("DataLossError: corrupted record at 4040")
+    assert schedule.exception_line("no traceback here\nlast words\n") == "last words"

@@ -274,6 +274,12 @@ class Session:
                 return
 
 
+#: Functions that handle ops on the way to them (a script's own ``TorchDispatchMode``, an
+#: op counter, a tensor subclass): their ``return func(*args)`` line is the handler's, not
+#: where the script ran the op; the line that did is further up.
+_HANDLERS = frozenset({"__torch_dispatch__", "__torch_function__"})
+
+
 class SourceLocator:
     """Finds the first frame in the user's own files: "train.py:27" as a string id.
 
@@ -326,7 +332,8 @@ class SourceLocator:
             code = frame.f_code
             user = is_user.get(code)
             if user is None:
-                user = is_user[code] = self.user_file(code.co_filename)
+                user = is_user[code] = (self.user_file(code.co_filename)
+                                        and code.co_name not in _HANDLERS)
             if user:
                 return self.intern_location(code.co_filename, frame.f_lineno)
             frame = frame.f_back

@@ -65,3 +65,13 @@ def test_other_schedules_find_the_same_op(options: list[str], tmp_path: Path) ->
         "op", 3, "forward", "fixtures.racy_sum.default", "encoder.mixer")
     assert found["source"] == f"{case.script.relative_to(REPO)}:{case.source_line}"
     assert found["mismatched_elements"] is not None
+
+
+def test_the_scripts_own_dispatch_mode_is_not_the_place(tmp_path: Path) -> None:
+    """Trial: with the script's own ``TorchDispatchMode`` around training (an op counter),
+    every op was placed at the mode's ``return func(*args, **kwargs)`` line."""
+    default = next(c for c in CASES if c.script.name == "index_put_backward.py"
+                   and not c.args)
+    case = Case(default.script, ("--user-mode",), default.expected, default.source_line)
+    result, report = run_case(case, tmp_path)
+    check_finding(case, result, report)  # the op, module and line of the default case

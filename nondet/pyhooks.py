@@ -47,11 +47,17 @@ def install(session: Session) -> None:
     use = GeneratorUse(session)
     session.step_listeners.append(use.step_ended)
 
+    log.unseeded_sites = sites  # the workers' sites join these lists (collect_workers)
+
     def note(kind: str, frame: FrameType) -> str | None:
         """An unseeded generator was made by the code of ``frame``; its text if it was made
         inside a library (to follow with ``use.track``)."""
         if session_module.current() is not session:
-            return None  # a forked child: its frames must not go down this run's pipe
+            # a forked child: its frames must not go down this run's pipe; a DataLoader
+            # worker's own generator (one per sample, made in __getitem__) goes to the run's
+            # file instead, its line once per worker
+            log.worker_unseeded(kind, frame)
+            return None
         try:
             package = frame.f_globals.get("__name__", "").split(".", 1)[0]
             if package in _IGNORED_PACKAGES or frame.f_code.co_filename.startswith(stdlib):

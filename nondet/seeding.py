@@ -114,6 +114,9 @@ class SeedLog:
         self.disabled = False
         self._pins = 0  # seeding calls pinned so far (see PINNED)
         self._pid = os.getpid()  # another pid with no session: a forked worker
+        #: unseeded generators' sites by fact (pyhooks), which the workers' join
+        self.unseeded_sites: dict[str, list[str]] = {}
+        self._worker_unseeded: set[tuple[str, CodeType, int]] = set()  # written, per worker
         script = getattr(session.config, "script", None)
         self._root = os.path.realpath(os.path.dirname(os.path.abspath(script)) if script
                                       else os.getcwd()) + os.sep
@@ -167,6 +170,22 @@ class SeedLog:
         return f"{shown}:{frame.f_lineno}"
 
     # -- recording -----------------------------------------------------------------------------
+    def worker_unseeded(self, kind: str, frame: FrameType) -> None:
+        """A forked worker made an unseeded generator (``kind``: the pyhooks fact) in the
+        user's own code at ``frame``: a line in the run's worker file, once per site and
+        worker. Never raises."""
+        try:
+            path = worker_seeds.path_for(self._session)
+            key = (kind, frame.f_code, frame.f_lineno)
+            if (self.disabled or not path or session_module.current() is not None
+                    or os.getpid() == self._pid or key in self._worker_unseeded
+                    or not self.is_users(frame)):
+                return
+            self._worker_unseeded.add(key)
+            worker_seeds.note(self, path, kind, None, frame, "", "")
+        except Exception:
+            pass  # a worker has no way to report nondet's trouble: the site goes unnamed
+
     def record(self, api: str, value: Any, frame: FrameType) -> None:
         """One seeding call (``frame`` made it). Never raises into the script."""
         if self.disabled or value is None:
@@ -286,6 +305,12 @@ def collect_workers(session: Session) -> None:
         return
     try:
         facts = worker_seeds.collect(session, log._seq, SEED_FACT_PREFIX)
+        for kind in worker_seeds.UNSEEDED_KINDS:
+            made = facts.pop(kind, None)
+            if made:  # with the main process's own sites of that kind
+                sites = log.unseeded_sites.setdefault(kind, [])
+                sites.extend(site for site in made if site not in sites)
+                facts[kind] = sites[:64]
         if facts:
             session.send_facts(facts)
     except Exception:

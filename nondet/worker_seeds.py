@@ -92,9 +92,15 @@ def note(log: SeedLog, path: str, api: str, value: Any, frame: FrameType,
         pass
 
 
+#: Lines that name where a worker made an unseeded generator (``api``: the pyhooks fact)
+#: rather than a seeding call; ``collect`` returns their sites under that fact.
+UNSEEDED_KINDS = ("numpy.unseeded_generator", "python.unseeded_random")
+
+
 def collect(session: Session, first_seq: int, prefix: str) -> dict[str, Any]:
     """The workers' seeding calls of this run as facts named ``prefix`` + "workerN" (sent
-    by the caller), and the file removed. Lines that do not parse are left out."""
+    by the caller), their unseeded generators' sites as lists under their ``UNSEEDED_KINDS``
+    fact, and the file removed. Lines that do not parse are left out."""
     path = path_for(session)
     if path is None or not os.path.isfile(path):
         return {}
@@ -103,14 +109,20 @@ def collect(session: Session, first_seq: int, prefix: str) -> dict[str, Any]:
     finally:
         Path(path).unlink(missing_ok=True)
     sites: dict[tuple[str, str, str, str], list[tuple[int, str, Any]]] = {}
+    unseeded: dict[str, list[str]] = {}
     for raw in lines:
         record = _parse(raw)
         if record is None:
             continue
         sid = session.sources.intern_location(record["file"], record["line"])
+        if record["api"] in UNSEEDED_KINDS:
+            made = unseeded.setdefault(record["api"], [])
+            if session.string(sid) not in made:
+                made.append(session.string(sid))
+            continue
         key = (record["api"], session.string(sid), record["library"], record["package"])
         sites.setdefault(key, []).append((record["step"], record["value"], record["clock"]))
-    facts: dict[str, Any] = {}
+    facts: dict[str, Any] = dict(unseeded)
     seq = first_seq
     for n, ((api, site, library, package), calls) in enumerate(sorted(sites.items())):
         calls.sort(key=lambda c: (c[0], c[1]))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nondet import early_draws
+from nondet import early_draws, set_order
 from nondet.clock import CLOCK_FACT
 from nondet.generator_use import USE_FACT
 from nondet.pyhooks import KERAS_DEFAULT_SEED, LIBRARY_UNSEEDED
@@ -244,8 +244,15 @@ TORCH_SEEDS = frozenset({"torch.manual_seed", "keras.utils.set_random_seed"})
 def unseeded_script_notes(capture: Capture) -> list[str]:
     """A TensorFlow script that never seeds the global random state repeats under nondet
     (which seeds it) and not on its own: the verdict alone would hide that. So does one
-    that seeds TensorFlow alone while Keras 3 draws its default seeds from Python, and a
-    torch script that draws before it seeds."""
+    that seeds TensorFlow alone while Keras 3 draws its default seeds from Python, a
+    torch script that draws before it seeds, and one that iterates a set of strings
+    (``set_order``: nondet fixed PYTHONHASHSEED for both runs)."""
+    # the script's set iterations (the string hash salt: set_order.py), whatever the framework
+    hashed = [n for n in [set_order.note(capture.facts)] if n]
+    return _seeding_notes(capture) + hashed
+
+
+def _seeding_notes(capture: Capture) -> list[str]:
     calls = seed_calls(capture)
     # the script's own draws from Python's random, whatever the framework
     python = early_draws.notes_for(capture.facts, calls, [early_draws.PYTHON_GLOBAL])

@@ -1,0 +1,173 @@
+"""Where the script iterates a set, whose order follows Python's string hash salt.
+
+A set of strings iterates in an order that depends on ``PYTHONHASHSEED``, which Python draws
+afresh at every start: ``vocab = list(set(words))`` numbers the words differently in each
+plain run, and the weights differ. nondet gives both runs the same ``PYTHONHASHSEED`` (it must
+be set before the interpreter starts: DESIGN.md), so they repeat, and "deterministic" alone
+would hide what plain runs do. Nothing at run time tells a set's iteration apart (CPython
+has no hook for it), so the script's own source is read once, before it runs: a ``for``
+loop, a list/dict comprehension or generator, or a ``list``/``tuple``/``enumerate``/``zip``/
+``iter``/``map``/``join`` call over an expression that makes a set (``set(...)``,
+``frozenset(...)``, a set literal or comprehension, a set operator between them, or a name
+the script bound to one). ``sorted(...)`` orders it and is never named; nor are sets of
+numbers written as such (``set(range(n))``, ``{1, 2}``: integers hash to themselves).
+
+The sites go to the fact ``python.set_iteration``; ``seed_diff.unseeded_script_notes`` turns
+them into a note when the user did not choose a ``PYTHONHASHSEED`` of their own.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from typing import Any
+
+FACT = "python.set_iteration"
+#: Sites named at most.
+MAX_SITES = 8
+#: Scripts larger than this are not read (a generated file): bytes.
+MAX_SOURCE = 2_000_000
+
+_MAKERS = frozenset({"set", "frozenset"})
+_SET_METHODS = frozenset({"union", "intersection", "difference", "symmetric_difference",
+                          "copy"})
+_ORDERING_CALLS = frozenset({"list", "tuple", "enumerate", "zip", "iter", "next", "map",
+                             "filter", "reversed"})
+#: Calls whose result does not depend on the order they are handed things in.
+_ORDER_FREE = frozenset({"sorted", "len", "set", "frozenset", "any", "all", "min", "max"})
+
+
+def set_iterations(source: str, filename: str = "<script>") -> list[tuple[int, str]]:
+    """(line, source text) of each place ``source`` iterates a set in an order that can
+    follow the hash salt, at most ``MAX_SITES``, in line order. Never raises."""
+    if len(source) > MAX_SOURCE:
+        return []
+    try:
+        tree = ast.parse(source, filename)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    finder = _Finder(_set_names(tree))
+    try:
+        finder.visit(tree)
+    except RecursionError:
+        return []
+    lines = source.splitlines()
+    found = sorted(set(finder.lines))[:MAX_SITES]
+    return [(n, lines[n - 1].strip() if 0 < n <= len(lines) else "") for n in found]
+
+
+def _set_names(tree: ast.AST) -> set[str]:
+    """Names the script binds to a set anywhere (``vocab = set(words)``); a name bound to
+    something else too is left out (its value at the loop is not known)."""
+    made: set[str] = set()
+    other: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    (made if _makes_set(node.value, set()) else other).add(target.id)
+    return made - other
+
+
+def _makes_set(node: ast.AST, names: set[str]) -> bool:
+    """Whether ``node`` evaluates to a set whose order can follow the hash salt."""
+    if isinstance(node, ast.Set):
+        return not all(isinstance(e, ast.Constant) and isinstance(e.value, int | float)
+                       for e in node.elts)
+    if isinstance(node, ast.SetComp):
+        return True
+    if isinstance(node, ast.Name):
+        return node.id in names
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitOr, ast.BitAnd, ast.Sub,
+                                                            ast.BitXor)):
+        return _makes_set(node.left, names) and (
+            _makes_set(node.right, names) or not isinstance(node.op, ast.BitOr))
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in _MAKERS:
+            if not node.args:
+                return False  # empty: filled later, through a name
+            arg = node.args[0]
+            return not (isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name)
+                        and arg.func.id == "range")
+        if isinstance(func, ast.Attribute) and func.attr in _SET_METHODS:
+            return _makes_set(func.value, names)
+    return False
+
+
+class _Finder(ast.NodeVisitor):
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self.lines: list[int] = []
+        self.order_free: set[int] = set()  # ids of nodes handed straight to sorted() & co
+
+    def _check(self, iterated: ast.AST, at: ast.AST) -> None:
+        if id(at) not in self.order_free and _makes_set(iterated, self.names):
+            self.lines.append(getattr(at, "lineno", 0))
+
+    def visit_For(self, node: ast.For) -> None:
+        self._check(node.iter, node)
+        self.generic_visit(node)
+
+    visit_AsyncFor = visit_For  # type: ignore[assignment]
+
+    def _comprehension(self, node: ast.ListComp | ast.DictComp | ast.GeneratorExp) -> None:
+        for generator in node.generators:
+            self._check(generator.iter, node)
+        self.generic_visit(node)
+
+    visit_ListComp = _comprehension
+    visit_DictComp = _comprehension
+    visit_GeneratorExp = _comprehension
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in _ORDER_FREE:
+            self.order_free.update(id(arg) for arg in node.args)
+        ordering = (isinstance(func, ast.Name) and func.id in _ORDERING_CALLS) or (
+            isinstance(func, ast.Attribute) and func.attr == "join")
+        if ordering:
+            for arg in node.args:
+                self._check(arg, node)
+        for arg in node.args:
+            if isinstance(arg, ast.Starred):
+                self._check(arg.value, node)
+        self.generic_visit(node)
+
+    def visit_List(self, node: ast.List) -> None:
+        for element in node.elts:
+            if isinstance(element, ast.Starred):
+                self._check(element.value, node)
+        self.generic_visit(node)
+
+
+def send(session: Any, script: str | None, seed: int) -> None:
+    """Before the script runs: its set iterations as the fact ``FACT`` ("train.py:5" each),
+    when ``PYTHONHASHSEED`` is the one nondet chose for both runs (a user's own choice
+    holds in plain runs too). Never raises."""
+    try:
+        if not script or os.environ.get("PYTHONHASHSEED") != str(seed % 2**32):
+            return
+        with open(script, "rb") as file:
+            raw = file.read(MAX_SOURCE + 1)
+        sites = set_iterations(raw.decode("utf-8", "replace"), script)
+        if sites:
+            shown = [session.string(session.sources.intern_location(script, line))
+                     for line, _ in sites]
+            session.send_facts({FACT: shown})
+    except Exception:
+        pass  # the script's source is the script's: nondet only reads it, and may not
+
+
+def note(facts: dict[str, Any]) -> str | None:
+    """The report's note for a capture's set iterations (None: none)."""
+    sites = facts.get(FACT)
+    if not isinstance(sites, list) or not sites or not all(isinstance(s, str) for s in sites):
+        return None
+    where = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
+    return (f"{where} iterates a set: a set of strings iterates in an order that follows "
+            "Python's string hash salt, which nondet fixed alike for both runs "
+            "(PYTHONHASHSEED) and which plain runs draw afresh at every start, so plain runs "
+            "may differ where these repeated [PY-HASHSEED]; sorted(...) gives the set one "
+            "order (PYTHONHASHSEED=random nondet run ... shows whether it matters)")

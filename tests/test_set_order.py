@@ -1,0 +1,90 @@
+"""A script that iterates a set of strings repeats under nondet (both runs get the same
+PYTHONHASHSEED) and not on its own: a note names the line (``nondet.set_order``). Trials:
+a vocabulary from ``list(set(words))`` and feature columns from a set literal were
+"deterministic" with no word, where plain runs ended with other weights every time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nondet.set_order import set_iterations
+
+SOURCE = '''
+words = set(text)
+for w in words: pass
+x = sorted(w for w in words)
+y = sorted(list(set(z)))
+n = len(set(z))
+for i in set(range(5)): pass
+for i in {1, 2, 3}: pass
+b = list({"x", "y"})
+c = [*words]
+d = ",".join(words | {"q"})
+e = {k: 1 for k in words}
+f = {w for w in words}
+names = set()
+names = compute()
+for n in names: pass
+'''
+
+
+def test_the_places_that_iterate_a_set_in_hash_order() -> None:
+    found = [line for line, _ in set_iterations(SOURCE)]
+    # ordered by sorted() (4, 5), counted (6), numbers (7, 8), a set made from a set (13)
+    # and a name bound to something else too (16) are not named
+    assert found == [3, 9, 10, 11, 12]
+    assert set_iterations("this is not python(") == []
+
+
+FEATURES = """
+import torch
+torch.manual_seed(0)
+names = {"age", "height", "weight", "income", "score", "visits", "clicks", "tenure"}
+base = {n: torch.randn(64) for n in sorted(names)}
+x = torch.stack([base[n] for n in names], 1)  # the columns in the set's order
+y = (x * torch.arange(8.0)).sum(1, keepdim=True)
+net = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+for step in range(4):
+    loss = torch.nn.functional.mse_loss(net(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+print(net.weight.sum().item())
+"""
+
+
+def test_plain_runs_of_the_script_differ(tmp_path: Path) -> None:
+    """The control: the script really is nondeterministic on its own."""
+    script = tmp_path / "train.py"
+    script.write_text(FEATURES)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    outputs = {subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              env={**env, "PYTHONHASHSEED": str(seed)}, check=True,
+                              timeout=300).stdout for seed in (1, 2, 3)}
+    assert len(outputs) > 1
+
+
+@pytest.mark.parametrize("user_seed", [None, "7"], ids=["nondet's", "the user's"])
+def test_a_set_iteration_is_a_note_unless_the_user_fixed_the_hash_seed(
+        tmp_path: Path, user_seed: str | None) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(FEATURES)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if user_seed:
+        env["PYTHONHASHSEED"] = user_seed
+    result = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", "--no-verify",
+                             "--json", "r.json", str(script)], cwd=tmp_path,
+                            env={**env, "NO_COLOR": "1"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    notes = json.loads((tmp_path / "r.json").read_text())["notes"]
+    named = [n for n in notes if "iterates a set" in n]
+    if user_seed:
+        assert not named, notes  # the user's own seed holds in plain runs too
+    else:
+        assert named and named[0].startswith("train.py:6 "), notes

@@ -30,7 +30,7 @@ from nondet import (
     pyhooks,
     readback,
     seeding,
-    set_order,
+    unordered,
 )
 from nondet import session as session_module
 from nondet.frameworks.base import StopRun
@@ -88,7 +88,7 @@ def main() -> int:
     interventions.apply_requested(config.seed)  # --apply / verification: before the script
     inherited.as_started()  # SIGCHLD as nondet was started with it (nondet.inherited)
     session.send_meta({"env": environment.base()})
-    set_order.send(session, config.script, config.seed)  # what PYTHONHASHSEED would change
+    unordered.send(session, config.script, config.seed)  # what PYTHONHASHSEED would change
 
     status, code, error = "complete", 0, ""
     try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nondet import early_draws, set_order
+from nondet import early_draws, unordered
 from nondet.clock import CLOCK_FACT
 from nondet.generator_use import USE_FACT
 from nondet.pyhooks import KERAS_DEFAULT_SEED, LIBRARY_UNSEEDED
@@ -246,9 +246,9 @@ def unseeded_script_notes(capture: Capture) -> list[str]:
     (which seeds it) and not on its own: the verdict alone would hide that. So does one
     that seeds TensorFlow alone while Keras 3 draws its default seeds from Python, a
     torch script that draws before it seeds, and one that iterates a set of strings
-    (``set_order``: nondet fixed PYTHONHASHSEED for both runs)."""
-    # the script's set iterations (the string hash salt: set_order.py), whatever the framework
-    hashed = [n for n in [set_order.note(capture.facts)] if n]
+    (``unordered``: nondet fixed PYTHONHASHSEED for both runs)."""
+    # the script's set iterations (the string hash salt: unordered.py), whatever the framework
+    hashed = [n for n in [unordered.note(capture.facts)] if n]
     return _seeding_notes(capture) + hashed
 
 

@@ -1,4 +1,4 @@
-"""Where the script iterates a set, whose order follows Python's string hash salt.
+"""Orders the script's own source leaves to the machine: set iteration, directory listings.
 
 A set of strings iterates in an order that depends on ``PYTHONHASHSEED``, which Python draws
 afresh at every start: ``vocab = list(set(words))`` numbers the words differently in each
@@ -11,9 +11,14 @@ loop, a list/dict comprehension or generator, or a ``list``/``tuple``/``enumerat
 ``frozenset(...)``, a set literal or comprehension, a set operator between them, or a name
 the script bound to one). ``sorted(...)`` orders it and is never named; nor are sets of
 numbers written as such (``set(range(n))``, ``{1, 2}``: integers hash to themselves).
-
 The sites go to the fact ``python.set_iteration``; ``seed_diff.unseeded_script_notes`` turns
 them into a note when the user did not choose a ``PYTHONHASHSEED`` of their own.
+
+The same read names the script's directory listings that nothing sorts (``os.listdir``,
+``os.scandir``, ``glob.glob``/``iglob``, ``Path.glob``/``rglob``/``iterdir`` not handed
+straight to ``sorted``): their order is the file system's. The fact
+``python.unsorted_listing`` is the evidence the recipe PY-FS-ORDER asks for, which it
+otherwise offered for any value that entered with a difference nothing else explained.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ import os
 from typing import Any
 
 FACT = "python.set_iteration"
+LISTING_FACT = "python.unsorted_listing"
+HASH_SEED_FACT = "python.hash_seed_by_nondet"
+#: Calls that list a directory in the file system's order.
+_LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir"})
 #: Sites named at most.
 MAX_SITES = 8
 #: Scripts larger than this are not read (a generated file): bytes.
@@ -40,20 +49,28 @@ _ORDER_FREE = frozenset({"sorted", "len", "set", "frozenset", "any", "all", "min
 def set_iterations(source: str, filename: str = "<script>") -> list[tuple[int, str]]:
     """(line, source text) of each place ``source`` iterates a set in an order that can
     follow the hash salt, at most ``MAX_SITES``, in line order. Never raises."""
+    return scan(source, filename)[0]
+
+
+def scan(source: str, filename: str = "<script>"
+         ) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(set iterations, unsorted directory listings) of ``source``: (line, text) each, at
+    most ``MAX_SITES`` of each, in line order. Never raises."""
     if len(source) > MAX_SOURCE:
-        return []
+        return [], []
     try:
         tree = ast.parse(source, filename)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return []
-    finder = _Finder(_set_names(tree))
-    try:
+        finder = _Finder(_set_names(tree))
         finder.visit(tree)
-    except RecursionError:
-        return []
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return [], []
     lines = source.splitlines()
-    found = sorted(set(finder.lines))[:MAX_SITES]
-    return [(n, lines[n - 1].strip() if 0 < n <= len(lines) else "") for n in found]
+
+    def shown(found: list[int]) -> list[tuple[int, str]]:
+        return [(n, lines[n - 1].strip() if 0 < n <= len(lines) else "")
+                for n in sorted(set(found))[:MAX_SITES]]
+
+    return shown(finder.lines), shown(finder.listings)
 
 
 def _set_names(tree: ast.AST) -> set[str]:
@@ -100,6 +117,7 @@ class _Finder(ast.NodeVisitor):
     def __init__(self, names: set[str]) -> None:
         self.names = names
         self.lines: list[int] = []
+        self.listings: list[int] = []  # directory listings not handed to sorted()
         self.order_free: set[int] = set()  # ids of nodes handed straight to sorted() & co
 
     def _check(self, iterated: ast.AST, at: ast.AST) -> None:
@@ -125,6 +143,10 @@ class _Finder(ast.NodeVisitor):
         func = node.func
         if isinstance(func, ast.Name) and func.id in _ORDER_FREE:
             self.order_free.update(id(arg) for arg in node.args)
+        name = func.attr if isinstance(func, ast.Attribute) else (
+            func.id if isinstance(func, ast.Name) else "")
+        if name in _LISTINGS and id(node) not in self.order_free:
+            self.listings.append(node.lineno)
         ordering = (isinstance(func, ast.Name) and func.id in _ORDERING_CALLS) or (
             isinstance(func, ast.Attribute) and func.attr == "join")
         if ordering:
@@ -143,19 +165,23 @@ class _Finder(ast.NodeVisitor):
 
 
 def send(session: Any, script: str | None, seed: int) -> None:
-    """Before the script runs: its set iterations as the fact ``FACT`` ("train.py:5" each),
-    when ``PYTHONHASHSEED`` is the one nondet chose for both runs (a user's own choice
-    holds in plain runs too). Never raises."""
+    """Before the script runs: its set iterations as the fact ``FACT`` ("train.py:5" each)
+    and its unsorted listings as ``LISTING_FACT``; ``HASH_SEED_FACT`` says whether
+    ``PYTHONHASHSEED`` is the one nondet chose for both runs (a user's own choice holds in
+    plain runs too: no note then). Never raises."""
     try:
-        if not script or os.environ.get("PYTHONHASHSEED") != str(seed % 2**32):
+        if not script:
             return
         with open(script, "rb") as file:
             raw = file.read(MAX_SOURCE + 1)
-        sites = set_iterations(raw.decode("utf-8", "replace"), script)
-        if sites:
-            shown = [session.string(session.sources.intern_location(script, line))
-                     for line, _ in sites]
-            session.send_facts({FACT: shown})
+        sets, listings = scan(raw.decode("utf-8", "replace"), script)
+        facts: dict[str, Any] = {
+            fact: [session.string(session.sources.intern_location(script, line))
+                   for line, _ in sites]
+            for fact, sites in ((FACT, sets), (LISTING_FACT, listings)) if sites}
+        if facts:
+            facts[HASH_SEED_FACT] = os.environ.get("PYTHONHASHSEED") == str(seed % 2**32)
+            session.send_facts(facts)
     except Exception:
         pass  # the script's source is the script's: nondet only reads it, and may not
 
@@ -163,7 +189,8 @@ def send(session: Any, script: str | None, seed: int) -> None:
 def note(facts: dict[str, Any]) -> str | None:
     """The report's note for a capture's set iterations (None: none)."""
     sites = facts.get(FACT)
-    if not isinstance(sites, list) or not sites or not all(isinstance(s, str) for s in sites):
+    if facts.get(HASH_SEED_FACT) is not True or not isinstance(sites, list) or not sites \
+            or not all(isinstance(s, str) for s in sites):
         return None
     where = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
     return (f"{where} iterates a set: a set of strings iterates in an order that follows "

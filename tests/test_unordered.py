@@ -1,5 +1,5 @@
 """A script that iterates a set of strings repeats under nondet (both runs get the same
-PYTHONHASHSEED) and not on its own: a note names the line (``nondet.set_order``). Trials:
+PYTHONHASHSEED) and not on its own: a note names the line (``nondet.unordered``). Trials:
 a vocabulary from ``list(set(words))`` and feature columns from a set literal were
 "deterministic" with no word, where plain runs ended with other weights every time."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nondet.set_order import set_iterations
+from nondet.unordered import scan, set_iterations
 
 SOURCE = '''
 words = set(text)
@@ -88,3 +88,18 @@ def test_a_set_iteration_is_a_note_unless_the_user_fixed_the_hash_seed(
         assert not named, notes  # the user's own seed holds in plain runs too
     else:
         assert named and named[0].startswith("train.py:6 "), notes
+
+
+def test_directory_listings_nothing_sorts_are_named() -> None:
+    source = '''
+import glob, os
+from pathlib import Path
+a = glob.glob("data/*.png")
+b = sorted(glob.glob("data/*.png"))
+c = os.listdir("data")
+d = sorted(Path("data").rglob("*.txt"))
+e = [p for p in Path("data").iterdir()]
+f = len(os.listdir("data"))
+'''
+    _, listings = scan(source)
+    assert [line for line, _ in listings] == [4, 6, 8]

@@ -49,6 +49,7 @@ from nondet.errors import NondetError
 from nondet.finding import concat, with_notes
 from nondet.launch import CapturedRun
 from nondet.live import Early, LiveCompare
+from nondet.printable import LINE_MAX, clip
 from nondet.recipe import Suggestion
 from nondet.records import INIT_STEP
 from nondet.repeatability import outcome, rows
@@ -328,6 +329,8 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
     recipes for it, and the captures the extra runs wrote."""
     found = compare_pair(a, b)
     div = found.first_divergence
+    if div is not None:
+        _check_same_start(a, b)
     if div is None or (div.kind == "structure" and not div.localized):
         return found, [], []
     if div.process is not None:  # found in a child's own capture: no re-runs aim at it
@@ -361,6 +364,25 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
         extra += written
     found = replace(found, first_divergence=div)
     return (*with_suggestions(found, a), extra)
+
+
+def _check_same_start(a: Capture, b: Capture) -> None:
+    """Runs that parted where one of them read a file the other had written before it
+    started (``--schedule sequential``: run b resumed from run a's checkpoint) did not start
+    from the same state: their difference is the file's, not nondeterminism, and a cause
+    named from it (an RNG, a seed the script sets) would be wrong. Exit 2, saying why."""
+    for capture, other in ((a, b), (b, a)):
+        prefix = f"capture_note.{readback.FACT}:"
+        read = [key[len(prefix):] for key in capture.facts if key.startswith(prefix)]
+        if read:
+            raise NondetError(
+                f"the runs differ, but run {capture.label} read {clip(read[0], LINE_MAX)}, "
+                f"which run {other.label} of this nondet invocation wrote before it started: "
+                "the script resumes from or reuses what it finds, so the runs did not start "
+                "from the same state and their difference says nothing about nondeterminism; "
+                "delete the file before running nondet, or point the script's output "
+                "elsewhere (in the default lockstep schedule both runs start before either "
+                "writes it)")
 
 
 # -- summaries -----------------------------------------------------------------------------------

@@ -256,3 +256,33 @@ def test_pair_notes_name_a_tf_data_cache_both_runs_meant_to_build(tmp_path: Path
     assert len(notes) == 1 and notes[0].startswith(
         "runs a and b both cached a tf.data pipeline to cache/train"), notes
     assert pair(["cache/train"], []) == []
+
+
+RESUMES = """
+import os, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+if os.path.exists("ckpt.pt"):  # resumes from what an earlier run left
+    with open("ckpt.pt", "rb") as f:
+        model.load_state_dict(torch.load(f))
+for step in range(3):
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+with open("ckpt.pt", "wb") as f:
+    torch.save(model.state_dict(), f)
+"""
+
+
+def test_runs_that_part_because_one_resumed_from_the_others_file_are_not_compared(
+        tmp_path: Path) -> None:
+    """Trials: one run after the other (``--schedule sequential``), run b resumed from the
+    checkpoint run a saved: "nondeterministic", exit 1, with an RNG cause and the fix
+    ``torch.manual_seed(seed)`` the script already had; the file was only a note."""
+    script = tmp_path / "train.py"
+    script.write_text(RESUMES)
+    result = run_cli("run", "-q", "--no-verify", "--schedule", "sequential", str(script),
+                     cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "run b read ckpt.pt, which run a of this nondet invocation wrote" in result.stderr
+    assert "nondeterministic" not in result.stdout

@@ -296,7 +296,8 @@ def finding_facts(div: Divergence, capture: Capture,
     for kind in ("numpy.unseeded_generator", "python.unseeded_random",
                  "python.set_iteration", "python.unsorted_listing",
                  "library.unseeded_generator", "tf.image.stateful_random",
-                 "tf.data.list_files_shuffled", "tf.distribute.strategy"):
+                 "tf.data.list_files_shuffled", "tf.distribute.strategy",
+                 "tf.distribute.parameter_server"):
         facts[kind] = bool(capture.facts.get(kind))
     for d in env_differences or ():
         facts[f"env_differs.{d['key'].removeprefix('env.')}"] = True

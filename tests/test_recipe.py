@@ -190,3 +190,14 @@ def test_a_tensorflow_entry_gets_no_torch_worker_fix() -> None:
     assert "PY-THIRDPARTY-RNG" not in [s.recipe.id for s in recipe.suggest(facts, limit=9)]
     torch_facts = {**facts, "framework": "torch", "torch_version": "2.13.0"}
     assert "PY-THIRDPARTY-RNG" in [s.recipe.id for s in recipe.suggest(torch_facts, limit=9)]
+
+
+def test_parameter_server_advice_needs_a_parameter_server() -> None:
+    """Trials: TF-SESSION-PS ("tf.compat.v1.Session / ParameterServerStrategy") was offered
+    for any TensorFlow op of the optimizer phase: the cause `nondet diff` gave a racy
+    PyFunc's captures, and an "also" under a MirroredStrategy."""
+    facts = {"framework": "tensorflow", "kind": "op", "phase": "optimizer", "op": "AddN",
+             "tensorflow_version": "2.21.0", "tf.distribute.strategy": True}
+    assert "TF-SESSION-PS" not in [s.recipe.id for s in recipe.suggest(facts, limit=9)]
+    with_ps = {**facts, "tf.distribute.parameter_server": True}
+    assert "TF-SESSION-PS" in [s.recipe.id for s in recipe.suggest(with_ps, limit=9)]

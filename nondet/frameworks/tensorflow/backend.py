@@ -39,6 +39,7 @@ from nondet.frameworks.tensorflow.graph import (
     first_replica,
     in_dataset_function,
     in_loop_body,
+    strategy_facts,
     under_strategy,
 )
 from nondet.frameworks.tensorflow.hashing import hashable
@@ -202,7 +203,7 @@ class TFBackend(StepLifecycle):
             return
         if under_strategy():
             self.note_once("tf_distribute", hooks.DISTRIBUTE_NOTE)
-            self.session.send_facts({"tf.distribute.strategy": True})
+            self.session.send_facts(strategy_facts())
         elif not self.started:
             with tf.init_scope():
                 self.start_training()

@@ -323,6 +323,14 @@ def under_strategy() -> bool:
     return not isinstance(tf.distribute.get_strategy(), tf.distribute.OneDeviceStrategy)
 
 
+def strategy_facts() -> dict[str, bool]:
+    """The facts of a step traced under a strategy (``under_strategy``): that it was, and
+    whether its updates are a parameter server's (asynchronous: recipe TF-SESSION-PS)."""
+    kind = type(tf.distribute.get_strategy()).__name__
+    return {"tf.distribute.strategy": True,
+            "tf.distribute.parameter_server": "ParameterServer" in kind}
+
+
 XLA_NOTE = (
     "ops inside XLA-compiled functions (jit_compile=True) are not recorded one by one "
     "(XLA cannot compile nondet's hashing): a difference made inside one is reported at the "

@@ -27,7 +27,7 @@ from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.step_thread import STEP_THREAD
 from nondet.frameworks.tensorflow.entries import Call
-from nondet.frameworks.tensorflow.graph import first_replica, under_strategy
+from nondet.frameworks.tensorflow.graph import first_replica, strategy_facts, under_strategy
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.records import Phase
@@ -342,7 +342,7 @@ def _update_hook(backend: HookHost, original: Any, split: _Split,
             else:
                 if under_strategy():
                     backend.note_once("tf_distribute", DISTRIBUTE_NOTE)
-                    backend.session.send_facts({"tf.distribute.strategy": True})
+                    backend.session.send_facts(strategy_facts())
                 if first_replica():  # one update, whatever the replicas (tf.distribute)
                     # in a graph: counted when it runs, once the gradients are
                     backend.count_update(grads)

@@ -175,6 +175,8 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
     if kids.divergence is not None and not main_differs:
         div = kids.divergence  # what differs in this process never reached training
     div = seed_diff.seed_divergence(a, b, div) or div  # a differing seed is the cause
+    if div.kind == "op" and a.facts.get("tf.distribute.strategy") is True:
+        div = with_notes(div, STRATEGY_OP_NOTE)
     if not main_differs and kids.divergence is None:
         _check_steps_compared(a, b, both_ended)
         # The verdict follows the training state: a difference that never reached loss,
@@ -195,6 +197,16 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                    growth(a, b, step_div.step if step_div else (div.step or 0)))
 
 
+
+
+#: An op finding in a TensorFlow step run under a tf.distribute strategy: the replicas' ops
+#: are not recorded (frameworks/tensorflow/graph.py ``under_strategy``), so an op reducing
+#: what they made (``strategy.reduce``'s AddN) shows no differing input even when one did.
+STRATEGY_OP_NOTE = (
+    "the step runs under a tf.distribute strategy, whose ops inside the replicas "
+    "(strategy.run, the per-replica step) are not recorded: this op's inputs from the "
+    "replicas were not compared, so the difference may have entered inside the replica step "
+    "before it (a racy or stateful op there)")
 
 
 def _check_same_framework(a: Capture, b: Capture) -> None:

@@ -250,3 +250,20 @@ def test_data_named_from_the_step_rows_keeps_its_line_only_when_both_runs_name_i
     div = analysis.compare_pair(*captures).first_divergence
     assert div is not None and (div.kind, div.step, div.op) == ("entry", 0, "graph input")
     assert div.source == ("train.py:7" if placed else None)
+
+
+def test_an_op_found_under_a_tf_distribute_strategy_says_the_replicas_were_not_compared(
+        tmp_path: Path) -> None:
+    """Trial: a racy PyFunc inside strategy.run was reported as "AddN ... its output
+    differs while all its inputs matched" at the strategy.reduce line, with no word that
+    the replicas' ops, its inputs' makers, are not recorded."""
+    captures = []
+    for label, out in (("a", 11), ("b", 12)):
+        ops = OpStream().add(0, "AddN@replica_sum", out, 1, source="train.py:28")
+        captures.append(open_capture(write_capture(
+            tmp_path / f"{label}.h5", step_rows({"step": -1}, {"step": 0, "loss_fp": out}),
+            ops, facts={"framework": "tensorflow", "tf.distribute.strategy": True},
+            attrs={"op_steps": [0]})))
+    div = analysis.compare_pair(*captures).first_divergence
+    assert div is not None and div.kind == "op"
+    assert any(n == analysis.STRATEGY_OP_NOTE for n in div.notes), div.notes

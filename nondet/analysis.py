@@ -171,7 +171,8 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         # handed), and a child process differs (its recorded steps, or the tensors it was
         # handed): the child is the better explanation.
         div = kids.divergence or end_state.divergence(a, b)
-    main_differs = final_differs or _training_state_differs(a, b, both_ended)
+    main_differs = final_differs or _training_state_differs(a, b, both_ended) \
+        or compare.data_unsettled(a.steps, b.steps, both_ended)
     if kids.divergence is not None and not main_differs:
         div = kids.divergence  # what differs in this process never reached training
     div = seed_diff.seed_divergence(a, b, div) or div  # a differing seed is the cause

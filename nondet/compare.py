@@ -88,6 +88,44 @@ def first_step_divergence(steps_a: np.ndarray, steps_b: np.ndarray,
     return passed_over
 
 
+#: Steps compared after one whose data alone differed, all with the same training state,
+#: that show the data did not reach training (``data_unsettled``).
+CONTAINED_AFTER = 3
+
+
+def data_unsettled(steps_a: np.ndarray, steps_b: np.ndarray,
+                   count_extra_steps: bool = True) -> bool:
+    """Rows part only in data that reached no training state, yet the comparison cannot
+    tell that it never would: the runs did not both end on their own (``count_extra_steps``
+    False: stopped, interrupted, a baseline of a few steps) and no such step was followed
+    by ``CONTAINED_AFTER`` compared steps (a replay buffer's entry read a few steps later,
+    past where the captures end). Such a difference then counts as one in training."""
+    by_step_a = {int(r["step"]): r for r in steps_a}
+    by_step_b = {int(r["step"]): r for r in steps_b}
+    common = sorted(set(by_step_a) & set(by_step_b))
+    if count_extra_steps or any(training_differs(by_step_a[s], by_step_b[s]) for s in common):
+        return False
+    data_steps = [i for i, s in enumerate(common)
+                  if int(by_step_a[s]["data_fp"]) != int(by_step_b[s]["data_fp"])]
+    return bool(data_steps) and len(common) - 1 - data_steps[0] < CONTAINED_AFTER
+
+
+def parted(steps_a: np.ndarray, steps_b: np.ndarray,
+           count_extra_steps: bool = True) -> StepDivergence | None:
+    """Where two runs part for good: ``first_step_divergence``, except data that reached
+    no training state (a clock reading handed to torch), which is no parting unless the
+    comparison cannot tell (``data_unsettled``). What fix verification, the narrowing
+    re-runs and ``--runs`` ask: do these runs repeat?"""
+    div = first_step_divergence(steps_a, steps_b, count_extra_steps)
+    if div is None or div.structural:
+        return div
+    by_step_a = {int(r["step"]): r for r in steps_a}
+    by_step_b = {int(r["step"]): r for r in steps_b}
+    if not data_only(by_step_a[div.step], by_step_b[div.step], div.fields):
+        return div
+    return div if data_unsettled(steps_a, steps_b, count_extra_steps) else None
+
+
 @dataclass
 class OpDivergence:
     """The first op-level finding in a window of steps."""

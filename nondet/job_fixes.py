@@ -57,7 +57,7 @@ class JobSteps:
 
         def key(rank: int) -> tuple[int, int, int]:
             a, b = (open_capture(r.path).steps for r in pairs[rank])
-            parted = compare.first_step_divergence(a, b)
+            parted = compare.parted(a, b)
             common = set(a["step"].tolist()) & set(b["step"].tolist())
             return (parted.step if parted is not None else 1 << 30,
                     max(common, default=INIT_STEP - 1), rank)

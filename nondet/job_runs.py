@@ -53,6 +53,6 @@ def _outcomes(job: JobResult) -> list[repeatability.Outcome]:
 
 
 def _steps_differ(a: JobResult, b: JobResult) -> bool:
-    return any(compare.first_step_divergence(open_capture(ra.path).steps,
-                                             open_capture(rb.path).steps) is not None
+    return any(compare.parted(open_capture(ra.path).steps,
+                              open_capture(rb.path).steps) is not None
                for ra, rb in rank_results(a, b).values())

@@ -78,7 +78,7 @@ def narrow(run_pair: RunPair, stage: Stage, step: int, lockstep: bool,
                            Plan(f"b-ops{suffix}", window, stop_after=stop_after)), judge)
         oa, ob = open_capture(ra.path), open_capture(rb.path)
         written += [str(oa.path), str(ob.path)]
-        parted = compare.first_step_divergence(oa.steps, ob.steps)
+        parted = compare.parted(oa.steps, ob.steps)
         steps = window if window is not None else oa.op_steps()
         if parted is None or not steps or parted.step < steps[0]:
             continue  # these runs did not part inside the window
@@ -95,7 +95,11 @@ def narrow(run_pair: RunPair, stage: Stage, step: int, lockstep: bool,
 
 def until_different(step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
     """A judge: run on while both runs' rows match (stop at the first that differs)."""
-    return row_a is not None and row_b is not None and not compare.rows_differ(row_a, row_b)
+    if row_a is None or row_b is None:
+        return False
+    differing = compare.rows_differ(row_a, row_b)
+    # data that reached no training state (a clock reading handed to torch) is no parting
+    return not differing or compare.data_only(row_a, row_b, differing)
 
 
 def _measure(run_pair: RunPair, stage: Stage, div: Divergence,

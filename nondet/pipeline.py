@@ -193,7 +193,7 @@ def repeat(target: Target, options: Options, progress: ProgressSink, count: int)
                  [[outcome(r, c)] for r, c in zip(results, captures, strict=True)])
     differing = next((i for i in range(1, count)
                       if table[i].outcome != table[0].outcome
-                      or compare.first_step_divergence(captures[0].steps, captures[i].steps)),
+                      or compare.parted(captures[0].steps, captures[i].steps)),
                      None)
     suggestions: list[Suggestion] = []
     extra: list[str] = []

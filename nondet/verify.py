@@ -71,7 +71,7 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
     than a verification needs (a torchrun job runs to its end: ``nondet.job_fixes``)."""
     a, b = first
     last = _last_common_step(a.steps, b.steps)
-    if last is None or compare.first_step_divergence(a.steps, b.steps) is None:
+    if last is None or compare.parted(a.steps, b.steps) is None:
         return list(suggestions), []  # nothing to show repeating: no step rows parted
     if upto is not None:
         last = min(last, upto)
@@ -169,7 +169,7 @@ def _try(fix_id: str, number: str, last: int, op_steps: list[int] | None,
         return Outcome(False, 0, None, error=str(exc).split("; its output is in")[0])
     ca, cb = open_capture(ra.path), open_capture(rb.path)
     captures = (str(ca.path), str(cb.path))
-    parted = compare.first_step_divergence(ca.steps, cb.steps)
+    parted = compare.parted(ca.steps, cb.steps)
     common = _last_common_step(ca.steps, cb.steps)
     # Repeating means: every step up to the last one the first pair compared, bitwise.
     repeated = parted is None and common is not None and common >= last

@@ -191,3 +191,40 @@ def test_data_is_the_training_difference_where_a_step_records_nothing_else() -> 
     assert compare.training_differs(a[1], b[1])
     div = compare.first_step_divergence(a, b)
     assert div is not None and div.step == 0 and div.phase == Phase.DATA
+
+
+def _clocked(steps: int, clock_at: list[int], params_b: dict[int, int] | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Two runs' rows: the same params, data differing at ``clock_at`` (a clock reading)."""
+    a = step_rows(*({"step": s, "data_fp": 1, "params_fp": 10 + s} for s in range(steps)))
+    b = step_rows(*({"step": s, "data_fp": 2 if s in clock_at else 1,
+                     "params_fp": (params_b or {}).get(s, 10 + s)} for s in range(steps)))
+    return a, b
+
+
+def test_runs_that_part_only_in_data_that_reached_no_training_repeat() -> None:
+    """Review: verification, the narrowing re-runs and --runs asked first_step_divergence,
+    which names such a step when nothing else differs: a working fix for a script logging
+    its step time would never have "repeated"."""
+    a, b = _clocked(8, list(range(8)))
+    assert compare.first_step_divergence(a, b) is not None  # still there, for the note
+    assert compare.parted(a, b) is None
+    assert compare.parted(a, b, count_extra_steps=False) is None  # seen not to reach it
+    a, b = _clocked(8, list(range(8)), params_b={6: 99, 7: 98})
+    found = compare.parted(a, b)
+    assert found is not None and found.step == 6
+
+
+def test_data_that_differs_at_the_end_of_a_cut_comparison_is_unsettled() -> None:
+    """Review: a replay buffer's entry read a few steps later, past where a stopped or
+    interrupted capture ends, would have been "never reached training"."""
+    a, b = _clocked(6, [4])
+    assert compare.data_unsettled(a, b, count_extra_steps=False)
+    found = compare.parted(a, b, count_extra_steps=False)
+    assert found is not None and found.step == 4
+    # both runs ended on their own: nothing more was to come
+    assert not compare.data_unsettled(a, b, count_extra_steps=True)
+    assert compare.parted(a, b) is None
+    # followed by enough steps with the same training state: settled
+    a, b = _clocked(9, [4])
+    assert not compare.data_unsettled(a, b, count_extra_steps=False)

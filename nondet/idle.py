@@ -102,6 +102,9 @@ class IdleWatch:
         #: (``outlived``).
         self.last_frame = now
         self.longest_quiet = 0.0
+        self._created = now
+        #: seconds from the run's start to its first step row (None: none yet)
+        self.startup: float | None = None
 
     def activity(self, counts: bool = True) -> None:
         """A frame arrived. ``counts``: the quiet spell it ends counts towards
@@ -114,6 +117,11 @@ class IdleWatch:
         self._since = self.last_frame = now
         self._cpu_since = None
 
+    def stepped(self) -> None:
+        """The run has sent its first step row (called with every later one too)."""
+        if self.startup is None:
+            self.startup = self._clock() - self._created
+
     def outlived(self, twin: IdleWatch, floor: float, factor: float = 5.0) -> float:
         """Seconds this run has gone without a frame since both its last one and its
         twin's end (``twin``: the watch of the other run of the pair, which has ended), if
@@ -125,7 +133,10 @@ class IdleWatch:
         loop that never ends in one run only) and would keep nondet waiting forever."""
         now = self._clock()
         quiet = now - paused.since(max(self.last_frame, twin.last_frame))
-        limit = max(floor, factor * twin.longest_quiet)
+        spell = twin.longest_quiet
+        if self.startup is None:  # still starting up: the twin's start-up is the measure
+            spell = max(spell, twin.startup or 0.0)
+        limit = max(floor, factor * spell)
         return quiet if quiet > limit else 0.0
 
     def idle(self) -> bool:

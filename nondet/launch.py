@@ -70,7 +70,7 @@ class CapturedRun(RunStream):
         self._log: BinaryIO | None = None
         self._idle: idle.IdleWatch | None = None
         self._idle_ended = 0.0
-        self._outlived = False  # ended by ``end_if_outlived`` (else by ``end_if_idle``)
+        self._outlived = 0.0  # > 0: ended by ``end_if_outlived`` after this many seconds
         self._child_fds = (-1, -1)  # the channel's descriptor numbers in the child
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -182,13 +182,19 @@ class CapturedRun(RunStream):
         quiet = watch.outlived(other, floor)
         if not quiet:
             return False
-        self._outlived = True
-        self._end_quiet(quiet)
+        self._end_quiet(quiet, outlived=True)
         return True
 
-    def _end_quiet(self, seconds: float) -> None:
-        """End a run that went quiet for ``seconds`` (idle, or outlived its twin)."""
-        self._idle_ended = seconds
+    def _end_quiet(self, seconds: float, outlived: bool = False) -> None:
+        """End a run that went quiet for ``seconds``: idle, or outlived its twin. Only an
+        idle one is marked ``idle_ended`` (it would never have gone on: its missing steps
+        are a finding, ``analysis._extra_steps_count``); one that outlived its twin was
+        computing, perhaps only slower, so its steps are compared with the twin's common
+        ones and no more."""
+        if outlived:
+            self._outlived = seconds
+        else:
+            self._idle_ended = seconds
         self._interrupted = True
         code = self._terminate()
         self._finish_threads()
@@ -294,7 +300,7 @@ class CapturedRun(RunStream):
             status = channel.WRITE_FAILED
         elif end is not None:  # (one that then did not exit, ended as idle, keeps it)
             status = end.status
-        elif self._idle_ended:
+        elif self._idle_ended or self._outlived:
             status = channel.STOPPED  # ended on purpose, as at a step boundary
         elif code == 0:
             status = channel.COMPLETE
@@ -411,6 +417,8 @@ class CapturedRun(RunStream):
                 if self._idle is not None:
                     self._idle.activity(counts=bool(self.steps))
                 self._handle_frames(parser.feed(data))
+                if self.steps and self._idle is not None:
+                    self._idle.stepped()
                 self.store_due()
                 continue
             self.store_due()

@@ -89,18 +89,19 @@ class RunResult:
     final: dict[str, Any] = field(default_factory=dict)
     unsupported: str = ""  # channel.META_UNSUPPORTED: what nondet cannot record, one line
     write_error: str = ""  # the parent could not write the capture: one line saying why
-    idle_ended: float = 0.0  # > 0: nondet ended the run after this many quiet seconds
-    outlived: bool = False  # ... because its twin had ended (launch.end_if_outlived)
+    idle_ended: float = 0.0  # > 0: nondet ended the run after this many idle seconds
+    outlived: float = 0.0  # > 0: ... this many quiet seconds after its twin had ended
 
     @property
     def idle_note(self) -> str:
+        if self.outlived:
+            return (f"run {self.label} sent nothing for {self.outlived:.0f} s after the "
+                    f"other run had ended ({self.steps} steps), several times longer than "
+                    "that run ever went quietly: nondet ended it and compared the steps both "
+                    "runs have (a loop that never ends in one run only, or a run far slower "
+                    "than the other)")
         if not self.idle_ended:
             return ""
-        if self.outlived:
-            return (f"run {self.label} sent nothing for {self.idle_ended:.0f} s after the "
-                    f"other run had ended ({self.steps} steps), several times longer than "
-                    "that run ever went quietly: nondet ended it and compared the steps it "
-                    "recorded (a loop that never ends in one run only?)")
         return (f"run {self.label} sent nothing and used no CPU for {self.idle_ended:.0f} s "
                 f"after its last step ({self.steps} steps): nondet ended it and compared the "
                 "steps it recorded (NONDET_IDLE_AFTER sets the limit)")

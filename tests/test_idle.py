@@ -297,3 +297,26 @@ def test_a_run_that_computes_for_good_after_its_twin_ended_is_ended(
         report["notes"]
     out = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
     assert out.stdout.strip() == ""  # the spinning run was ended
+
+
+def test_a_run_still_starting_up_is_measured_by_its_twins_start_up() -> None:
+    """Review: in the sequential schedule the second run's start-up (90 s of data
+    preparation) counted against the first run's longest quiet spell between steps (short),
+    so a healthy run was ended after the floor, before its first step."""
+    clock = _Clock()
+    twin = IdleWatch(1, after=600.0, cpu=lambda pid: 0.0, clock=clock,
+                     runnable=_NEVER_RUNNABLE)
+    clock.now += 90.0
+    twin.activity(counts=False)
+    twin.stepped()  # its first step row after 90 s of start-up
+    for _ in range(3):
+        clock.now += 0.5
+        twin.activity()
+    clock.now += 1.0
+    twin.activity()  # its end
+    run = IdleWatch(2, after=600.0, cpu=lambda pid: 0.0, clock=clock,
+                    runnable=_NEVER_RUNNABLE)
+    clock.now += 120.0
+    assert run.outlived(twin, floor=60.0) == 0.0  # within 5 x the twin's 90 s start-up
+    clock.now += 400.0
+    assert run.outlived(twin, floor=60.0) == 520.0

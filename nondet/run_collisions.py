@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import re
 
+from nondet import outdir
+
 # TF 2.x: core/kernels/data/cache_dataset_ops.cc ("...cache lockfile already exists ('X').")
 _TF_CACHE_LOCK = re.compile(
     r"concurrent caching iterator running - cache lockfile already exists \('([^']*)'\)")
@@ -35,7 +37,8 @@ def collision(log: str) -> str | None:
 
 #: Entries looked at, at most, for files written while the runs ran (``written_since``).
 SCAN_BUDGET = 5000
-#: Directories never looked into: nondet's own (``.nondet``), hidden ones (``.git``), installs.
+#: Directories never looked into: hidden ones (``.nondet``, ``.git``), installs, and any that
+#: holds an invocation of nondet's (``_nondets``).
 _SKIPPED = frozenset({"site-packages", "dist-packages", "__pycache__", "node_modules"})
 
 
@@ -55,7 +58,8 @@ def written_since(root: str, since: float, most: int = 3) -> list[str]:
                         break
                     try:
                         if entry.is_dir(follow_symlinks=False):
-                            if not entry.name.startswith(".") and entry.name not in _SKIPPED:
+                            if not entry.name.startswith(".") and entry.name not in _SKIPPED \
+                                    and not _nondets(entry.path):
                                 pending.append(entry.path)
                         elif entry.is_file(follow_symlinks=False):
                             mtime = entry.stat(follow_symlinks=False).st_mtime
@@ -66,6 +70,11 @@ def written_since(root: str, since: float, most: int = 3) -> list[str]:
         except OSError:
             continue
     return [path for _, path in sorted(found, reverse=True)[:most]]
+
+
+def _nondets(folder: str) -> bool:
+    """A folder nondet made (an invocation's, ``--out results``): never the script's files."""
+    return os.path.exists(os.path.join(folder, outdir.MARKER))
 
 
 def side_by_side_hint(files: list[str]) -> str:

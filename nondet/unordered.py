@@ -15,7 +15,8 @@ The sites go to the fact ``python.set_iteration``; ``seed_diff.unseeded_script_n
 them into a note when the user did not choose a ``PYTHONHASHSEED`` of their own.
 
 The same read names the script's directory listings that nothing sorts (``os.listdir``,
-``os.scandir``, ``glob.glob``/``iglob``, ``Path.glob``/``rglob``/``iterdir`` not handed
+``os.scandir``, ``os.walk``, ``glob.glob``/``iglob``, ``Path.glob``/``rglob``/``iterdir``/
+``walk`` not handed
 straight to ``sorted``): their order is the file system's. The fact
 ``python.unsorted_listing`` is the evidence the recipe PY-FS-ORDER asks for, which it
 otherwise offered for any value that entered with a difference nothing else explained.
@@ -31,7 +32,7 @@ FACT = "python.set_iteration"
 LISTING_FACT = "python.unsorted_listing"
 HASH_SEED_FACT = "python.hash_seed_by_nondet"
 #: Calls that list a directory in the file system's order.
-_LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir"})
+_LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir", "walk"})
 #: Sites named at most.
 MAX_SITES = 8
 #: Scripts larger than this are not read (a generated file): bytes.

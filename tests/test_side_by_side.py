@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from nondet import run_collisions
+from nondet import outdir, run_collisions
 from tests.conftest import run_cli
 
 BOUND = 300
@@ -74,6 +74,9 @@ def test_files_written_since_are_listed_newest_first_without_hidden_folders(
     os.utime(newest, (time.time() + 5,) * 2)
     (tmp_path / ".nondet").mkdir()
     (tmp_path / ".nondet" / "run-a.h5").write_text("c")
+    (tmp_path / "results").mkdir()  # `--out results`: an invocation's folder, nondet's own
+    (tmp_path / "results" / outdir.MARKER).write_text("{}")
+    (tmp_path / "results" / "run-b.log").write_text("d")
     assert run_collisions.written_since(str(tmp_path), since) == [
         "ckpt.pt", os.path.join("logs", "a.log")]
     assert run_collisions.written_since(str(tmp_path), since, most=1) == ["ckpt.pt"]

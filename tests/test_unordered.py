@@ -100,6 +100,7 @@ c = os.listdir("data")
 d = sorted(Path("data").rglob("*.txt"))
 e = [p for p in Path("data").iterdir()]
 f = len(os.listdir("data"))
+for root, dirs, files in os.walk("data"): pass
 '''
     _, listings = scan(source)
-    assert [line for line, _ in listings] == [4, 6, 8]
+    assert [line for line, _ in listings] == [4, 6, 8, 10]

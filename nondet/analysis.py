@@ -29,7 +29,7 @@ from nondet.finding import from_step_rows, localize, with_notes
 from nondet.growth import growth
 from nondet.printable import clip
 from nondet.recipe import Suggestion
-from nondet.records import INIT_STEP
+from nondet.records import INIT_STEP, Phase
 from nondet.report import (
     Divergence,
     GrowthRow,
@@ -192,6 +192,9 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
             "difference never reached training")], contained=[
             {"kind": "contained", "step": div.step, "phase": div.phase, "op": div.op,
              "source": div.source}])
+    if step_div is not None:  # a report note: a narrowed finding replaces div's own notes
+        deterministic = replace(deterministic, notes=[
+            *deterministic.notes, *_earlier_data_note(a, b, step_div.step, common_op_steps)])
     return replace(deterministic, verdict="nondeterministic",
                    exit_code=ExitCode.NONDETERMINISTIC, first_divergence=div,
                    growth=[] if div.process else  # the main process's steps
@@ -208,6 +211,25 @@ STRATEGY_OP_NOTE = (
     "(strategy.run, the per-replica step) are not recorded: this op's inputs from the "
     "replicas were not compared, so the difference may have entered inside the replica step "
     "before it (a racy or stateful op there)")
+
+
+def _earlier_data_note(a: Capture, b: Capture, step: int, op_steps: list[int]) -> list[str]:
+    """Data that entered with different values at a step before ``step`` without changing
+    the training state then (``compare.first_step_divergence`` passed it over): kept and
+    used later (a replay buffer, a cache), it is where the difference came from."""
+    rows_a = {int(r["step"]): r for r in a.steps}
+    rows_b = {int(r["step"]): r for r in b.steps}
+    earlier = next((s for s in sorted(set(rows_a) & set(rows_b)) if s < step
+                    and int(rows_a[s]["data_fp"]) != int(rows_b[s]["data_fp"])), None)
+    if earlier is None:
+        return []
+    named = from_step_rows(a, b, compare.StepDivergence(earlier, Phase.DATA, ("data_fp",)),
+                           op_steps)
+    what = f"{named.op} at {named.source}" if named.kind == "entry" and named.op \
+        and named.source else "data"
+    return [f"{what} entered with different values earlier, at step {earlier}, without "
+            "changing the training state then; if the script keeps it (a replay buffer, a "
+            "cache) and uses it later, that is where this difference came from"]
 
 
 def _check_same_framework(a: Capture, b: Capture) -> None:

@@ -267,3 +267,18 @@ def test_an_op_found_under_a_tf_distribute_strategy_says_the_replicas_were_not_c
     div = analysis.compare_pair(*captures).first_divergence
     assert div is not None and div.kind == "op"
     assert any(n == analysis.STRATEGY_OP_NOTE for n in div.notes), div.notes
+
+
+def test_data_that_differed_earlier_without_reaching_training_is_noted(tmp_path: Path) -> None:
+    """A replay buffer: a transition enters with a clock-made difference at step 1 and is
+    trained on at step 3; the finding is where it is read, and a note names the earlier
+    entry (the step it was passed over at, compare.first_step_divergence)."""
+    captures = []
+    for label, (data, params) in (("a", (5, 30)), ("b", (6, 31))):
+        steps = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "params_fp": 2},
+                          {"step": 1, "data_fp": data, "params_fp": 3},
+                          {"step": 2, "params_fp": 4}, {"step": 3, "params_fp": params})
+        captures.append(open_capture(write_capture(tmp_path / f"{label}.h5", steps)))
+    found = analysis.compare_pair(*captures)
+    assert found.first_divergence is not None and found.first_divergence.step == 3
+    assert any("earlier, at step 1" in n for n in found.notes), found.notes

@@ -185,9 +185,12 @@ def repeat(target: Target, options: Options, progress: ProgressSink, count: int)
         return job_runs.repeat(target, options, progress, count)
     prepare(target, options)
     results = []
+    runs = _schedule(target, options, progress)
     for i in range(1, count + 1):
         progress.stage(f"run {i} of {count}: {target.describe()}")
-        results.append(_run_single(target, _first(options, f"r{i}"), options, progress))
+        # one schedule for all: each run's twin is the one before it (it ended), so a run
+        # that computes for good long after is ended (schedule.Sequential.run_single)
+        results.append(runs.run_single(_first(options, f"r{i}")))
     captures = [open_capture(r.path) for r in results]
     table = rows([r.label for r in results], [r.status for r in results],
                  [[outcome(r, c)] for r, c in zip(results, captures, strict=True)])

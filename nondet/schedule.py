@@ -112,9 +112,13 @@ class Sequential:
     def __init__(self, make_run: RunFactory, status: StatusSink | None = None) -> None:
         self.make_run = make_run
         self.status = status
+        self.last: Run | None = None  # the run run_single ran last (ended)
 
     def run_single(self, plan: Plan) -> RunResult:
-        return check_result(_run_alone(self.make_run(plan), self.status))
+        run = self.make_run(plan)
+        result = _run_alone(run, self.status, twin=self.last)
+        self.last = run  # the next single run's twin (``--runs N``)
+        return check_result(result)
 
     def run_pair(self, plans: tuple[Plan, Plan], judge: Judge = never_stop,
                  on_hold: OnHold | None = None) -> tuple[RunResult, RunResult]:
@@ -140,7 +144,8 @@ def outlived_floor() -> float:
 
 
 def _run_alone(run: Run, status: StatusSink | None, twin: Run | None = None) -> RunResult:
-    """``twin``: the pair's run that went first and ended (sequential)."""
+    """``twin``: a run of the same script that went before and ended (the first of a
+    sequential pair, the previous of ``--runs N``)."""
     if run.on_step is None and status is not None:
         run.on_step = lambda r, row: _report_step(status, r, row)
     run.start()
@@ -193,9 +198,13 @@ class Lockstep:
         self.poll = poll
         self.turn_seconds = turn_seconds
         self.max_grant = max_grant
+        self.last: Run | None = None  # the run run_single ran last (ended)
 
     def run_single(self, plan: Plan) -> RunResult:
-        return check_result(_run_alone(self.make_run(plan), self.status))
+        run = self.make_run(plan)
+        result = _run_alone(run, self.status, twin=self.last)
+        self.last = run  # the next single run's twin (``--runs N``)
+        return check_result(result)
 
     def run_pair(self, plans: tuple[Plan, Plan], judge: Judge = never_stop,
                  on_hold: OnHold | None = None) -> tuple[RunResult, RunResult]:

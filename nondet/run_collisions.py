@@ -31,8 +31,9 @@ def collision(log: str) -> str | None:
     return (f"both runs write the tf.data cache '{prefix}' (Dataset.cache(filename)) in the "
             f"working directory they share, and TensorFlow refuses a second writer (lockfile "
             f"'{lockfile}'): nondet runs the two at once. Run the script once without nondet "
-            f"to build the cache (both runs then only read it), or give .cache() a file per "
-            f"run, or cache in memory (.cache() without a file name)")
+            f"to build the cache (both runs then only read it), run nondet with --schedule "
+            f"sequential (one run after the other), give .cache() a file per run, or cache in "
+            f"memory (.cache() without a file name)")
 
 
 #: Entries looked at, at most, for files written while the runs ran (``written_since``).

@@ -41,6 +41,7 @@ def test_a_tf_cache_the_twin_run_holds_is_not_the_scripts_failure(tmp_path: Path
     message = str(raised.value)
     assert "tf.data cache 'train_cache'" in message and "working directory" in message
     assert "the script failed" not in message
+    assert "--schedule sequential" in message  # what works without changing the script
 
 
 def test_any_other_failure_is_still_the_scripts(tmp_path: Path) -> None:

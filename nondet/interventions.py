@@ -85,6 +85,9 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
     Intervention("numpy.seed_unseeded_generators", "patch",
                  "np.random.default_rng() without a seed gets one (the run's seed + its "
                  "call number)"),
+    Intervention("python.seed_unseeded_random", "patch",
+                 "random.Random() and random.seed() without a seed get one (the run's seed + "
+                 "their call number)"),
 )}
 
 
@@ -263,6 +266,35 @@ def _numpy_seed_unseeded_generators(seed: int) -> None:
     setattr(np.random, "default_rng", default_rng)  # noqa: B010 - typed stubs refuse it
 
 
+def _python_seed_unseeded_random(seed: int) -> None:
+    import random
+
+    calls = [0]
+    original_init = random.Random.__init__
+    original_seed = random.Random.seed  # the global functions are a Random's bound methods
+
+    def numbered() -> int:
+        calls[0] += 1  # a seed per call: two generators must not draw the same stream
+        return seed * 1_000_003 + calls[0]
+
+    def init(self: random.Random, x: Any = None) -> None:
+        original_init(self, numbered() if x is None and not isinstance(
+            self, random.SystemRandom) else x)
+
+    def reseed(self: random.Random, a: Any = None, version: int = 2) -> None:
+        original_seed(self, numbered() if a is None and not isinstance(
+            self, random.SystemRandom) else a, version)
+
+    random.Random.__init__ = init  # type: ignore[method-assign]
+    random.Random.seed = reseed  # type: ignore[method-assign]
+    module_seed = random.seed
+
+    def global_seed(a: Any = None, version: int = 2) -> None:
+        module_seed(numbered() if a is None else a, version)
+
+    random.seed = global_seed
+
+
 def _tf_generator_from_seed(seed: int) -> None:
     import tensorflow as tf
 
@@ -337,6 +369,7 @@ _CHILD: dict[str, Callable[[int], None]] = {
     "torch.stable_tensor_hash": _torch_stable_tensor_hash,
     "tf.data_deterministic": _tf_data_deterministic,
     "numpy.seed_unseeded_generators": _numpy_seed_unseeded_generators,
+    "python.seed_unseeded_random": _python_seed_unseeded_random,
     "tf.generator_from_seed": _tf_generator_from_seed,
     "tf.image_stateless": _tf_image_stateless,
 }

@@ -340,3 +340,28 @@ def test_step_time_is_the_shortest_step_a_busy_machine_slowed_the_others() -> No
                      {"step": 2, "wall": 1.4}, {"step": 3, "wall": 1.7},
                      {"step": 4, "wall": 2.0})
     assert verify.step_time(rows) == pytest.approx(0.1)
+
+
+_PY_RANDOM_PROBE = """
+import random
+from nondet import interventions
+print(interventions.apply_requested(7))
+a, b = random.Random(), random.Random()
+print(a.random(), b.random())
+random.seed()
+print(random.random())
+print(random.Random(3).random())
+"""
+
+
+def test_python_random_made_without_a_seed_gets_one() -> None:
+    """Trial: an unseeded random.Random() (PY-ENTROPY) had no fix nondet could apply, where
+    NumPy's unseeded generators did."""
+    first, second = (_probe_child(_PY_RANDOM_PROBE, "python.seed_unseeded_random")
+                     for _ in range(2))
+    assert first == second  # the same streams in two processes
+    draws = first[1].split()
+    assert draws[0] != draws[1]  # each generator its own stream
+    assert first[3] == str(__import__("random").Random(3).random())  # a given seed is kept
+    plain = [_probe_child(_PY_RANDOM_PROBE, "")[1] for _ in range(2)]
+    assert plain[0] != plain[1]  # without it: fresh entropy each time

@@ -106,6 +106,18 @@ def source_texts(strings: list[str], cwd: Path) -> list[str]:
     return out
 
 
+def tiny_training(steps: int = 4) -> str:
+    """A script's lines that seed torch and train a linear model for ``steps`` steps: what
+    the tests' own scripts wrap in the behaviour they are about."""
+    return ("import torch\n"
+            "torch.manual_seed(0)\n"
+            "model = torch.nn.Linear(8, 2)\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            f"for step in range({steps}):\n"
+            "    loss = model(torch.randn(4, 8)).pow(2).mean()\n"
+            "    opt.zero_grad(); loss.backward(); opt.step()\n")
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """Run the real ``nondet`` command in a subprocess (as a user would)."""

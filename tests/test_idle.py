@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nondet.idle import IdleWatch, tree_cpu_seconds, tree_runnable
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tiny_training
 
 BOUND = 240  # seconds; the CLI cases take ~30 s on a loaded 2-core machine
 
@@ -112,14 +112,7 @@ def test_a_computing_process_is_runnable_and_a_sleeping_one_is_not() -> None:
             process.wait(10)
 
 
-SLEEPS_AFTER_TRAINING = """
-import time, torch
-torch.manual_seed(0)
-model = torch.nn.Linear(8, 2)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(4):
-    loss = model(torch.randn(4, 8)).pow(2).mean()
-    opt.zero_grad(); loss.backward(); opt.step()
+SLEEPS_AFTER_TRAINING = "import time\n" + tiny_training() + """
 print("trained; serving forever", flush=True)
 while True:
     time.sleep(1000)
@@ -261,14 +254,7 @@ def test_a_run_that_outlives_its_twin_counts_from_the_twins_end() -> None:
     assert run.outlived(twin, floor=60.0) == 0.0
 
 
-SPINS_IN_ONE_RUN = """
-import os, sys, torch
-torch.manual_seed(0)
-model = torch.nn.Linear(8, 2)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(4):
-    loss = model(torch.randn(4, 8)).pow(2).mean()
-    opt.zero_grad(); loss.backward(); opt.step()
+SPINS_IN_ONE_RUN = "import os, sys\n" + tiny_training() + """
 try:  # the first run to get here ends; the second spins for good (a stuck evaluation)
     os.close(os.open(sys.argv[1], os.O_CREAT | os.O_EXCL))
 except FileExistsError:

@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 from nondet import outdir, run_collisions
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tiny_training
 
 BOUND = 300
 
 # Writes its shard at every start; then (the race made certain) the second run to get past
 # the write fails on it, as a reader of a half-written file would.
 SCRIPT = """
-import os, sys, torch
+import os, sys
 with open("shard.bin", "wb") as f:
     f.write(bytes(1000))
 try:
@@ -28,13 +28,7 @@ except FileExistsError:
         raise ValueError("corrupted record at 40")
 if sys.argv[2] == "both":
     raise ValueError("corrupted record at 40")
-torch.manual_seed(0)
-model = torch.nn.Linear(8, 2)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for step in range(3):
-    loss = model(torch.randn(4, 8)).pow(2).mean()
-    opt.zero_grad(); loss.backward(); opt.step()
-"""
+""" + tiny_training(3)
 
 
 def _run(tmp_path: Path, fails_in: str) -> str:

@@ -218,12 +218,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _quiet_watch(pid: int, clock: _Clock) -> IdleWatch:
+    """A watch of a run that never uses CPU, on the test's clock."""
+    return IdleWatch(pid, after=600.0, cpu=lambda pid: 0.0, clock=clock,
+                     runnable=_NEVER_RUNNABLE)
+
+
 def test_a_run_outlives_its_ended_twin_after_five_of_its_longest_quiet_spells() -> None:
     clock = _Clock()
-    twin = IdleWatch(1, after=600.0, cpu=lambda pid: 0.0, clock=clock,
-                     runnable=_NEVER_RUNNABLE)
-    run = IdleWatch(2, after=600.0, cpu=lambda pid: 0.0, clock=clock,
-                    runnable=_NEVER_RUNNABLE)
+    twin, run = _quiet_watch(1, clock), _quiet_watch(2, clock)
     clock.now += 30.0
     twin.activity(counts=False)  # start-up: a frame before its first step row
     for quiet in (1.0, 20.0, 1.0):  # steps, then its end
@@ -242,10 +245,7 @@ def test_a_run_outlives_its_ended_twin_after_five_of_its_longest_quiet_spells() 
 
 def test_a_run_that_outlives_its_twin_counts_from_the_twins_end() -> None:
     clock = _Clock()
-    twin = IdleWatch(1, after=600.0, cpu=lambda pid: 0.0, clock=clock,
-                     runnable=_NEVER_RUNNABLE)
-    run = IdleWatch(2, after=600.0, cpu=lambda pid: 0.0, clock=clock,
-                    runnable=_NEVER_RUNNABLE)
+    twin, run = _quiet_watch(1, clock), _quiet_watch(2, clock)
     clock.now += 1.0
     run.activity()  # its last frame long before the twin ended (lockstep freed both)
     clock.now += 500.0
@@ -292,8 +292,7 @@ def test_a_run_still_starting_up_is_measured_by_its_twins_start_up() -> None:
     preparation) counted against the first run's longest quiet spell between steps (short),
     so a healthy run was ended after the floor, before its first step."""
     clock = _Clock()
-    twin = IdleWatch(1, after=600.0, cpu=lambda pid: 0.0, clock=clock,
-                     runnable=_NEVER_RUNNABLE)
+    twin = _quiet_watch(1, clock)
     clock.now += 90.0
     twin.activity(counts=False)
     twin.stepped()  # its first step row after 90 s of start-up
@@ -302,8 +301,7 @@ def test_a_run_still_starting_up_is_measured_by_its_twins_start_up() -> None:
         twin.activity()
     clock.now += 1.0
     twin.activity()  # its end
-    run = IdleWatch(2, after=600.0, cpu=lambda pid: 0.0, clock=clock,
-                    runnable=_NEVER_RUNNABLE)
+    run = _quiet_watch(2, clock)
     clock.now += 120.0
     assert run.outlived(twin, floor=60.0) == 0.0  # within 5 x the twin's 90 s start-up
     clock.now += 400.0

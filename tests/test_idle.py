@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,19 +155,27 @@ for step in range(4):
 """
 
 
+def _run_once_marked(tmp_path: Path, source: str, schedule: list[str],
+                     expect: int) -> dict[str, Any]:
+    """``nondet run`` of a script whose first run to get somewhere leaves a mark (its first
+    argument) that the others find; the JSON report, once it exited ``expect``."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", *schedule, str(script),
+                     str(tmp_path / "first.mark"), cwd=tmp_path,
+                     env={"NONDET_IDLE_AFTER": "4"}, timeout=BOUND)
+    assert result.returncode == expect, result.stdout + result.stderr
+    report: dict[str, Any] = json.loads((tmp_path / "r.json").read_text())
+    return report
+
+
 @pytest.mark.parametrize("schedule", [[], ["--schedule", "sequential"]],
                          ids=["lockstep", "sequential"])
 def test_a_run_that_hangs_mid_training_while_its_twin_trains_on_is_a_finding(
         tmp_path: Path, schedule: list[str]) -> None:
     """It was ended as idle and its 2 steps compared with the twin's first 2: "deterministic",
     exit 0, for a script that hangs in one run in two."""
-    script = tmp_path / "train.py"
-    script.write_text(HANGS_IN_ONE_RUN)
-    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", *schedule, str(script),
-                     str(tmp_path / "hung.mark"), cwd=tmp_path,
-                     env={"NONDET_IDLE_AFTER": "4"}, timeout=BOUND)
-    assert result.returncode == 1, result.stdout + result.stderr
-    report = json.loads((tmp_path / "r.json").read_text())
+    report = _run_once_marked(tmp_path, HANGS_IN_ONE_RUN, schedule, expect=1)
     shorter, longer = sorted(r["steps"] for r in report["runs"])
     assert shorter == 2 and longer > 2  # (lockstep stops the twin soon after: 3 or 4)
     assert report["first_divergence"]["step"] == 2
@@ -270,20 +279,15 @@ def test_a_run_that_computes_for_good_after_its_twin_ended_is_ended(
     """Trial: nondet waited for good (until `timeout`'s SIGTERM) for a run that looped
     forever after training while the other had ended: such a run is never idle (it uses
     CPU), and nothing else ended it."""
-    script = tmp_path / "train.py"
-    script.write_text(SPINS_IN_ONE_RUN)
-    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", *schedule, str(script),
-                     str(tmp_path / "spun.mark"), cwd=tmp_path,
-                     env={"NONDET_IDLE_AFTER": "4"}, timeout=BOUND)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "r.json").read_text())
+    report = _run_once_marked(tmp_path, SPINS_IN_ONE_RUN, schedule, expect=0)
     spun = 2 if "--runs" in schedule else 1  # every run after the first spins
     assert sorted((r["steps"], r["status"]) for r in report["runs"]) == [
         (4, "complete"), *[(4, "stopped")] * spun]
     if "--runs" not in schedule:  # (--runs reports its table of outcomes instead)
         assert any("after the other run had ended" in note for note in report["notes"]), \
             report["notes"]
-    out = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", str(tmp_path / "train.py")], capture_output=True,
+                         text=True)
     assert out.stdout.strip() == ""  # the spinning run was ended
 
 

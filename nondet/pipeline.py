@@ -332,8 +332,6 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
     recipes for it, and the captures the extra runs wrote."""
     found = compare_pair(a, b)
     div = found.first_divergence
-    if div is not None and (div.step is None or div.step <= 0):
-        _check_same_start(a, b)
     if div is None or (div.kind == "structure" and not div.localized):
         return found, [], []
     if div.process is not None:  # found in a child's own capture: no re-runs aim at it
@@ -365,6 +363,8 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
         div, written = narrow.measured(run_pair, progress.stage, div, op_capture,
                                        op_capture_b)
         extra += written
+    if (div.step is None or div.step <= 0) and not (div.kind == "op" and div.explained):
+        _check_same_start(a, b)  # after the narrowing: a race found there is the finding
     found = replace(found, first_divergence=div)
     return (*with_suggestions(found, a), extra)
 
@@ -374,8 +374,10 @@ def _check_same_start(a: Capture, b: Capture) -> None:
     before it started (``--schedule sequential``: run b resumed from run a's checkpoint) did
     not start from the same state: their difference is the file's, not nondeterminism, and
     a cause named from it (an RNG, a seed the script sets) would be wrong. Exit 2, saying
-    why. (Runs that part later, after such a read, keep their finding and the note: a data
-    set run a downloaded and run b read holds the same bytes.)"""
+    why. Runs that part later, or at an op whose inputs matched (a race: whatever the file
+    held, both runs computed from the same values), keep their finding and the note: a
+    data set run a downloaded, a cache it built from a seed, holds the same bytes for run
+    b."""
     for capture, other in ((a, b), (b, a)):
         prefix = f"capture_note.{readback.FACT}:"
         read = [key[len(prefix):] for key in capture.facts if key.startswith(prefix)]
@@ -384,10 +386,11 @@ def _check_same_start(a: Capture, b: Capture) -> None:
                 f"the runs differ, but run {capture.label} read {clip(read[0], LINE_MAX)}, "
                 f"which run {other.label} of this nondet invocation wrote before it started: "
                 "the script resumes from or reuses what it finds, so the runs did not start "
-                "from the same state and their difference says nothing about nondeterminism; "
-                "delete the file before running nondet, or point the script's output "
-                "elsewhere (in the default lockstep schedule both runs start before either "
-                "writes it)")
+                "alike (other code ran, or from other values) and the first difference is the "
+                "file's, not nondeterminism; "
+                "run nondet in the default lockstep schedule (both runs start before either "
+                "writes it), or point the script's output elsewhere, and delete the file "
+                "before running nondet again")
 
 
 # -- summaries -----------------------------------------------------------------------------------

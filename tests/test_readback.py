@@ -286,3 +286,40 @@ def test_runs_that_part_because_one_resumed_from_the_others_file_are_not_compare
     assert result.returncode == 2, result.stdout + result.stderr
     assert "run b read ckpt.pt, which run a of this nondet invocation wrote" in result.stderr
     assert "nondeterministic" not in result.stdout
+
+
+CACHED_THEN_RACES = """
+import os, torch
+torch.manual_seed(0)
+if os.path.exists("tokens.pt"):  # a cache built from a seed, reused when present
+    with open("tokens.pt", "rb") as f:
+        tokens = torch.load(f)
+else:
+    tokens = torch.randint(0, 10, (4, 200_000), generator=torch.Generator().manual_seed(1))
+    with open("tokens.pt", "wb") as f:
+        torch.save(tokens, f)
+table = torch.nn.Parameter(torch.randn(10, 4))
+opt = torch.optim.SGD([table], lr=0.01)
+for step in range(4):  # the backward of table[tokens] adds in parallel: a race on CPU
+    loss = (table[tokens[step]] * torch.randn(200_000, 4)).sum() / 200_000
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_a_cache_one_run_built_and_the_other_read_points_to_lockstep(tmp_path: Path) -> None:
+    """Trial: one run after the other, run b loaded the token cache run a built, so the runs
+    ran other code at their start (build against load) and that came first, before the
+    race; exit 2 says so and names the default lockstep schedule, where both runs start
+    before either writes the cache and the race is the finding."""
+    script = tmp_path / "train.py"
+    script.write_text(CACHED_THEN_RACES)
+    result = run_cli("run", "-q", "--no-verify", "--schedule", "sequential", str(script),
+                     cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "run b read tokens.pt" in result.stderr and "lockstep" in result.stderr
+    (tmp_path / "tokens.pt").unlink()  # as the message says
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", str(script),
+                     cwd=tmp_path, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["first_divergence"]["op"] == "aten.index_put.default"

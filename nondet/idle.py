@@ -102,6 +102,7 @@ class IdleWatch:
         #: (``outlived``).
         self.last_frame = now
         self.longest_quiet = 0.0
+        self._word_at = now
         self._created = now
         #: seconds from the run's start to its first step row (None: none yet)
         self.startup: float | None = None
@@ -112,10 +113,17 @@ class IdleWatch:
         model set-up: on a loaded machine much the longest, and it says nothing of what
         a run does once it has sent its last step)."""
         now = self._clock()
-        if counts:
-            self.longest_quiet = max(self.longest_quiet, now - self.last_frame)
+        if counts:  # from its last frame, or from nondet's word if it waited for one
+            spell = now - max(self.last_frame, self._word_at)
+            self.longest_quiet = max(self.longest_quiet, spell)
         self._since = self.last_frame = now
         self._cpu_since = None
+
+    def word(self) -> None:
+        """nondet sent the run a word (its turn, go on freely, stop): the time it waited for
+        it was nondet's, not a quiet spell of the script's (a lockstep run held while its
+        twin was stuck would otherwise make that twin wait 5 x as long to be ended)."""
+        self._word_at = self._clock()
 
     def stepped(self) -> None:
         """The run has sent its first step row (called with every later one too)."""

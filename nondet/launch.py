@@ -126,6 +126,8 @@ class CapturedRun(RunStream):
         self.send_control(channel.STOP)
 
     def send_control(self, message: bytes) -> None:
+        if self._idle is not None:
+            self._idle.word()  # what it waited for until now was nondet's word
         with self._ctrl_lock:  # never write to a closed (perhaps reused) descriptor
             if self._ctrl_w < 0:
                 return  # never started, or already collected

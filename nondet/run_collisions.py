@@ -46,9 +46,11 @@ _SKIPPED = frozenset({"site-packages", "dist-packages", "__pycache__", "node_mod
 def written_since(root: str, since: float, most: int = 3) -> list[str]:
     """Up to ``most`` files under ``root`` (relative paths, newest first) last written at or
     after ``since`` (real time), from a walk of at most ``SCAN_BUDGET`` entries that skips
-    hidden directories and installed packages. Never raises."""
+    hidden directories, installed packages and nondet's own output (its folders, the file
+    its standard output goes to). Never raises."""
     found: list[tuple[float, str]] = []
     pending, seen = [root], 0
+    own = _own_outputs()
     while pending and seen < SCAN_BUDGET:
         folder = pending.pop()
         try:
@@ -63,14 +65,27 @@ def written_since(root: str, since: float, most: int = 3) -> list[str]:
                                     and not _nondets(entry.path):
                                 pending.append(entry.path)
                         elif entry.is_file(follow_symlinks=False):
-                            mtime = entry.stat(follow_symlinks=False).st_mtime
-                            if mtime >= since:
-                                found.append((mtime, os.path.relpath(entry.path, root)))
+                            st = entry.stat(follow_symlinks=False)
+                            if st.st_mtime >= since and (st.st_dev, st.st_ino) not in own:
+                                found.append((st.st_mtime, os.path.relpath(entry.path, root)))
                     except OSError:
                         continue
         except OSError:
             continue
     return [path for _, path in sorted(found, reverse=True)[:most]]
+
+
+def _own_outputs() -> set[tuple[int, int]]:
+    """(device, inode) of the files nondet's own standard streams write to (`nondet run ...
+    > out.txt`, `| tee log` writes through a pipe): what nondet wrote, not the script."""
+    own = set()
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        own.add((st.st_dev, st.st_ino))
+    return own
 
 
 def _nondets(folder: str) -> bool:

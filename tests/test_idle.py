@@ -310,3 +310,23 @@ def test_a_run_still_starting_up_is_measured_by_its_twins_start_up() -> None:
     assert run.outlived(twin, floor=60.0) == 0.0  # within 5 x the twin's 90 s start-up
     clock.now += 400.0
     assert run.outlived(twin, floor=60.0) == 520.0
+
+
+def test_a_run_held_for_its_turn_is_not_quiet_while_it_waits() -> None:
+    """Trial: in lockstep the ended run had waited 60 s for its turn while its twin looped
+    after training (until the stall rule freed it): that wait counted as its longest quiet
+    spell, and the looping twin was ended only after 5 x 60 s."""
+    clock = _Clock()
+    twin, run = _quiet_watch(1, clock), _quiet_watch(2, clock)
+    clock.now += 10.0
+    twin.activity(counts=False)
+    clock.now += 1.0
+    twin.activity()  # its last step: it waits for its turn now
+    run.activity()
+    clock.now += 60.0
+    twin.word()  # freed
+    clock.now += 1.0
+    twin.activity()  # its end, a second later
+    assert twin.longest_quiet == 1.0
+    clock.now += 61.0
+    assert run.outlived(twin, floor=60.0) > 0

@@ -73,5 +73,15 @@ def test_files_written_since_are_listed_newest_first_without_hidden_folders(
     (tmp_path / "results" / "run-b.log").write_text("d")
     assert run_collisions.written_since(str(tmp_path), since) == [
         "ckpt.pt", os.path.join("logs", "a.log")]
+    # `nondet run ... > out.txt`: the file nondet's own output goes to is nondet's
+    with open(tmp_path / "out.txt", "w") as out:
+        saved = os.dup(1)
+        os.dup2(out.fileno(), 1)
+        try:
+            listed = run_collisions.written_since(str(tmp_path), since, most=5)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+    assert "out.txt" not in listed and "ckpt.pt" in listed
     assert run_collisions.written_since(str(tmp_path), since, most=1) == ["ckpt.pt"]
     assert run_collisions.side_by_side_hint([]) == ""

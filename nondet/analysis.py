@@ -8,6 +8,7 @@ this module decides the verdict, adds growth and environment, and the facts reci
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -320,6 +321,9 @@ def finding_facts(div: Divergence, capture: Capture,
                        and namespace not in ("aten", "prims", "c10d", "_c10d_functional")),
     )
     facts["device"] = div.device
+    # the entry's own line reads the clock: its value is another number in every run
+    facts["entry.reads_clock"] = bool(
+        div.kind == "entry" and div.source and _READS_CLOCK.search(capture.source_text(div.source)))
     facts["rng_op"] = div.rng_op
     facts["child_process"] = bool(div.process)  # found in a process the script started
     for key, value in capture.env.items():
@@ -342,6 +346,11 @@ def finding_facts(div: Divergence, capture: Capture,
         if div.collective and div.collective.get(key) is not None:
             facts[f"comm.{key}"] = div.collective[key]
     return facts
+
+
+#: Calls that read the wall or monotonic clock, as a line of source shows them.
+_READS_CLOCK = re.compile(r"\b(time\.(time|time_ns|perf_counter|perf_counter_ns|monotonic|"
+                          r"monotonic_ns|process_time)|datetime\.(now|utcnow|today))\s*\(")
 
 
 def with_suggestions(found: Comparison, capture: Capture) -> tuple[Comparison, list[Suggestion]]:

@@ -201,3 +201,22 @@ def test_parameter_server_advice_needs_a_parameter_server() -> None:
     assert "TF-SESSION-PS" not in [s.recipe.id for s in recipe.suggest(facts, limit=9)]
     with_ps = {**facts, "tf.distribute.parameter_server": True}
     assert "TF-SESSION-PS" in [s.recipe.id for s in recipe.suggest(with_ps, limit=9)]
+
+
+def test_a_value_from_the_clock_is_its_own_cause() -> None:
+    """Trial: replay-buffer noise, a normalizer and BatchNorm statistics fed from
+    ``time.perf_counter_ns()`` (at the entry's own line) got "[PY-THIRDPARTY-RNG]
+    cv2.setRNGSeed(...)" first."""
+    facts = {"framework": "torch", "kind": "entry", "entry_kind": "python_value",
+             "phase": "forward", "torch_version": "2.13.0", "entry.reads_clock": True}
+    assert recipe.suggest(facts, limit=3)[0].recipe.id == "PY-CLOCK-VALUE"
+    assert "PY-CLOCK-VALUE" not in [s.recipe.id for s in recipe.suggest(
+        {**facts, "entry.reads_clock": False}, limit=9)]
+
+
+def test_the_clock_is_read_at_lines_that_call_it() -> None:
+    from nondet.analysis import _READS_CLOCK
+
+    assert _READS_CLOCK.search("jitter = torch.full((4, 8), time.perf_counter_ns() % 1000)")
+    assert _READS_CLOCK.search("stamp = datetime.now().timestamp()")
+    assert not _READS_CLOCK.search("elapsed = end_time - start_time")

@@ -39,6 +39,7 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
     Intervention("env.cublas_workspace", "env", "CUBLAS_WORKSPACE_CONFIG=:4096:8",
                  {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     Intervention("env.omp_one_thread", "env", "OMP_NUM_THREADS=1", {"OMP_NUM_THREADS": "1"}),
+    Intervention("env.python_hash_seed", "env", "PYTHONHASHSEED=0", {"PYTHONHASHSEED": "0"}),
     Intervention("env.mkl_one_thread", "env", "MKL_NUM_THREADS=1", {"MKL_NUM_THREADS": "1"}),
     Intervention("env.tf_deterministic_ops", "env", "TF_DETERMINISTIC_OPS=1",
                  {"TF_DETERMINISTIC_OPS": "1"}),

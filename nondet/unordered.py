@@ -84,8 +84,15 @@ def _set_names(tree: ast.AST) -> set[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
                 if isinstance(target, ast.Name):
-                    (made if _makes_set(node.value, set()) else other).add(target.id)
+                    (made if _makes_set(node.value, set()) or _empty_set(node.value)
+                     else other).add(target.id)
     return made - other
+
+
+def _empty_set(node: ast.AST) -> bool:
+    """``set()``: a set filled later (``vocab = set(); vocab.update(words)``)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in _MAKERS and not node.args)
 
 
 def _makes_set(node: ast.AST, names: set[str]) -> bool:

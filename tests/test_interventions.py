@@ -214,13 +214,13 @@ def test_the_fix_under_which_the_runs_repeat_is_verified_and_ranks_first(
                   else _pair(tmp_path, [1, 2, 3], [1, 2, 4]))
         return _results(pa, pb)
 
-    ordered, written = verify.verify(_suggestions("PT-GETITEM-CPU", "PY-ENTROPY",
+    ordered, written = verify.verify(_suggestions("PT-GETITEM-CPU", "PY-FS-ORDER",
                                                   "PT-CPU-THREADS", "DATA-PT-INORDER"),
                                      first, run_pair, lambda _text: None, [-1, 0])
     assert tried == [("torch.deterministic",), ("torch.deterministic_warn_only",),
                      ("torch.one_thread",)]
     assert [s.recipe.id for s in ordered] == ["PT-CPU-THREADS", "PT-GETITEM-CPU",
-                                             "PY-ENTROPY", "DATA-PT-INORDER"]
+                                             "PY-FS-ORDER", "DATA-PT-INORDER"]
     won, failed, code, untried = ordered
     assert (won.verified, won.verified_steps, won.cost_ratio) == (True, 3, 1.5)
     assert failed.verified is False and "did not help" in failed.verify_note

@@ -194,13 +194,7 @@ def sleeper():
 
 if __name__ == "__main__":
     mp.Process(target=sleeper, args=()).start()  # not a daemon: exit waits for it
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        loss = model(torch.randn(4, 8)).pow(2).mean()
-        opt.zero_grad(); loss.backward(); opt.step()
-"""
+""" + textwrap.indent(tiny_training(3), "    ")
 
 
 def test_a_script_waiting_at_exit_for_its_child_is_ended_with_it(tmp_path: Path) -> None:

@@ -104,7 +104,22 @@ def create(name: str, make_run: RunFactory, status: StatusSink | None = None) ->
     raise NondetError(f"unknown schedule {name!r}: use lockstep or sequential")
 
 
-class Sequential:
+class _SingleRuns:
+    """``run_single`` of a schedule: a run alone, whose twin is the single run before it
+    (``--runs N``: a run that computes for good after the earlier ones ended is ended)."""
+
+    make_run: RunFactory
+    status: StatusSink | None
+    last: Run | None = None  # the run run_single ran last (ended)
+
+    def run_single(self, plan: Plan) -> RunResult:
+        run = self.make_run(plan)
+        result = _run_alone(run, self.status, twin=self.last)
+        self.last = run
+        return check_result(result)
+
+
+class Sequential(_SingleRuns):
     """One run after the other; the second is judged against the first as it goes."""
 
     name = "sequential"
@@ -112,13 +127,7 @@ class Sequential:
     def __init__(self, make_run: RunFactory, status: StatusSink | None = None) -> None:
         self.make_run = make_run
         self.status = status
-        self.last: Run | None = None  # the run run_single ran last (ended)
 
-    def run_single(self, plan: Plan) -> RunResult:
-        run = self.make_run(plan)
-        result = _run_alone(run, self.status, twin=self.last)
-        self.last = run  # the next single run's twin (``--runs N``)
-        return check_result(result)
 
     def run_pair(self, plans: tuple[Plan, Plan], judge: Judge = never_stop,
                  on_hold: OnHold | None = None) -> tuple[RunResult, RunResult]:
@@ -168,7 +177,7 @@ def _report_step(status: StatusSink | None, run: Run, row: np.void) -> None:
         status(f"run {run.plan.label}: step {int(row['step'])}")
 
 
-class Lockstep:
+class Lockstep(_SingleRuns):
     """Both runs at once, taking turns one step each (see docs/architecture.md).
 
     Only one run computes at a time, so neither slows the other down, yet they start
@@ -198,13 +207,7 @@ class Lockstep:
         self.poll = poll
         self.turn_seconds = turn_seconds
         self.max_grant = max_grant
-        self.last: Run | None = None  # the run run_single ran last (ended)
 
-    def run_single(self, plan: Plan) -> RunResult:
-        run = self.make_run(plan)
-        result = _run_alone(run, self.status, twin=self.last)
-        self.last = run  # the next single run's twin (``--runs N``)
-        return check_result(result)
 
     def run_pair(self, plans: tuple[Plan, Plan], judge: Judge = never_stop,
                  on_hold: OnHold | None = None) -> tuple[RunResult, RunResult]:

@@ -16,52 +16,32 @@ time waking it, and a plain run then moves with the machine's load alone.
 from __future__ import annotations
 
 import argparse
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from measure import measured_line, uptime  # noqa: E402
+from measure import measured_line, tree_cost, uptime  # noqa: E402
 
 MODEL = REPO / "bench" / "model_tiny.py"
 BEGIN, END = "<!-- bench-tiny:begin -->", "<!-- bench-tiny:end -->"
-
-
-def tree_cost(command: list[str], tree: Path) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the process and every descendant it waited for)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    # run from the tree: ``python -m`` puts the working directory first on sys.path
-    proc = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True,
-                          timeout=3600, check=False)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}):\n"
-                         f"{proc.stderr[-3000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu
+THREADS = {"OMP_NUM_THREADS": "1"}  # see the module docstring
 
 
 def one_round(steps: int, out: Path, baseline: Path | None) -> dict[str, float]:
     args = [str(MODEL), "--steps", str(steps)]
     nondet = [sys.executable, "-m", "nondet", "run", "-q", "--no-verify"]
     r: dict[str, float] = {}
-    r["plain_wall"], r["plain_cpu"] = tree_cost([sys.executable, *args], REPO)
+    r["plain_wall"], r["plain_cpu"] = tree_cost([sys.executable, *args], REPO, THREADS)
     configs = {"lockstep": (REPO, []), "sequential": (REPO, ["--schedule", "sequential"])}
     if baseline is not None:
         configs["baseline"] = (baseline, [])
     for name, (tree, flags) in configs.items():
-        wall, cpu = tree_cost([*nondet, "--out", str(out / name), *flags, *args], tree)
+        wall, cpu = tree_cost([*nondet, "--out", str(out / name), *flags, *args], tree, THREADS)
         r[f"{name}_wall"], r[f"{name}_cpu"] = wall, cpu
         r[f"{name}_wall_x"] = wall / r["plain_wall"]
         r[f"{name}_cpu_x"] = cpu / r["plain_cpu"]

@@ -61,6 +61,28 @@ def timed(command: list[str], allowed: tuple[int, ...] = (0,)) -> tuple[float, s
     return wall, out, peak
 
 
+def tree_cost(command: list[str], tree: Path, env: dict[str, str] | None = None
+              ) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the process and every descendant it waited for) of
+    ``command`` run from ``tree`` with that tree's nondet first on the path (``python -m``
+    puts the working directory first on sys.path); ``env``: variables set for it."""
+    import os
+    import resource
+
+    full_env = dict(os.environ, PYTHONPATH=str(tree), **(env or {}))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(command, env=full_env, cwd=tree, capture_output=True, text=True,
+                          timeout=3600, check=False)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
 def plain_run(model: Path, args: list[str]) -> tuple[float, float, int]:
     """(wall seconds, median step ms, peak resident bytes) of the script run directly."""
     wall, out, peak = timed([sys.executable, str(model), *args])

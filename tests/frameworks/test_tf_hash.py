@@ -99,3 +99,26 @@ def test_both_dot_paths_give_the_host_number(gpus: bool, monkeypatch: pytest.Mon
         traced = tf.function(lambda x, plan=plan: HASHER.content_planned(x, plan),
                              autograph=False, input_signature=[tf.TensorSpec(None, t.dtype)])
         assert int(traced(t)) & MASK64 == host(t), n
+
+
+@pytest.mark.parametrize("dtype", [tf.bool, tf.int16, tf.float32, tf.float64, tf.complex64],
+                         ids=lambda d: d.name)
+@pytest.mark.parametrize("known", [[None, 2], [None, 3], [2, None], [None, 1, 5], None])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, (CHUNK_WORDS * 2) // 3 + 1])
+def test_partly_known_shapes_agree(dtype: tf.DType, known: list[int | None] | None,
+                                   rows: int) -> None:
+    """A batch of any length (a data input of a Keras ``fit``): the word size is settled
+    from the dimensions known when tracing where they allow it, and one loop serves one
+    chunk or several; the number is the host's for every byte count."""
+    shape = [rows if d is None else d for d in (known or [None])]
+    t = tf.reshape(_sample(dtype, int(np.prod(shape))), shape)
+    traced = tf.function(HASHER.content).get_concrete_function(tf.TensorSpec(known, dtype))
+    assert int(traced(t).numpy()) & MASK64 == host(t) & MASK64
+
+
+def test_a_batch_of_unknown_length_traces_no_branches() -> None:
+    """A float32 image batch's word size is known from its other dimensions: its hash is
+    one loop (two graph functions), not a ``tf.cond`` per word size and chunk count."""
+    traced = tf.function(HASHER.content).get_concrete_function(
+        tf.TensorSpec([None, 28, 28, 1], tf.float32))
+    assert len(traced.graph.as_graph_def().library.function) <= 2

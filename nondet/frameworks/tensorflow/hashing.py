@@ -154,7 +154,7 @@ def _known_bytes(t: tf.Tensor) -> int:
     is a multiple of it whatever the unknown dimensions are (the element's bytes alone
     when even the rank is unknown)."""
     dims = t.shape.as_list() if t.shape.rank is not None else []
-    return t.dtype.size * math.prod(d for d in dims if d is not None)
+    return int(t.dtype.size) * math.prod(int(d) for d in dims if d is not None)
 
 
 def _static_size(t: tf.Tensor) -> int | None:

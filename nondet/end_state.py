@@ -1,5 +1,6 @@
-"""The end state the runs left: final parameters, and the tensors handed to each child
-process when it was joined (facts ``final_params_fp`` and ``child#K.params_fp``).
+"""The end state the runs left: final parameters and saved buffers, and the tensors handed
+to each child process when it was joined (facts ``final_params_fp``, ``final_buffers_fp``
+and ``child#K.params_fp``).
 
 Training nondet does not record step by step (in child processes, in other threads, after
 the last step) shows up only here; a difference here is never "deterministic".
@@ -14,9 +15,9 @@ from nondet.store import Capture
 
 
 def final_params_differ(a: Capture, b: Capture) -> bool:
-    """The final parameters differ (sent as a fact when the script ends), or the tensors
-    handed to a child process differ when the parent joined it (``child#K.params_fp``):
-    training in processes nondet did not record shows up here."""
+    """The final parameters or saved buffers differ (sent as facts when the script ends),
+    or the tensors handed to a child process differ when the parent joined it
+    (``child#K.params_fp``): training nondet did not record shows up here."""
     return bool(differences(a, b))
 
 
@@ -32,7 +33,8 @@ def differences(a: Capture, b: Capture) -> list[str]:
     children = sorted((k for k in a.facts if k.startswith(channel.CHILD_PARAMS_PREFIX)
                        and k.endswith(".params_fp") and _child_index(k) >= 0),
                       key=_child_index)
-    keys = [*children, *(["final_params_fp"] if "final_params_fp" in a.facts else [])]
+    finals = [k for k in ("final_params_fp", "final_buffers_fp") if k in a.facts]
+    keys = [*children, *finals]
     return [k for k in keys
             if b.facts.get(k) is not None and a.facts[k] is not None and a.facts[k] != b.facts[k]]
 
@@ -62,10 +64,17 @@ def divergence(a: Capture, b: Capture) -> Divergence:
                 "by op (processes updating shared parameters without a lock race, as in "
                 "Hogwild; a child may also seed from its pid or the clock)")
         fields = [f"child #{children[0]} params"]
-    else:
+    elif "final_params_fp" in differing:
         note = ("the final parameters differ although every recorded step was identical: "
                 "they were changed where nondet does not record (child processes, other "
                 "threads, code after the last step)")
         fields = ["final params"]
+    else:
+        note = ("the final buffers a state_dict saves differ although every recorded step "
+                "and the final parameters were identical: they were changed after the last "
+                "step (BatchNorm statistics recomputed by torch.optim.swa_utils.update_bn or "
+                "a calibration pass, on batches that differ between the runs) or where "
+                "nondet does not record (child processes, other threads)")
+        fields = ["final buffers"]
     return Divergence(kind="op", step=last if last >= 0 else None, phase="other",
                       localized=False, step_fields=fields, notes=[note])

@@ -202,6 +202,11 @@ class StepLifecycle:
         """framework: fingerprint of the final parameters (None: no parameters)."""
         return None
 
+    def _final_buffers_fp(self) -> int | None:
+        """framework: fingerprint of the final saved buffers (None: none, or not told apart
+        from the parameters)."""
+        return None
+
     def _end_pending_step(self) -> None:
         """framework: the script ended; close a step that is still open, if any."""
 
@@ -357,6 +362,9 @@ class StepLifecycle:
                     session.final = {"final_params_fp": final}
                     # in the capture too: the analysis compares the runs' final weights
                     session.send_facts({"final_params_fp": f"{final:016x}"})
+                buffers = self._final_buffers_fp()
+                if buffers is not None:  # BatchNorm statistics set after the last step
+                    session.send_facts({"final_buffers_fp": f"{buffers:016x}"})
             else:
                 ops = self._take_records(session.step)
                 if len(ops):

@@ -58,6 +58,7 @@ from nondet.frameworks.torch.state import (
     module_paths,
     named_params,
     named_state,
+    persistent_buffers,
     torch_environment,
     torch_facts,
 )
@@ -377,16 +378,20 @@ class TorchBackend(StepLifecycle):
         was_paused, was_active = self.paused, self.recorder.active
         self.paused, self.recorder.active = True, False
         try:
-            depth = _dispatch_depth()
-            if _pre_dispatch_depth() or depth > 1:
-                with _disable_current_modes(), torch.no_grad():
-                    yield
-            elif depth:  # one mode (ours, in steps with op capture): what it would do
-                with _pop_mode_temporarily(), torch.no_grad():
-                    yield
-            else:  # no mode to take off (steps without op capture)
-                with torch.no_grad():
-                    yield
+            # Inside torch.func transforms every op would wrap its output for the
+            # transform's level, nondet's own included (a ``detach`` of a parameter's
+            # values): they run below it (Note [torch.func wrappers] in leaves.py)
+            with torch._C._DisableFuncTorch():
+                depth = _dispatch_depth()
+                if _pre_dispatch_depth() or depth > 1:
+                    with _disable_current_modes(), torch.no_grad():
+                        yield
+                elif depth:  # one mode (ours, in steps with op capture): what it would do
+                    with _pop_mode_temporarily(), torch.no_grad():
+                        yield
+                else:  # no mode to take off (steps without op capture)
+                    with torch.no_grad():
+                        yield
         finally:
             self.paused, self.recorder.active = was_paused, was_active and not self.disabled
 
@@ -450,6 +455,18 @@ class TorchBackend(StepLifecycle):
             # on shared memory) or thread may have changed them without bumping the version
             # counter this process sees.
             fps = [self.recorder.fingerprint(p) for _, p in params]
+            self.recorder.resolve()
+        return group_fp([f.value or 0 for f in fps])
+
+    def _final_buffers_fp(self) -> int | None:
+        """The roots' buffers a ``state_dict`` saves (non-persistent ones are scratch):
+        ``update_bn`` or a calibration pass after the last step changes only these."""
+        buffers = [b for root in self.roots + self.held_roots
+                   for b in persistent_buffers(root) if holds_values(b)]
+        if not buffers:
+            return None
+        with self.paused_capture():
+            fps = [self.recorder.fingerprint(b) for b in buffers]  # afresh, as parameters
             self.recorder.resolve()
         return group_fp([f.value or 0 for f in fps])
 

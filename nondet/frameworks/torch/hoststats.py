@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from nondet.frameworks.torch.hostwords import raw_bytes
+from nondet.frameworks.torch.leaves import functorch_inner
 
 #: NumPy's type of a dtype's real values (complex: the real and imaginary parts, as
 #: ``torch.view_as_real`` lays them out).
@@ -32,6 +33,7 @@ def host_reals(t: torch.Tensor) -> np.ndarray | None:
     """The real floating values of a plain, dense, contiguous CPU tensor as a NumPy view
     of its memory (valid while ``t`` keeps it: ``hostwords.raw_bytes``), or None where the
     torch path must compute its statistics."""
+    t = functorch_inner(t)
     kind = type(t)
     if ((kind is not torch.Tensor and kind is not torch.nn.Parameter) or not t.is_cpu
             or t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_conj()

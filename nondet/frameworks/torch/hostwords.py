@@ -63,7 +63,10 @@ def dense_cpu_words(t: torch.Tensor) -> np.ndarray | None:
             or t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_conj()
             or t.is_neg() or not t.is_contiguous()):
         return None
-    return _word_array(t)
+    try:
+        return _word_array(t)
+    except RuntimeError:  # a torch.func wrapper: no memory of its own (leaves.functorch_inner)
+        return None
 
 
 class _Words:
@@ -89,7 +92,10 @@ def dense_cpu_content(t: torch.Tensor) -> int | None:
             or t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_conj()
             or t.is_neg() or not t.is_contiguous()):
         return None
-    return host_content([_word_array(t)])
+    try:
+        return host_content([_word_array(t)])
+    except RuntimeError:  # a torch.func wrapper: no memory of its own (leaves.functorch_inner)
+        return None
 
 
 def _word_array(t: torch.Tensor) -> np.ndarray:

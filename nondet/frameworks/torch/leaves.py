@@ -7,6 +7,28 @@ from __future__ import annotations
 
 import torch
 
+# Note [torch.func wrappers]
+# Inside ``torch.func.grad``, ``vjp``, ``jacrev`` or ``vmap`` a module's parameters (swapped
+# in by ``functional_call``) and every value the transformed function makes are functorch
+# wrappers: plain ``torch.Tensor`` objects with no storage of their own, whose values live
+# in the tensor they wrap, one wrapper per transform level (a ``vmap`` level's inner tensor
+# also holds the other examples of the batch). Reading their memory raises ("Cannot access
+# data pointer of Tensor that doesn't have storage"); nondet read them at a step boundary
+# that a model call inside ``grad`` opened, and its hook error ended ``nondet run`` with an
+# internal error. Whatever reads a tensor's memory reads the innermost tensor instead, and
+# nondet's own ops run with the transforms off (backend.paused_capture): an op on the
+# innermost tensor inside a transform would wrap its output again.
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrapped = torch._C._functorch.get_unwrapped
+
+
+def functorch_inner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s values under torch.func transforms (Note [torch.func
+    wrappers]); ``t`` itself when it is not such a wrapper."""
+    while _is_wrapped(t):
+        t = _unwrapped(t)
+    return t
+
 
 def is_plain(t: torch.Tensor) -> bool:
     kind = type(t)
@@ -34,7 +56,7 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor] | None:
 def data_leaves(tensor: torch.Tensor, depth: int = 0) -> list[torch.Tensor] | None:
     """Plain tensors whose bytes are ``tensor``'s content: itself, prepared, or the inner
     tensors of a wrapper subclass (in ``__tensor_flatten__`` order), or None."""
-    t = tensor.detach()
+    t = functorch_inner(tensor.detach())
     if is_plain(t):
         p = prepared(t)
         return None if p is None else [p]

@@ -149,6 +149,19 @@ def _walk(root: torch.nn.Module, with_buffers: bool
     return params, buffers
 
 
+def persistent_buffers(root: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers ``root.state_dict()`` saves, in its order, each once."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    for module in root.modules():
+        skipped = getattr(module, "_non_persistent_buffers_set", ())
+        for name, b in module._buffers.items():
+            if b is not None and name not in skipped and id(b) not in seen:
+                seen.add(id(b))
+                out.append(b)
+    return out
+
+
 def holds_values(t: torch.Tensor) -> bool:
     """Not training state: a tensor on the meta device (torch.func's functional_call
     template of an ensemble, a model built empty), or a lazy module's parameter before its

@@ -15,7 +15,11 @@ At most ``MAX_TRIES`` pairs are run per finding.
 Given the finding's step, a fix also counts as verified when the runs with it repeat
 through that step and part only later: it removed this source, and what parts them then
 is another one (``Suggestion.parts_again``; ``nondet.sources`` localizes it from the
-verifying pair's captures, ``Suggestion.verified_captures``).
+verifying pair's captures, ``Suggestion.verified_captures``). Likewise when they part at
+the finding's step itself but its first differing op is now another, later one (both
+pairs record that step's ops): two sources in one step, an unseeded shuffle and a racing
+``index_put_``, where the first fix alone was reported as "did not help" and the second
+source never examined.
 
 The cost is the median step time of the fixed pair against the first pair's, from the
 step rows' wall clock (steps without op records, so the op window does not count),
@@ -56,6 +60,7 @@ class Outcome:
     captures: tuple[str, ...] = ()
     not_applied: str = ""  # the child could not apply it: its line (see apply_requested)
     parted_at: int | None = None  # the step the runs with it parted, if they did
+    moved_to: str = ""  # they parted at the finding's step, first at this later op
     unstable: str = ""  # held in the first pair, not in a later one (--verify-pairs)
     confirmed: int = 0  # pairs it held in, when re-checked
 
@@ -76,6 +81,7 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
     if upto is not None:
         last = min(last, upto)
     base_time = step_time(a.steps, b.steps)
+    original = None if finding_step is None else first_op(a, b, finding_step)
     tried: dict[str, Outcome] = {}
     written: list[str] = []
     winner: Suggestion | None = None
@@ -96,13 +102,15 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
             if outcome is None:
                 stage(f"verifying a fix: both runs again with {interventions.describe([fix_id])}")
                 number = len(tried) + 1
-                outcome = _try(fix_id, str(number), last, op_steps, run_pair)
+                outcome = _try(fix_id, str(number), last, op_steps, run_pair,
+                               (finding_step, original))
                 written += outcome.captures
                 for k in range(2, pairs + 1):
                     if not _holds(outcome, finding_step):
                         break
                     stage(f"re-checking the fix: pair {k} of {pairs}")
-                    again = _try(fix_id, f"{number}-{k}", last, op_steps, run_pair)
+                    again = _try(fix_id, f"{number}-{k}", last, op_steps, run_pair,
+                                 (finding_step, original))
                     written += again.captures
                     if not _holds(again, finding_step):
                         outcome = replace(again, unstable=f"held in {k - 1} of {k} pairs")
@@ -113,6 +121,9 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
             removed = not outcome.repeated and _holds(outcome, finding_step)
             if outcome.repeated or removed:
                 repeat = (f"the runs repeat over {outcome.steps} steps" if outcome.repeated
+                          else f"the first difference of step {_name(finding_step)} moves "
+                               f"to a later op, {outcome.moved_to} (another source)"
+                          if outcome.moved_to
                           else f"the runs repeat past step {_name(finding_step)} and part "
                                f"again at step {outcome.parted_at} (another source)")
                 if outcome.confirmed:
@@ -145,8 +156,36 @@ def _holds(outcome: Outcome, finding_step: int | None) -> bool:
     parts them later)."""
     if outcome.unstable or outcome.not_applied:
         return False
-    return outcome.repeated or (finding_step is not None and outcome.parted_at is not None
-                                and outcome.parted_at > finding_step)
+    return outcome.repeated or bool(outcome.moved_to) or (
+        finding_step is not None and outcome.parted_at is not None
+        and outcome.parted_at > finding_step)
+
+
+#: Where a step's first difference is: (record position, op name, source line).
+OpPlace = tuple[int, str, str]
+
+
+def first_op(a: Capture, b: Capture, step: int) -> OpPlace | None:
+    """The record that first parts ``a`` and ``b`` at ``step`` by the injection rule,
+    or None when either recorded no ops there or the records do not line up."""
+    ops_a, ops_b = a.ops(step), b.ops(step)
+    if not len(ops_a) or not len(ops_b):
+        return None
+    found = compare.first_op_divergence(ops_a, ops_b, a.strings, b.strings)
+    if found is None or found.kind == "structure" or found.row_a is None:
+        return None
+    row = found.row_a
+    return found.position, a.string(int(row["name"])), a.string(int(row["source"]))
+
+
+def _moved(ca: Capture, cb: Capture, step: int, original: OpPlace) -> str:
+    """With a fix the pair still parts at ``step``: the op it now parts at, when that is
+    another op than ``original`` and no earlier one ("" otherwise)."""
+    now = first_op(ca, cb, step)
+    if now is None or now[1:] == original[1:] or now[0] < original[0]:
+        return ""
+    name, source = now[1], now[2]
+    return f"{name} at {source}" if source else name
 
 
 def _failure(outcome: Outcome) -> str:
@@ -160,7 +199,10 @@ def _failure(outcome: Outcome) -> str:
 
 
 def _try(fix_id: str, number: str, last: int, op_steps: list[int] | None,
-         run_pair: RunPair) -> Outcome:
+         run_pair: RunPair, finding: tuple[int | None, OpPlace | None] = (None, None),
+         ) -> Outcome:
+    """One pair with the intervention. ``finding``: the finding's step and the op that
+    first parted the first pair there, to tell a difference that moved to a later op."""
     plans = (Plan(f"a-fix{number}", op_steps, stop_after=last),
              Plan(f"b-fix{number}", op_steps, stop_after=last))
     try:
@@ -176,11 +218,18 @@ def _try(fix_id: str, number: str, last: int, op_steps: list[int] | None,
     steps = len({s for s in ca.steps["step"].tolist() if s >= 0}
                 & set(cb.steps["step"].tolist()))  # training steps: init is not one
     not_applied = _not_applied(ra, fix_id) or _not_applied(rb, fix_id)
+    moved = ""
     if parted is not None:  # steps repeated: those before the one they parted at
         steps = len({s for s in ca.steps["step"].tolist() if 0 <= s < parted.step})
-    return Outcome(repeated and not not_applied, steps, step_time(ca.steps, cb.steps),
+        step, original = finding
+        if parted.step == step and original is not None and not not_applied:
+            moved = _moved(ca, cb, step, original)
+    # A pair that parted at the finding's step ran no step that repeated, only op-captured
+    # ones: its step time says nothing of what the fix costs
+    cost = None if moved else step_time(ca.steps, cb.steps)
+    return Outcome(repeated and not not_applied, steps, cost,
                    captures=captures, not_applied=not_applied,
-                   parted_at=None if parted is None else parted.step)
+                   parted_at=None if parted is None else parted.step, moved_to=moved)
 
 
 def _name(step: int | None) -> str:

@@ -8,11 +8,12 @@ from pathlib import Path
 from nondet import recipe, sources, verify
 from nondet.exitcodes import ExitCode
 from nondet.launch import Plan, RunResult
+from nondet.records import Kind
 from nondet.report import Divergence, Report, RunSummary
 from nondet.report.junit import summary_line
 from nondet.report.text import lines
 from nondet.store import Capture, open_capture
-from tests.conftest import step_rows, write_capture
+from tests.conftest import OpStream, step_rows, write_capture
 
 
 def _suggestions(*ids: str) -> list[recipe.Suggestion]:
@@ -268,3 +269,50 @@ def test_suggestions_carry_the_sites_the_capture_names() -> None:
              "numpy.unseeded_generator": True}
     first = recipe.suggest(facts, sites={"numpy.unseeded_generator": ["train.py:40"]})[0]
     assert first.recipe.id == "PY-NP-GENERATOR" and first.sites == ["train.py:40"]
+
+
+def _two_sources(folder: Path, name: str, shuffle_differs: bool, race_differs: bool
+                 ) -> tuple[Path, Path]:
+    """A pair parting at step 0 with op records there: an entry (an unseeded shuffle, at
+    record 1) and a racing op (``index_put_``, record 3) whose inputs match."""
+    paths = []
+    for run, flip in (("a", 0), ("b", 1)):
+        ops = (OpStream()
+               .add(0, "aten.randn.default", 11, source="train.py:5")
+               .add(0, "numpy:torch.from_numpy", 20 + flip * shuffle_differs,
+                    kind=Kind.ENTRY, source="train.py:8")
+               .add(0, "aten.new_zeros.default", 13, source="train.py:9")
+               .add(0, "aten.index_put_.default", 30 + flip * race_differs, 13,
+                    source="train.py:9"))
+        rows = step_rows({"step": -1, "params_fp": 1},
+                         {"step": 0, "params_fp": 2 + flip, "wall": 1.0})
+        paths.append(write_capture(folder / f"{name}-{run}.h5", rows, ops))
+    return paths[0], paths[1]
+
+
+def test_a_fix_that_moves_the_difference_to_a_later_op_of_its_step_holds(
+        tmp_path: Path) -> None:
+    """Both sources in step 0: with the shuffle seeded the pair still parts at step 0,
+    now first at the racing op. The fix removed its source (it was reported "did not help"
+    and the race was never examined)."""
+    first = tuple(open_capture(p) for p in _two_sources(tmp_path, "first", True, True))
+    fixed = _two_sources(tmp_path, "fixed", False, True)
+    unfixed = _two_sources(tmp_path, "unfixed", True, True)
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        return _results(*(fixed if ids == ("numpy.seed_unseeded_generators",) else unfixed))
+
+    suggestions = _suggestions("PY-NP-GENERATOR")
+    out, _ = verify.verify(suggestions, (first[0], first[1]), run_pair, lambda _: None,
+                           op_steps=[-1, 0], finding_step=0)
+    fix = out[0]
+    assert fix.verified is True, fix.verify_note
+    assert "aten.index_put_.default at train.py:9" in fix.verify_note
+    assert fix.parts_again == 0 and fix.cost_ratio is None
+
+    # the same op parting them again is no fix at all
+    suggestions = _suggestions("PY-NP-GENERATOR")
+    fixed = unfixed
+    out, _ = verify.verify(suggestions, (first[0], first[1]), run_pair, lambda _: None,
+                           op_steps=[-1, 0], finding_step=0)
+    assert out[0].verified is False and "did not help" in out[0].verify_note

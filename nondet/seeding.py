@@ -260,23 +260,60 @@ class SeedLog:
 
         return seeding  # type: ignore[return-value]
 
+    def wrap_drawn(self, api: str, function: F, seed_with: Callable[[int], Any]) -> F:
+        """``function`` that seeds with a seed it draws itself and returns it
+        (``torch.seed()``): see ``drawn``."""
+        log = self
+
+        @functools.wraps(function)
+        def drawn(*args: Any, **kwargs: Any) -> Any:
+            return log.drawn(api, lambda: function(*args, **kwargs), seed_with,
+                             sys._getframe(1))
+
+        return drawn  # type: ignore[return-value]
+
+    def drawn(self, api: str, draw: Callable[[], Any], seed_with: Callable[[int], Any],
+              frame: FrameType) -> Any:
+        """A call from ``frame`` that seeds with a seed it draws itself and returns it
+        (``torch.seed()``, ``Generator.seed()``): the seed is recorded after it runs, so a
+        script that draws one gets that call named where the runs' seeds differ. Under the
+        pin_seeds fix it seeds with ``seed_with(pinned)`` instead."""
+        if getattr(self._local, "depth", 0):
+            return draw()
+        pin = self.next_pin(frame) if PINNED is not None else None
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            value = draw() if pin is None else seed_with(pin)
+        finally:
+            self._local.depth -= 1
+        self.record(api, value, frame)
+        return value
+
+    def next_pin(self, frame: FrameType) -> int | None:
+        """The next pinned seed for a call from ``frame`` (``PINNED`` plus the call number),
+        None for calls the frameworks make themselves or without the pin_seeds fix."""
+        if PINNED is None or self.call_site(frame) is None:
+            return None
+        value = (PINNED + self._pins) % 2**31
+        self._pins += 1
+        return value
+
     def pinned(self, args: tuple[Any, ...], kwargs: dict[str, Any], frame: FrameType,
                ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments with a plain-number seed replaced by ``PINNED`` plus the call
         number (calls the frameworks make themselves keep theirs). Never raises: on any
         trouble the arguments are returned as they were."""
         try:
-            if PINNED is None or self.call_site(frame) is None:
-                return args, kwargs
             def number(x: Any) -> bool:
                 return isinstance(x, int | float) and not isinstance(x, bool)
-            value = (PINNED + self._pins) % 2**31
             if args and number(args[0]):
-                self._pins += 1
-                return (type(args[0])(value), *args[1:]), kwargs
-            if number(kwargs.get("seed")):
-                self._pins += 1
-                return args, {**kwargs, "seed": type(kwargs["seed"])(value)}
+                value = self.next_pin(frame)
+                if value is not None:
+                    return (type(args[0])(value), *args[1:]), kwargs
+            elif number(kwargs.get("seed")):
+                value = self.next_pin(frame)
+                if value is not None:
+                    return args, {**kwargs, "seed": type(kwargs["seed"])(value)}
         except Exception:
             self.failed()
         return args, kwargs

@@ -1,7 +1,9 @@
 """torch's seeding calls, recorded with their values (``nondet.seeding``).
 
 ``torch.manual_seed``, ``torch.cuda.manual_seed(_all)`` (module functions, replaced) and
-``torch.Generator(...).manual_seed``. ``torch.Generator`` is a C type whose methods cannot be
+``torch.Generator(...).manual_seed``; ``torch.seed()`` and ``Generator.seed()``, which draw
+a seed from the OS, with the seed they drew (the runs' differ: the call is named).
+``torch.Generator`` is a C type whose methods cannot be
 replaced, so ``torch.Generator`` becomes a subclass that records ``manual_seed``; its
 metaclass keeps ``isinstance(g, torch.Generator)`` true for every generator (the default
 one included), and pickles still name ``torch.Generator``.
@@ -27,6 +29,11 @@ def install(session: Session) -> None:
         original = getattr(owner, name, None)
         if original is not None:
             setattr(owner, name, log.wrap(api, original, seeding.first_arg))
+    # ``torch.seed()`` seeds every device with a seed drawn from the OS and returns it
+    manual_seed = torch.manual_seed
+    for owner in (torch, torch.random):
+        setattr(owner, "seed", log.wrap_drawn(  # noqa: B010 - two modules, one function
+            "torch.seed", torch.random.seed, lambda pin: (manual_seed(pin), pin)[1]))
     standin.install(torch, "Generator", _recording_generator(log))
 
 
@@ -45,5 +52,13 @@ def _recording_generator(log: seeding.SeedLog) -> type:
                     (seed,), _ = log.pinned((seed,), {}, caller)
                 log.record("torch.Generator.manual_seed", seed, caller)
             return super().manual_seed(seed)
+
+        def seed(self) -> int:
+            """A seed drawn from the OS, recorded as ``torch.seed()``'s is."""
+            def pinned(pin: int) -> int:
+                super(Generator, self).manual_seed(pin)
+                return pin
+            return int(log.drawn("torch.Generator.seed", super().seed, pinned,
+                                 sys._getframe(1)))
 
     return standin.finish(Generator, base)

@@ -333,7 +333,7 @@ def finding_facts(div: Divergence, capture: Capture,
         index = div.op.rsplit("#", 1)[-1]
         facts.update(capture.facts.get(f"dataloader#{index}", {}))
     for kind in ("numpy.unseeded_generator", "python.unseeded_random",
-                 "python.set_iteration", "python.unsorted_listing",
+                 "python.set_iteration", "python.unsorted_listing", "python.completion_order",
                  "library.unseeded_generator", "tf.image.stateful_random",
                  "tf.data.list_files_shuffled", "tf.distribute.strategy",
                  "tf.distribute.parameter_server"):

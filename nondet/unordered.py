@@ -20,6 +20,10 @@ The same read names the script's directory listings that nothing sorts (``os.lis
 straight to ``sorted``): their order is the file system's. The fact
 ``python.unsorted_listing`` is the evidence the recipe PY-FS-ORDER asks for, which it
 otherwise offered for any value that entered with a difference nothing else explained.
+And the results it takes in the order threads or processes finish them
+(``concurrent.futures.as_completed``, ``Pool.imap_unordered``, asyncio's ``as_completed``):
+``python.completion_order``, the evidence for PY-COMPLETION-ORDER (a trial's shards loaded
+in threads and trained on as they came got the OpenCV recipe).
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ from typing import Any
 
 FACT = "python.set_iteration"
 LISTING_FACT = "python.unsorted_listing"
+COMPLETION_FACT = "python.completion_order"
 HASH_SEED_FACT = "python.hash_seed_by_nondet"
 #: Calls that list a directory in the file system's order.
 _LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir", "walk"})
+#: Calls that hand results over in the order threads or processes finish them.
+_COMPLETIONS = frozenset({"as_completed", "imap_unordered"})
 #: Sites named at most.
 MAX_SITES = 8
 #: Scripts larger than this are not read (a generated file): bytes.
@@ -53,25 +60,28 @@ def set_iterations(source: str, filename: str = "<script>") -> list[tuple[int, s
     return scan(source, filename)[0]
 
 
-def scan(source: str, filename: str = "<script>"
-         ) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
-    """(set iterations, unsorted directory listings) of ``source``: (line, text) each, at
-    most ``MAX_SITES`` of each, in line order. Never raises."""
+Sites = list[tuple[int, str]]
+
+
+def scan(source: str, filename: str = "<script>") -> tuple[Sites, Sites, Sites]:
+    """(set iterations, unsorted directory listings, results taken as they complete) of
+    ``source``: (line, text) each, at most ``MAX_SITES`` of each, in line order. Never
+    raises."""
     if len(source) > MAX_SOURCE:
-        return [], []
+        return [], [], []
     try:
         tree = ast.parse(source, filename)
         finder = _Finder(_set_names(tree))
         finder.visit(tree)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return [], []
+        return [], [], []
     lines = source.splitlines()
 
     def shown(found: list[int]) -> list[tuple[int, str]]:
         return [(n, lines[n - 1].strip() if 0 < n <= len(lines) else "")
                 for n in sorted(set(found))[:MAX_SITES]]
 
-    return shown(finder.lines), shown(finder.listings)
+    return shown(finder.lines), shown(finder.listings), shown(finder.completions)
 
 
 def _set_names(tree: ast.AST) -> set[str]:
@@ -126,6 +136,7 @@ class _Finder(ast.NodeVisitor):
         self.names = names
         self.lines: list[int] = []
         self.listings: list[int] = []  # directory listings not handed to sorted()
+        self.completions: list[int] = []  # results taken in the order they finish
         self.order_free: set[int] = set()  # ids of nodes handed straight to sorted() & co
 
     def _check(self, iterated: ast.AST, at: ast.AST) -> None:
@@ -155,6 +166,8 @@ class _Finder(ast.NodeVisitor):
             func.id if isinstance(func, ast.Name) else "")
         if name in _LISTINGS and id(node) not in self.order_free:
             self.listings.append(node.lineno)
+        if name in _COMPLETIONS and id(node) not in self.order_free:
+            self.completions.append(node.lineno)
         ordering = (isinstance(func, ast.Name) and func.id in _ORDERING_CALLS) or (
             isinstance(func, ast.Attribute) and func.attr == "join")
         if ordering:
@@ -173,20 +186,22 @@ class _Finder(ast.NodeVisitor):
 
 
 def send(session: Any, script: str | None, seed: int) -> None:
-    """Before the script runs: its set iterations as the fact ``FACT`` ("train.py:5" each)
-    and its unsorted listings as ``LISTING_FACT``; ``HASH_SEED_FACT`` says whether
-    ``PYTHONHASHSEED`` is the one nondet chose for both runs (a user's own choice holds in
-    plain runs too: no note then). Never raises."""
+    """Before the script runs: its set iterations as the fact ``FACT`` ("train.py:5" each),
+    its unsorted listings as ``LISTING_FACT`` and the results it takes as they complete as
+    ``COMPLETION_FACT``; ``HASH_SEED_FACT`` says whether ``PYTHONHASHSEED`` is the one
+    nondet chose for both runs (a user's own choice holds in plain runs too: no note then).
+    Never raises."""
     try:
         if not script:
             return
         with open(script, "rb") as file:
             raw = file.read(MAX_SOURCE + 1)
-        sets, listings = scan(raw.decode("utf-8", "replace"), script)
+        sets, listings, completions = scan(raw.decode("utf-8", "replace"), script)
         facts: dict[str, Any] = {
             fact: [session.string(session.sources.intern_location(script, line))
                    for line, _ in sites]
-            for fact, sites in ((FACT, sets), (LISTING_FACT, listings)) if sites}
+            for fact, sites in ((FACT, sets), (LISTING_FACT, listings),
+                                (COMPLETION_FACT, completions)) if sites}
         if facts:
             facts[HASH_SEED_FACT] = os.environ.get("PYTHONHASHSEED") == str(seed % 2**32)
             session.send_facts(facts)

@@ -105,5 +105,40 @@ e = [p for p in Path("data").iterdir()]
 f = len(os.listdir("data"))
 for root, dirs, files in os.walk("data"): pass
 '''
-    _, listings = scan(source)
+    _, listings, _ = scan(source)
     assert [line for line, _ in listings] == [4, 6, 8, 10]
+
+
+def test_results_taken_as_they_complete_are_named() -> None:
+    source = '''import concurrent.futures as cf
+from multiprocessing import Pool
+with cf.ThreadPoolExecutor(4) as ex:
+    futures = [ex.submit(load, k) for k in range(8)]
+    for f in cf.as_completed(futures):
+        train(f.result())
+    for r in ex.map(load, range(8)):
+        train(r)
+with Pool(2) as pool:
+    shards = list(pool.imap_unordered(load, range(8)))
+    kept = sorted(pool.imap_unordered(load, range(8)))
+'''
+    _, _, completions = scan(source)
+    assert [line for line, _ in completions] == [5, 10]
+
+
+@pytest.mark.parametrize("taken_as_completed", [True, False])
+def test_completion_order_is_the_cause_only_with_that_evidence(taken_as_completed: bool,
+                                                               ) -> None:
+    """Shards loaded in threads and trained on as they completed: the value that entered
+    got the OpenCV recipe first (a trial); the script's ``as_completed`` is the evidence."""
+    from nondet import recipe
+
+    facts = {"framework": "torch", "kind": "entry", "entry_kind": "external",
+             "python.completion_order": taken_as_completed}
+    found = recipe.suggest(facts, sites={"python.completion_order": ["train.py:12"]})
+    ids = [s.recipe.id for s in found]
+    if taken_as_completed:
+        assert ids[0] == "PY-COMPLETION-ORDER"
+        assert found[0].details == ["results taken as they complete at train.py:12"]
+    else:
+        assert "PY-COMPLETION-ORDER" not in ids

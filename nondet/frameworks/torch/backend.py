@@ -89,6 +89,8 @@ class TorchBackend(StepLifecycle):
         # made on another thread while the step owner ran: out of the step state until the
         # owner changes (Note [State made on another thread] in frameworks/step_thread.py)
         self.held_roots: list[torch.nn.Module] = []
+        # SWA/EMA copies the script made (torch.optim.swa_utils.AveragedModel): end state
+        self.averaged: list[weakref.ref[torch.nn.Module]] = []
         self.held_optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.owner_changes = 0
         # roots whose call Dynamo traced: id -> module (Note [A root module called in
@@ -168,6 +170,7 @@ class TorchBackend(StepLifecycle):
                         self.start_training()
 
         torch.optim.Optimizer.__init__ = optimizer_init  # type: ignore[method-assign,assignment]
+        self._install_averaged_hook()
 
         original_backward = torch.autograd.backward
 
@@ -258,6 +261,32 @@ class TorchBackend(StepLifecycle):
                 for t in (*root.parameters(), *root.buffers()):
                     if holds_values(t):  # a lazy module's parameter: nothing to forget yet
                         self.recorder.forget(t)
+
+    def _install_averaged_hook(self) -> None:
+        """An SWA/EMA copy (``torch.optim.swa_utils.AveragedModel``) is training state the
+        script keeps and saves, updated by ``update_parameters`` and seldom called: its
+        parameters and buffers join the end state (a trial's EMA, updated in a thread racing
+        ``opt.step``, differed unseen). Not the step rows: a step end may come while such a
+        thread is still writing, and what it read then would depend on timing."""
+        averaged = getattr(getattr(torch.optim, "swa_utils", None), "AveragedModel", None)
+        if averaged is None:
+            return
+        original_init = averaged.__init__
+
+        @functools.wraps(original_init)
+        def averaged_init(model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            original_init(model, *args, **kwargs)
+            if not self.disabled:
+                with self.guarded():
+                    self.averaged.append(weakref.ref(model))
+
+        averaged.__init__ = averaged_init
+
+    def _end_roots(self) -> list[torch.nn.Module]:
+        """The modules whose state the end state covers: the roots and the averaged copies."""
+        kept = [m for m in (ref() for ref in self.averaged) if m is not None]
+        known = {id(m) for m in self.roots + self.held_roots}
+        return self.roots + self.held_roots + [m for m in kept if id(m) not in known]
 
     def _register_root(self, root: torch.nn.Module) -> None:
         # The first root's paths are relative ("encoder.mixer"); later roots (a loss module,
@@ -447,7 +476,7 @@ class TorchBackend(StepLifecycle):
         return ops
 
     def _final_params_fp(self) -> int | None:
-        params, _, _ = named_state(self.roots + self.held_roots,
+        params, _, _ = named_state(self._end_roots(),
                                    self.optimizers + self.held_optimizers, self.param_names,
                                    self.owner_names)
         with self.paused_capture():
@@ -461,8 +490,8 @@ class TorchBackend(StepLifecycle):
     def _final_buffers_fp(self) -> int | None:
         """The roots' buffers a ``state_dict`` saves (non-persistent ones are scratch):
         ``update_bn`` or a calibration pass after the last step changes only these."""
-        buffers = [b for root in self.roots + self.held_roots
-                   for b in persistent_buffers(root) if holds_values(b)]
+        unique = {id(b): b for root in self._end_roots() for b in persistent_buffers(root)}
+        buffers = [b for b in unique.values() if holds_values(b)]
         if not buffers:
             return None
         with self.paused_capture():

@@ -34,7 +34,7 @@ from nondet import (
 )
 from nondet import session as session_module
 from nondet.frameworks.base import StopRun
-from nondet.session import ChildConfig, Session
+from nondet.session import CONFIG_ENV, ChildConfig, Session
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -51,6 +51,11 @@ def _exit_code(exc: SystemExit) -> int:
 
 def main() -> int:
     config = ChildConfig.from_env()
+    # The config names the run (label, descriptors, paths): left in the environment, a
+    # script that derives anything from ``os.environ`` (a seed from its checksum) saw two
+    # environments and "a different seed", a false alarm. Nothing later reads it: a
+    # recorded child process gets its own config (torch/children.py).
+    os.environ.pop(CONFIG_ENV, None)
     if config.args_in_argv:  # python -m nondet.boot ARGS...: the script's arguments
         config.args, config.args_in_argv = sys.argv[1:], False
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

@@ -25,6 +25,11 @@ import numpy as np
 
 from nondet import fdguard
 
+#: Bound at import, before the script runs: a script that replaces ``json.dumps`` (a
+#: JSON policy, a monkeypatch for its own logging) must not change, or break, what nondet
+#: sends. Its error surfaced at the script's ``torch.manual_seed``: "the script failed".
+_dumps = json.dumps
+
 # -- frame kinds, child -> parent ----------------------------------------------------------------
 META = b"M"  # JSON: root attributes and environment entries (may repeat; later keys win)
 STRINGS = b"S"  # JSON list of new strings, ids continue from the previous message
@@ -137,7 +142,7 @@ class FrameWriter:
                 self._write()
 
     def send_json(self, kind: bytes, obj: Any) -> None:
-        self.send(kind, json.dumps(obj, default=str).encode())
+        self.send(kind, _dumps(obj, default=str).encode())
 
     def flush(self) -> None:
         if os.getpid() != self._pid:
@@ -257,7 +262,7 @@ def connect(path: str, hello: dict[str, Any], timeout: float = 60.0) -> tuple[in
     sock.settimeout(timeout)
     sock.connect(path)
     sock.settimeout(None)
-    payload = json.dumps(hello).encode()
+    payload = _dumps(hello).encode()
     sock.sendall(_HEADER.pack(HELLO, len(payload)) + payload)
     data_fd = sock.detach()
     return data_fd, os.dup(data_fd)
@@ -378,7 +383,7 @@ class Dump:
     def encode(self) -> bytes:
         header = dict(self.attrs, name=self.name, dtype=self.array.dtype.str,
                       shape=list(self.array.shape))
-        return (json.dumps(header).encode() + b"\n"
+        return (_dumps(header).encode() + b"\n"
                 + np.ascontiguousarray(self.array).tobytes())
 
     @classmethod

@@ -26,6 +26,7 @@ the run's that the run reads at its end (``worker_seeds``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -239,7 +240,8 @@ class SeedLog:
         the script runs on."""
         if not self.disabled:
             self.disabled = True
-            self._session.send_meta({channel.META_HOOK_ERROR: traceback.format_exc()})
+            with contextlib.suppress(Exception):  # the report itself must not reach the script
+                self._session.send_meta({channel.META_HOOK_ERROR: traceback.format_exc()})
 
     def wrap(self, api: str, function: F, seed_of: Callable[..., Any]) -> F:
         """``function`` recording its seed (``seed_of(*args, **kwargs)``) before it runs.

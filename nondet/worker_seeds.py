@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from nondet import clock
 
+#: Bound at import, before the script runs (see ``channel._dumps``).
+_dumps = json.dumps
+
 if TYPE_CHECKING:
     from nondet.frameworks.base import Session
 
@@ -80,7 +83,7 @@ def note(log: SeedLog, path: str, api: str, value: Any, frame: FrameType,
                   "package": "" if own else package,
                   "step": int(log.step()), "value": seed_text,
                   "clock": list(origin) if origin is not None else None}
-        data = (json.dumps(record) + "\n").encode("utf-8", "surrogatepass")
+        data = (_dumps(record) + "\n").encode("utf-8", "surrogatepass")
         if len(data) > _MAX_LINE:
             return
         fd = _OS_OPEN(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import errno
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -334,10 +335,37 @@ def new_or_ours(path: Path, option: str) -> bool:
 def write_output(option: str, path: Path, write: Callable[[], None]) -> None:
     """Write a report file; trouble is the user's to fix (exit 2), not a nondet bug."""
     try:
-        write()
+        with reader_waiting(option, path):
+            write()
     except OSError as exc:
         raise NondetError(f"cannot write {option} {outdir.display(path)}: "
                           f"{exc.strerror or exc}") from exc
+
+
+@contextmanager
+def reader_waiting(option: str, path: Path) -> Iterator[None]:
+    """For a FIFO (a named pipe; ``>(jq .)`` is one too): refuse it when no program reads
+    it, where opening it to write would wait for one for ever; else hold it open while the
+    report is written, so its reader does not see the end of the data in between."""
+    try:
+        fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        fifo = False  # a new file, or one the write itself will explain
+    if not fifo:
+        yield
+        return
+    try:
+        held = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:
+            raise
+        raise NondetError(
+            f"cannot write {option} {outdir.display(path)}: it is a FIFO and no program "
+            "reads it; start its reader first, or give a file") from None
+    try:
+        yield
+    finally:
+        os.close(held)
 
 
 @contextmanager

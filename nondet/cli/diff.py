@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from nondet.cli._common import App
-from nondet.cli._options import check_html_file, check_output_file, write_html
+from nondet.cli._options import check_html_file, check_output_file, write_html, write_output
 from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG
 
@@ -43,7 +43,7 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
 
         report = jobs.diff_dirs(capture_a, capture_b)
         if json_path is not None:
-            json_file.write(report, json_path)
+            write_output("--json", json_path, lambda: json_file.write(report, json_path))
         text.render(report, app.out)
         write_html(html_path, report, Path.cwd())
         return int(report.exit_code)
@@ -63,7 +63,7 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
     report = analysis.compare_captures(a, b, command=f"diff {capture_a} {capture_b}",
                                        notes=notes, suggest=True)
     if json_path is not None:
-        json_file.write(report, json_path)
+        write_output("--json", json_path, lambda: json_file.write(report, json_path))
     text.render(report, app.out)
     write_html(html_path, report, Path.cwd())
     return int(report.exit_code)

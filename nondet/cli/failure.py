@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from nondet.cli._options import new_or_ours
+from nondet.cli._options import new_or_ours, reader_waiting
 from nondet.errors import NondetError, Terminated
 from nondet.exitcodes import ExitCode
 from nondet.outdir import display
@@ -68,6 +68,7 @@ def write_failure(exc: BaseException, name: str, seconds: float, junit_path: Pat
         if path is None or not new_or_ours(path, option):
             continue  # never over a file of the user's (the script taken for the path)
         try:
-            write(path)
+            with reader_waiting(option, path):  # a FIFO nobody reads would hang here
+                write(path)
         except Exception:  # the original error is what the user sees
             pass

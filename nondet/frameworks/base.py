@@ -21,6 +21,7 @@ not as copies that drift.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import traceback
@@ -384,7 +385,8 @@ class StepLifecycle:
         capturing, so that the script itself runs on."""
         if not self.disabled:
             self.disable()
-            self.session.send_meta({channel.META_HOOK_ERROR: traceback.format_exc()})
+            with contextlib.suppress(Exception):  # the report itself must not reach the script
+                self.session.send_meta({channel.META_HOOK_ERROR: traceback.format_exc()})
 
     @contextmanager
     def guarded(self) -> Iterator[None]:

@@ -1,0 +1,58 @@
+"""Faults, eighth round (FINDINGS.md): what the script sees of nondet's own set-up, a
+script that replaces a library function nondet uses, and a FIFO as a report path."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from tests.conftest import run_cli, tiny_training
+
+
+def test_a_seed_from_the_environment_is_no_false_alarm(tmp_path: Path) -> None:
+    """Each run's environment held nondet's config for it (the label, descriptor numbers):
+    a script seeding from a checksum of ``os.environ`` (plain runs identical) got exit 1,
+    "torch.manual_seed received a different seed", with a "verified" fix."""
+    script = tmp_path / "train.py"
+    script.write_text("import os, zlib\n" + tiny_training().replace(
+        "torch.manual_seed(0)",
+        "torch.manual_seed(zlib.crc32(repr(sorted(os.environ.items())).encode()))"))
+    done = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), str(script),
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_script_replacing_json_dumps_is_not_blamed(tmp_path: Path) -> None:
+    """A script's own JSON policy made nondet's frames fail, and that error surfaced at the
+    script's ``torch.manual_seed``: exit 2, "the script failed" (plain python: exit 0)."""
+    script = tmp_path / "train.py"
+    script.write_text("import json\n"
+                      "def strict(*args, **kwargs):\n"
+                      "    raise TypeError('json.dumps is not allowed here')\n"
+                      "json.dumps = strict\n" + tiny_training())
+    done = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), str(script),
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_fifo_nobody_reads_is_refused_and_one_read_gets_the_report(tmp_path: Path) -> None:
+    """Opening a FIFO to write waits for a reader: ``--json fifo`` with none hung for ever
+    (after the runs, in ``nondet run``; at once in ``diff``)."""
+    script = tmp_path / "train.py"
+    script.write_text(tiny_training())
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    done = run_cli("run", "-q", "--no-verify", "--json", str(fifo), "--out",
+                   str(tmp_path / "out"), str(script), cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no program reads it" in done.stderr and "Traceback" not in done.stderr
+
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    done = run_cli("run", "-q", "--no-verify", "--json", str(fifo), "--out",
+                   str(tmp_path / "out"), str(script), cwd=tmp_path, timeout=300)
+    reader.join(timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert got and b'"nondet_report_version"' in got[0]

@@ -247,3 +247,26 @@ def test_report_command_names_a_capture_or_special_file_given_for_a_report(
     says = {"capture": "is a capture, not a JSON report: give the directory",
             "fifo": "is not a regular file"}[kind]
     assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_numbers_too_large_for_a_float_in_a_crafted_report(tmp_path: Path) -> None:
+    """A crafted report's ``10**400`` (JSON has no limit) in every numeric field: the page
+    is made; ``mismatched_elements`` and ``cost_ratio`` raised OverflowError, exit 3."""
+    _, data = _page(tmp_path)
+
+    def huge(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: huge(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [huge(v) for v in value]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return 10**400
+        return value
+
+    crafted = huge(data)
+    crafted["first_divergence"]["numel"] = 10  # so that the share of elements is computed
+    crafted["nondet_report_version"], crafted["exit_code"] = 1, 1
+    (tmp_path / "r.json").write_text(json.dumps(crafted))
+    result = run_cli("report", "r.json", "--html", "out.html", cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and (tmp_path / "out.html").exists()

@@ -26,11 +26,19 @@ def _s(value: Any) -> str:
 def _f(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:  # a crafted report's 10**400 is no float (OverflowError)
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _i(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """An integer a capture could hold (64 bits), else absent: a crafted report's 10**400
+    overflowed the percentage computed from it."""
+    if isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63:
+        return value
+    return None
 
 
 def _d(value: Any) -> dict[str, Any]:

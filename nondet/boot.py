@@ -26,6 +26,7 @@ from nondet import (
     inherited,
     interventions,
     loop_end,
+    orphan,
     own_group,
     pyhooks,
     readback,
@@ -71,6 +72,7 @@ def main() -> int:
     fdguard.watch((config.channel_fd, config.control_fd))  # ... and closes from C
     if not config.socket:
         own_group.install()  # os.killpg(0, sig) ends this run, not nondet and the other run
+        orphan.watch()  # nondet SIGKILLed: the run ends, even between step boundaries
     os.register_at_fork(after_in_child=_forget_session)
 
     random.seed(config.seed)

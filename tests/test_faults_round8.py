@@ -4,9 +4,14 @@ script that replaces a library function nondet uses, and a FIFO as a report path
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
+from nondet import procstat
 from tests.conftest import run_cli, tiny_training
 
 
@@ -56,3 +61,50 @@ def test_a_fifo_nobody_reads_is_refused_and_one_read_gets_the_report(tmp_path: P
     reader.join(timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert got and b'"nondet_report_version"' in got[0]
+
+
+def test_runs_end_when_nondet_is_killed_between_their_steps(tmp_path: Path) -> None:
+    """SIGKILL to nondet (the OOM killer, a CI hard timeout): a run that never reaches its
+    next step boundary never found the pipe closed, and kept running under init (a trial
+    killed one 12 minutes later)."""
+    script = tmp_path / "train.py"
+    script.write_text(tiny_training(100) + "    if step == 2:  # waits between steps (a server)\n"
+                      "        open(f'looping-{__import__(\"os\").getpid()}', 'w').close()\n"
+                      "        while True:\n"
+                      "            __import__('time').sleep(0.2)\n")
+    nondet = subprocess.Popen([sys.executable, "-m", "nondet", "run", "-q", "--out",
+                               str(tmp_path / "out"), str(script)], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runs: list[int] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(tmp_path.glob("looping-*")):
+        time.sleep(0.5)
+        stats = procstat.stat_fields() or {}
+        runs = [pid for pid, fields in stats.items() if fields[1] == str(nondet.pid)
+                and "nondet.boot" in _cmdline(pid)]
+    looping = [int(p.name.split("-")[1]) for p in tmp_path.glob("looping-*")]
+    assert looping and set(looping) <= set(runs), "no run reached its wait"
+    nondet.kill()
+    nondet.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(pid) for pid in runs):
+        time.sleep(0.5)
+    left = [pid for pid in runs if _alive(pid)]
+    for pid in left:  # never leave them behind, whatever the verdict
+        os.kill(pid, signal.SIGKILL)
+    assert not left
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

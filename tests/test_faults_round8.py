@@ -108,3 +108,16 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+def test_one_path_for_two_reports_or_a_dash_is_refused_before_the_runs(tmp_path: Path) -> None:
+    """``--json r --html r`` wrote the HTML over the JSON without a word; ``--json -`` made a
+    file named ``-``."""
+    script = tmp_path / "train.py"
+    script.write_text(tiny_training())
+    same = run_cli("run", "--json", "r.out", "--html", "r.out", str(script), cwd=tmp_path)
+    assert same.returncode == 2 and "name the same file" in same.stderr, same.stderr
+    dash = run_cli("check", "--json", "-", str(script), cwd=tmp_path)
+    assert dash.returncode == 2 and "give a file path" in dash.stderr, dash.stderr
+    assert not (tmp_path / "-").exists()
+    assert '"verdict": "error"' in (tmp_path / "r.out").read_text()  # the error, as asked

@@ -287,6 +287,9 @@ def check_output_file(path: Path | None, option: str) -> None:
     """Refuse a report file nondet will not be able to write, before the runs start."""
     if path is None:
         return
+    if str(path) == "-":
+        raise NondetError(f"{option} -: give a file path (the report on standard output is "
+                          "the text one; `--json` writes a file)")
     require_utf8(option, path)
     if path.is_dir():
         raise NondetError(f"{option} {outdir.display(path)} is a directory, not a file")
@@ -304,6 +307,20 @@ def check_output_file(path: Path | None, option: str) -> None:
                           f"{OURS[option][0]} of nondet's, so it is left alone (was the path "
                           "forgotten, and the script taken for it?): give a new path or "
                           "remove the file")
+
+
+def check_distinct(outputs: dict[str, Path | None]) -> None:
+    """Refuse two report options naming one file: the second written silently replaced
+    the first (``--json r --html r``)."""
+    seen: dict[str, str] = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise NondetError(f"{seen[key]} and {option} name the same file "
+                              f"{outdir.display(path)}: give each its own path")
+        seen[key] = option
 
 
 #: The files nondet writes over when asked: what they are, and what the start of each holds

@@ -10,6 +10,7 @@ import click
 from nondet.cli._common import App
 from nondet.cli._options import (
     TargetCommand,
+    check_distinct,
     check_html_file,
     check_output_file,
     invocation,
@@ -105,6 +106,8 @@ def check(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: 
         check_output_file(json_path, "--json")
         check_output_file(junit_path, "--junit")
         check_html_file(html_path)
+        check_distinct({"--json": json_path, "--junit": junit_path, "--html": html_path,
+                        "--baseline": baseline_path})
         if update_baseline:
             check_output_file(baseline_path, "--baseline")
         elif baseline_path is not None:

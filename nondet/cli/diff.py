@@ -8,7 +8,13 @@ from pathlib import Path
 import click
 
 from nondet.cli._common import App
-from nondet.cli._options import check_html_file, check_output_file, write_html, write_output
+from nondet.cli._options import (
+    check_distinct,
+    check_html_file,
+    check_output_file,
+    write_html,
+    write_output,
+)
 from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG
 
@@ -34,6 +40,7 @@ def diff(app: App, *, capture_a: Path, capture_b: Path, json_path: Path | None,
 
     check_html_file(html_path)
     check_output_file(json_path, "--json")
+    check_distinct({"--json": json_path, "--html": html_path})
     if capture_a.is_dir() or capture_b.is_dir():
         if not (capture_a.is_dir() and capture_b.is_dir()):
             raise click.UsageError("give two capture files or two run directories, not one "

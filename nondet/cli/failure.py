@@ -65,7 +65,7 @@ def write_failure(exc: BaseException, name: str, seconds: float, junit_path: Pat
         (json_path, "--json", lambda p: json_file.write(failed, p)),
     ]
     for path, option, write in writers:
-        if path is None or not new_or_ours(path, option):
+        if path is None or str(path) == "-" or not new_or_ours(path, option):
             continue  # never over a file of the user's (the script taken for the path)
         try:
             with reader_waiting(option, path):  # a FIFO nobody reads would hang here

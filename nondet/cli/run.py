@@ -9,6 +9,7 @@ import click
 
 from nondet.cli._common import App
 from nondet.cli._options import (
+    check_distinct,
     check_html_file,
     check_output_file,
     invocation,
@@ -52,6 +53,7 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
         target = make_target(module, script_and_args)
         check_output_file(json_path, "--json")
         check_html_file(html_path)
+        check_distinct({"--json": json_path, "--html": html_path})
         with invocation(out_dir) as own_dir:
             options = make_options(seed=seed, out_dir=own_dir, ops=ops, max_steps=max_steps,
                                    schedule=schedule, verbose=verbose, apply=apply,

@@ -161,8 +161,9 @@ def _holds(outcome: Outcome, finding_step: int | None) -> bool:
         and outcome.parted_at > finding_step)
 
 
-#: Where a step's first difference is: (record position, op name, source line).
-OpPlace = tuple[int, str, str]
+#: Where a step's first difference is: (record position, op name, source line, and how many
+#: records of that name and line came before it in the step).
+OpPlace = tuple[int, str, str, int]
 
 
 def first_op(a: Capture, b: Capture, step: int) -> OpPlace | None:
@@ -174,15 +175,35 @@ def first_op(a: Capture, b: Capture, step: int) -> OpPlace | None:
     found = compare.first_op_divergence(ops_a, ops_b, a.strings, b.strings)
     if found is None or found.kind == "structure" or found.row_a is None:
         return None
-    row = found.row_a
-    return found.position, a.string(int(row["name"])), a.string(int(row["source"]))
+    places = _places(a, ops_a[:found.position + 1])
+    return found.position, *places[-1]
+
+
+def _places(c: Capture, ops: np.ndarray) -> list[tuple[str, str, int]]:
+    """Each record's (name, source, occurrence of that name and source so far)."""
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for row in ops:
+        key = (c.string(int(row["name"])), c.string(int(row["source"])))
+        out.append((*key, seen.get(key, 0)))
+        seen[key] = seen.get(key, 0) + 1
+    return out
 
 
 def _moved(ca: Capture, cb: Capture, step: int, original: OpPlace) -> str:
-    """With a fix the pair still parts at ``step``: the op it now parts at, when that is
-    another op than ``original`` and no earlier one ("" otherwise)."""
+    """With a fix the pair still parts at ``step``: the op it now parts at, when the op that
+    parted the first pair now repeats and the first difference comes after it ("" else).
+    Where the original op cannot be found repeating (a race that parts the step at another
+    record each time: a DataLoader's batches in completion order), nothing moved."""
     now = first_op(ca, cb, step)
-    if now is None or now[1:] == original[1:] or now[0] < original[0]:
+    if now is None or now[0] <= original[0] or now[1:3] == original[1:3]:
+        return ""
+    ops_a, ops_b = ca.ops(step), cb.ops(step)
+    places_a = _places(ca, ops_a)
+    if original[1:] not in places_a:
+        return ""
+    at = places_a.index(original[1:])
+    if at >= len(ops_b) or int(ops_a[at]["out_fp"]) != int(ops_b[at]["out_fp"]):
         return ""
     name, source = now[1], now[2]
     return f"{name} at {source}" if source else name

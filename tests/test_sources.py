@@ -316,3 +316,31 @@ def test_a_fix_that_moves_the_difference_to_a_later_op_of_its_step_holds(
     out, _ = verify.verify(suggestions, (first[0], first[1]), run_pair, lambda _: None,
                            op_steps=[-1, 0], finding_step=0)
     assert out[0].verified is False and "did not help" in out[0].verify_note
+
+
+def test_a_race_that_parts_its_step_elsewhere_each_time_moved_nothing(tmp_path: Path) -> None:
+    """A DataLoader handing out batches in completion order parts a step at one record in
+    one pair and at another in the next: an irrelevant fix looked like it moved the
+    difference (the batch fixture got PY-ENTROPY first, then "did not hold")."""
+    def pair(name: str, differing: int) -> tuple[Path, Path]:
+        paths = []
+        for run, flip in (("a", 0), ("b", 1)):
+            ops = OpStream()
+            for i in range(3):  # three batches, x then y, at one line
+                ops.add(0, "batch from DataLoader#0", 10 * i + flip * (i == differing),
+                        kind=Kind.ENTRY, source="train.py:9")
+            ops.add(0, "aten.addmm.default", 50 + flip, 7, source="train.py:10")
+            rows = step_rows({"step": -1, "params_fp": 1},
+                             {"step": 0, "params_fp": 2 + flip, "wall": 1.0})
+            paths.append(write_capture(tmp_path / f"{name}-{run}.h5", rows, ops))
+        return paths[0], paths[1]
+
+    first = tuple(open_capture(p) for p in pair("first", 0))
+    later = pair("later", 2)  # the same kind of record, further on: the same race
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        return _results(*later)
+
+    out, _ = verify.verify(_suggestions("PY-ENTROPY"), (first[0], first[1]), run_pair,
+                           lambda _: None, op_steps=[-1, 0], finding_step=0)
+    assert out[0].verified is False, out[0].verify_note

@@ -27,7 +27,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from measure import measured_line, replace_section, tree_cost, uptime  # noqa: E402
+from measure import (  # noqa: E402
+    measured_line,
+    package_version,
+    replace_section,
+    tree_cost,
+    uptime,
+)
 
 BEGIN, END = "<!-- bench-real:begin -->", "<!-- bench-real:end -->"
 #: name -> (framework, script and arguments)
@@ -85,9 +91,11 @@ def main() -> None:
             med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
             lines.append(row(name, med, opts.baseline_tree))
             frameworks.append(framework)
-    text = "\n".join(lines) + "\n\n" + measured_line(
-        " and ".join(frameworks), "bench/bench_real.py, `nondet run -q` of each script",
-        opts.repeat, "plain run", load_before)
+    others = sorted(set(frameworks) - {"torch"})  # measured_line names torch's version
+    setup = ", ".join([*(f"{f} {package_version(f)}" for f in others),
+                       "bench/bench_real.py, `nondet run -q` of each script"])
+    text = "\n".join(lines) + "\n\n" + measured_line("torch", setup, opts.repeat,
+                                                      "plain run", load_before)
     print(text)
     if opts.write:
         replace_section(opts.write, text, BEGIN, END)

@@ -18,7 +18,6 @@ deterministic script is <= 2.2x one plain run (DESIGN.md section 9).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -29,8 +28,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from measure import (  # noqa: E402
     measured_line,
+    median_rounds,
     package_version,
-    replace_section,
+    publish,
     tree_cost,
     uptime,
 )
@@ -82,13 +82,13 @@ def main() -> None:
     frameworks = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, (framework, script) in SCRIPTS.items():
-            rounds = []
-            for i in range(opts.repeat):
-                print(f"{name}: round {i + 1}/{opts.repeat}", file=sys.stderr)
-                rounds.append(one_round(script, Path(tmp) / f"{len(lines)}-{i}",
-                                        opts.baseline_tree))
-                print(rounds[-1], file=sys.stderr)
-            med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+            folder = Path(tmp) / str(len(lines))
+
+            def measured(i: int, script: list[str] = script, folder: Path = folder
+                         ) -> dict[str, float]:
+                return one_round(script, folder / str(i), opts.baseline_tree)
+
+            med = median_rounds(name, opts.repeat, measured)
             lines.append(row(name, med, opts.baseline_tree))
             frameworks.append(framework)
     others = sorted(set(frameworks) - {"torch"})  # measured_line names torch's version
@@ -96,9 +96,7 @@ def main() -> None:
                        "bench/bench_real.py, `nondet run -q` of each script"])
     text = "\n".join(lines) + "\n\n" + measured_line("torch", setup, opts.repeat,
                                                       "plain run", load_before)
-    print(text)
-    if opts.write:
-        replace_section(opts.write, text, BEGIN, END)
+    publish(text, opts.write, BEGIN, END)
 
 
 if __name__ == "__main__":

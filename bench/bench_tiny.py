@@ -16,7 +16,6 @@ time waking it, and a plain run then moves with the machine's load alone.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from measure import measured_line, tree_cost, uptime  # noqa: E402
+from measure import measured_line, median_rounds, publish, tree_cost, uptime  # noqa: E402
 
 MODEL = REPO / "bench" / "model_tiny.py"
 BEGIN, END = "<!-- bench-tiny:begin -->", "<!-- bench-tiny:end -->"
@@ -69,21 +68,13 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="update this Markdown file's tiny section")
     opts = parser.parse_args()
     load_before = uptime()
-    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(opts.repeat):
-            print(f"tiny steps: round {i + 1}/{opts.repeat}", file=sys.stderr)
-            rounds.append(one_round(opts.steps, Path(tmp) / str(i), opts.baseline_tree))
-            print(rounds[-1], file=sys.stderr)
-    med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+        med = median_rounds("tiny steps", opts.repeat, lambda i: one_round(
+            opts.steps, Path(tmp) / str(i), opts.baseline_tree))
     text = summary(med, opts.baseline_tree) + " " + measured_line(
         "torch", f"bench/model_tiny.py, {opts.steps} steps, OMP_NUM_THREADS=1", opts.repeat,
         "plain run", load_before)
-    print(text)
-    if opts.write:
-        from measure import replace_section
-
-        replace_section(opts.write, text, BEGIN, END)
+    publish(text, opts.write, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -59,6 +60,27 @@ def timed(command: list[str], allowed: tuple[int, ...] = (0,)) -> tuple[float, s
     if proc.returncode not in allowed:
         raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}):\n{err[-3000:]}")
     return wall, out, peak
+
+
+def publish(text: str, write: Path | None, begin: str, end: str) -> None:
+    """Print the results, and put them between the markers of ``write`` if given."""
+    print(text)
+    if write:
+        replace_section(write, text, begin, end)
+
+
+def median_rounds(label: str, repeat: int,
+                  one_round: Callable[[int], dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over ``repeat`` rounds of ``one_round(i)`` (progress and each
+    round's figures on stderr)."""
+    import statistics
+
+    rounds = []
+    for i in range(repeat):
+        print(f"{label}: round {i + 1}/{repeat}", file=sys.stderr)
+        rounds.append(one_round(i))
+        print(rounds[-1], file=sys.stderr)
+    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
 
 
 def tree_cost(command: list[str], tree: Path, env: dict[str, str] | None = None

@@ -185,6 +185,32 @@ def test_a_fix_whose_op_parts_the_runs_again_is_withdrawn(tmp_path: Path) -> Non
     assert combined is not None and combined.verified is False
 
 
+def test_when_a_fix_does_not_hold_the_untried_ones_are_verified(tmp_path: Path) -> None:
+    """The first fix held only because the race parted its pair later, by chance; the
+    DataLoader fixture then kept it first, "did not hold", with the fix that works never
+    tried (CI). The untried suggestions are verified on the first pair instead."""
+    job = _Job(_Files(tmp_path))
+    job._pair = lambda applied, wall=1.0: job.files.pair(  # type: ignore[method-assign]
+        SAME, SAME if "torch.dataloader_in_order" in applied
+        else SAME[:2] + [x + 100 for x in SAME[2:]], wall)
+    pa, pb = job._pair(())
+    pair = (open_capture(pa), open_capture(pb))
+    div = Divergence("op", 0, "backward", op="aten.index_put.default", source="train.py:12")
+    suggestions, _ = job.verify((), job.files.folder,
+                                _suggestions("PT-GETITEM-CPU", "DATA-PT-INORDER"), pair, 0)
+    assert suggestions[0].recipe.id == "PT-GETITEM-CPU" and suggestions[1].verified is None
+    job.explain = lambda apply, folder, a, b: (  # type: ignore[method-assign]
+        Divergence("op", 2, "backward", op="aten.index_put.default", source="train.py:12"),
+        _suggestions("PT-GETITEM-CPU"), [])
+    found, combined, _ = sources.every_source(sources.Source(div, suggestions), pair, job,
+                                              tmp_path, sources.Budget(), lambda _t: None)
+    first = found[0].suggestions
+    assert [(s.recipe.id, s.verified) for s in first] == [("DATA-PT-INORDER", True),
+                                                          ("PT-GETITEM-CPU", False)]
+    assert "did not hold" in first[1].verify_note
+    assert len(found) == 1 and combined is not None and combined.verified is True
+
+
 def test_no_search_without_a_verified_first_fix(tmp_path: Path) -> None:
     job = _Job(_Files(tmp_path))
     pa, pb = job._pair(())

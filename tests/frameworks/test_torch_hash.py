@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys  # noqa: E402
+from nondet.fingerprint import CHUNK_WORDS, MASK64, chunk_keys, position_keys, word_size  # noqa: E402
 from nondet.frameworks.torch.hashing import (  # noqa: E402
     HOST_COPY_LIMIT,
     HOST_LIMIT,
@@ -160,6 +160,21 @@ def test_runs_of_small_parts_and_long_parts_sum_as_their_concatenation() -> None
     (host,) = HASHER.content_of_many(straddling).values()
     (device,) = HASHER.content_of_many(straddling, on_device=True).values()
     assert host & MASK64 == int(device) & MASK64  # type: ignore[operator]
+
+def test_long_narrow_words_sum_as_the_definition() -> None:
+    """Long 4-byte and 1-byte word arrays (an odd-sized float32 tensor, a byte tensor)
+    are summed by einsum, which widens them in buffers: sign- and zero-extended as the
+    definition says, the same number as the device kernel's."""
+    gen = torch.Generator().manual_seed(6)
+    negative = torch.randint(-2**31, -1, (9001,), dtype=torch.int32, generator=gen)
+    high = torch.randint(128, 256, (9003,), dtype=torch.uint8, generator=gen)
+    for t in (negative, high, negative.view(torch.float32)):
+        words = TorchHasher.words(t)
+        assert words is not None and word_size(t.nbytes) < 8  # the narrow-word path
+        (host,) = HASHER.content_of_many([t]).values()
+        assert isinstance(host, int)
+        assert host & MASK64 == content_of_words(words)
+
 
 def content_of_words(words: torch.Tensor) -> int:
     """The definition, written out: sum of words times keys, chunked, mod 2**64."""

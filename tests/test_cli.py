@@ -262,6 +262,17 @@ def test_seed_out_of_range_is_a_usage_error(tmp_path: Path, seed: str) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_verify_pairs_beyond_the_bound_is_a_usage_error(tmp_path: Path, command: str) -> None:
+    """Each pair is two whole runs per fix tried, outside --verify-budget: a count like
+    1000000 would run for ever, so it is refused before any run."""
+    result = run_cli(command, "-q", "--verify-pairs", "1000000", STEPS, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "--verify-pairs" in result.stderr and "20" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / ".nondet").exists()  # refused before the runs
+
+
 def test_out_under_a_file_is_a_usage_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     result = run_cli("run", "-q", "--out", "file/captures", STEPS, cwd=tmp_path)

@@ -132,6 +132,11 @@ def _remember_nproc(ctx: click.Context, _param: click.Parameter,
     ctx.meta["nondet.nproc_per_node"] = value  # read by make_target (run and check alike)
 
 
+#: --verify-pairs beyond this is a typo more often than a plan: each pair is two whole runs
+#: per fix tried, and the re-checks are not bounded by --verify-budget.
+MAX_VERIFY_PAIRS = 20
+
+
 def verify_options(command: F) -> F:
     """--max-fixes, --verify-steps, --verify-budget: how far fix verification goes."""
     for option in reversed([
@@ -146,10 +151,11 @@ def verify_options(command: F) -> F:
                      default=900, show_default=True, metavar="SECONDS",
                      help="Wall time for finding further sources; what is left unexamined "
                           "when it runs out is said in the report."),
-        click.option("--verify-pairs", type=click.IntRange(min=1), default=1,
-                     show_default=True, metavar="N",
+        click.option("--verify-pairs", type=click.IntRange(min=1, max=MAX_VERIFY_PAIRS),
+                     default=1, show_default=True, metavar="N",
                      help="A fix is verified only if the runs repeat with it in N pairs "
-                          "(more confidence for rare races; each pair is two more runs)."),
+                          "(more confidence for rare races; each pair is two more runs; "
+                          f"at most {MAX_VERIFY_PAIRS})."),
     ]):
         command = option(command)
     return command

@@ -117,6 +117,9 @@ def main() -> int:
         status = "complete" if code == 0 else "failed"
     except KeyboardInterrupt:
         status, code = "interrupted", 130
+        # a second SIGINT (Ctrl-C pressed again, or nondet's own: launch.INTERRUPT_WAIT)
+        # must not cut short what the run still sends: how it ended, its last rows
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     except BaseException as exc:
         error = _uncaught(exc)
         status, code = "failed", 1

@@ -36,6 +36,9 @@ from nondet.worker_seeds import seeds_file
 #: seconds a run that closed nondet's pipe (from C: ``fdguard``) may take to open it again
 #: (its watcher does within half a second) before nondet gives up on recording it
 CHANNEL_GRACE = 10.0
+#: seconds a run gets to end on the Ctrl-C it shared with nondet before it is sent its own
+#: SIGINT (``Run._interrupt_script``)
+INTERRUPT_WAIT = 2.0
 
 
 class CapturedRun(RunStream):
@@ -268,8 +271,13 @@ class CapturedRun(RunStream):
 
     def _interrupt_script(self, forward: bool) -> int:
         assert self._proc is not None
-        first = signal.SIGINT if forward else None
-        for sig, patience in ((first, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        # Ctrl-C in a terminal reached the child with nondet; a SIGINT sent to nondet alone
+        # (``kill -INT``, a CI runner cancelling the job) did not, and nothing tells the two
+        # apart here: a child still running after a short wait is sent SIGINT too, so it
+        # ends as interrupted in seconds, before the SIGTERM that would follow.
+        steps = (((signal.SIGINT, 10.0),) if forward
+                 else ((None, INTERRUPT_WAIT), (signal.SIGINT, 10.0 - INTERRUPT_WAIT)))
+        for sig, patience in (*steps, (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             if sig is not None and self._proc.poll() is None:
                 self._proc.send_signal(sig)
             try:

@@ -127,6 +127,33 @@ def test_ctrl_c_exits_130_and_keeps_readable_captures(tmp_path: Path, command: s
     assert capture.status == "interrupted" and capture.n_steps >= 1
 
 
+def test_sigint_to_nondet_alone_ends_the_runs_as_interrupted(tmp_path: Path) -> None:
+    """``kill -INT`` of nondet alone (a CI runner cancelling a job) does not reach the runs
+    as Ctrl-C does: nondet sends them SIGINT after a short wait. They end as interrupted,
+    not terminated by the SIGTERM that came ten seconds later."""
+    proc = subprocess.Popen([sys.executable, "-m", "nondet", "run", "-q", STEPS, "--steps",
+                             "400", "--sleep", "0.05"], cwd=tmp_path,
+                            env={**os.environ, "NO_COLOR": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        logs = list((tmp_path / ".nondet").glob("*/run-a.log"))
+        if logs and "step 3 done" in logs[0].read_text():
+            break
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    os.kill(proc.pid, signal.SIGINT)  # nondet's process only, not its group
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    for label in "ab":
+        capture = open_capture(tmp_path / ".nondet" / "latest" / f"run-{label}.h5")
+        assert capture.status == "interrupted", (label, capture.status)
+        # ended on a SIGINT of its own (exit 130), not on the SIGTERM nondet sends a run
+        # still there after waiting ten seconds for a Ctrl-C that never reached it
+        assert capture.exit_code == 130, (label, capture.exit_code)
+
+
 def _two_captures(tmp_path: Path, differ: bool) -> tuple[Path, Path]:
     ops = OpStream().add(0, "aten.mm.default", 5, 1, source="train.py:3")
     other = OpStream().add(0, "aten.mm.default", 6 if differ else 5, 1, source="train.py:3")

@@ -20,8 +20,9 @@ from nondet.errors import NondetError
 from nondet.printable import LINE_MAX, clip
 from nondet.store import Capture, open_capture
 
-#: Environment keys that describe a run without changing its numbers.
-NOT_DRIFT = (*INFORMATIONAL, "platform", "cpu_count")
+#: Environment keys that describe a run without changing its numbers (the fingerprint
+#: scheme changes every number, and is checked before the run: ``scheme_mismatch``).
+NOT_DRIFT = (*INFORMATIONAL, "platform", "cpu_count", "fingerprint_scheme")
 
 
 def load(path: Path) -> Capture:
@@ -108,6 +109,18 @@ def _shown(args: list[str]) -> str:
 
 def _text(path: Path) -> str:
     return str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def scheme_mismatch(baseline: Capture, scheme: str) -> str:
+    """How the baseline's fingerprints were computed, if not as this nondet computes them
+    (``fingerprint.SCHEME``): every step would differ, whatever the environment, so no
+    option compares them; the baseline must be written again. "" if alike."""
+    made = str(baseline.env.get("fingerprint_scheme", ""))
+    if made == scheme:
+        return ""
+    return (f"fingerprint scheme {clip(made) if made else '(none recorded)'} (nondet "
+            f"{clip(str(baseline.env.get('nondet_version', '?')))}), this nondet computes "
+            f"scheme {scheme}")
 
 
 def drift(baseline: Capture, current: Capture) -> list[dict[str, str]]:

@@ -59,7 +59,7 @@ def base() -> dict[str, str]:
         "cpu_count": str(os.cpu_count()),
         "hostname": platform.node(),
         "nondet_version": __version__,
-        "fingerprint_scheme": _fingerprint_scheme(),
+        "fingerprint_scheme": fingerprint_scheme(),
     }
     try:
         import numpy
@@ -72,7 +72,7 @@ def base() -> dict[str, str]:
     return env
 
 
-def _fingerprint_scheme() -> str:
+def fingerprint_scheme() -> str:
     from nondet.fingerprint import SCHEME  # imports NumPy: only when a run starts
 
     return SCHEME

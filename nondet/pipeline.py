@@ -227,6 +227,11 @@ def against_baseline(target: Target, options: Options, progress: ProgressSink,
                      path: Path, allow_drift: bool, allow_script_change: bool = False) -> Report:
     """Run once and compare with a stored baseline (step level)."""
     base = baseline.load(path)
+    other_scheme = baseline.scheme_mismatch(base, environment.fingerprint_scheme())
+    if other_scheme:
+        raise NondetError(f"the baseline {path} was written with {other_scheme}: its "
+                          "fingerprints cannot be compared with this run's; write it again "
+                          "with --update-baseline")
     prepare(target, options)
     mismatch = baseline.script_mismatch(
         base, target.script, target.module,

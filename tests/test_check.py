@@ -13,7 +13,7 @@ import yaml
 from lxml import etree
 
 from nondet.store import open_capture
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, step_rows, write_capture
 
 pytest.importorskip("torch")
 
@@ -312,19 +312,21 @@ def test_a_command_line_that_does_not_parse_still_writes_junit(tmp_path: Path) -
     assert error is not None and "--seed" in error.get("message")
 
 
-def test_a_baseline_from_another_fingerprint_scheme_is_drift() -> None:
+@pytest.mark.parametrize("allow", [[], ["--allow-env-drift"]])
+def test_a_baseline_from_another_fingerprint_scheme_is_written_again(
+        tmp_path: Path, allow: list[str]) -> None:
     """A baseline written before the fingerprint definition changed holds values nothing
-    today computes: comparing it would call every step different. It is drift instead
-    (refused, with how to update the baseline)."""
-    from types import SimpleNamespace
-
-    from nondet import baseline, environment
-
-    now = environment.base()
-    old = {k: v for k, v in now.items() if k != "fingerprint_scheme"}
-    older = {**now, "fingerprint_scheme": "1"}
-    current = SimpleNamespace(env=now)
-    for env in (old, older):
-        drift = baseline.drift(SimpleNamespace(env=env), current)  # type: ignore[arg-type]
-        assert [d["key"] for d in drift] == ["fingerprint_scheme"]
-    assert baseline.drift(SimpleNamespace(env=now), current) == []  # type: ignore[arg-type]
+    today computes: comparing it would call every step different. It was refused as
+    environment drift, with --allow-env-drift offered, which then failed on the schemes:
+    it is refused before the run, saying to write it again."""
+    rows = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "loss": 0.5, "params_fp": 3})
+    base = write_capture(tmp_path / "base.h5", rows,
+                         env={"fingerprint_scheme": "1", "nondet_version": "0.1.0"})
+    result = run_cli("check", "--baseline", str(base), *allow, STEPS, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    errors = [x for x in result.stderr.splitlines() if x.startswith("nondet: error")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "fingerprint scheme 1 (nondet 0.1.0)" in errors[0]
+    assert "--update-baseline" in errors[0]
+    assert "--allow-env-drift" not in result.stderr
+    assert not list(tmp_path.rglob("run-a.h5"))  # refused before running the script

@@ -36,8 +36,8 @@ from nondet.worker_seeds import seeds_file
 #: seconds a run that closed nondet's pipe (from C: ``fdguard``) may take to open it again
 #: (its watcher does within half a second) before nondet gives up on recording it
 CHANNEL_GRACE = 10.0
-#: seconds a run gets to end on the Ctrl-C it shared with nondet before it is sent its own
-#: SIGINT (``Run._interrupt_script``)
+#: seconds a run gets to end on a SIGINT nondet got, outside a terminal's foreground, before
+#: it is sent its own (``Run._interrupt_script``)
 INTERRUPT_WAIT = 2.0
 
 
@@ -272,11 +272,15 @@ class CapturedRun(RunStream):
     def _interrupt_script(self, forward: bool) -> int:
         assert self._proc is not None
         # Ctrl-C in a terminal reached the child with nondet; a SIGINT sent to nondet alone
-        # (``kill -INT``, a CI runner cancelling the job) did not, and nothing tells the two
-        # apart here: a child still running after a short wait is sent SIGINT too, so it
-        # ends as interrupted in seconds, before the SIGTERM that would follow.
+        # (``kill -INT``, a CI runner cancelling the job) did not. Without a terminal whose
+        # foreground nondet is, nothing tells the two apart: a child still running after a
+        # short wait is sent SIGINT too, so it ends as interrupted in seconds, before the
+        # SIGTERM that would follow. (In a terminal's foreground, a second SIGINT so soon
+        # would be a second Ctrl-C the user never pressed, cutting short a script's own
+        # clean-up.)
+        wait = 10.0 if _terminal_foreground() else INTERRUPT_WAIT
         steps = (((signal.SIGINT, 10.0),) if forward
-                 else ((None, INTERRUPT_WAIT), (signal.SIGINT, 10.0 - INTERRUPT_WAIT)))
+                 else ((None, wait), (signal.SIGINT, 10.0 - wait)))
         for sig, patience in (*steps, (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             if sig is not None and self._proc.poll() is None:
                 self._proc.send_signal(sig)
@@ -441,6 +445,21 @@ class CapturedRun(RunStream):
                 idle_since = idle_since or time.monotonic()
                 if time.monotonic() - idle_since > 1.0:
                     return
+
+
+def _terminal_foreground() -> bool:
+    """nondet is in the foreground process group of its controlling terminal (where Ctrl-C
+    reaches the whole group, the runs with it)."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)  # ENXIO: no controlling terminal
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 #: How long the processes a run started get to end after SIGTERM before SIGKILL.

@@ -154,6 +154,32 @@ def test_sigint_to_nondet_alone_ends_the_runs_as_interrupted(tmp_path: Path) -> 
         assert capture.exit_code == 130, (label, capture.exit_code)
 
 
+def test_the_terminal_foreground_is_told_from_a_job_without_one() -> None:
+    """In a terminal's foreground Ctrl-C reached the runs too (nondet waits for them, and
+    sends no second SIGINT); without one (CI, a background job) it may not have."""
+    import pty
+
+    probe = "import nondet.launch as l; print('foreground', l._terminal_foreground())"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session of its own, the pty its controlling terminal
+        os.execv(sys.executable, [sys.executable, "-c", probe])
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1024)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.waitpid(pid, 0)
+    os.close(fd)
+    assert b"foreground True" in out, out
+    alone = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           start_new_session=True, cwd=REPO, timeout=60)
+    assert "foreground False" in alone.stdout, alone.stderr
+
+
 def _two_captures(tmp_path: Path, differ: bool) -> tuple[Path, Path]:
     ops = OpStream().add(0, "aten.mm.default", 5, 1, source="train.py:3")
     other = OpStream().add(0, "aten.mm.default", 6 if differ else 5, 1, source="train.py:3")

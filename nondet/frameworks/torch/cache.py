@@ -265,9 +265,14 @@ class FingerprintCache(StepRecords):
 
     def derive(self, base: Fp, base_tensor: torch.Tensor, view: torch.Tensor,
                uninit: bool) -> Fp:
-        """A view's fingerprint from its base's (see ``Fp``); lazy if the base is lazy."""
+        """A view's fingerprint from its base's (see ``Fp``); lazy if the base is lazy, or
+        holds uninitialized memory: a view may show only the part written (``k =
+        torch.empty(n, 3)``, two columns filled, ``k[:, :2]`` read), so a read of it hashes
+        the view itself. Derived from the whole base, its garbage column made the reading
+        op differ between the runs ("reads uninitialized memory": a false finding, which
+        hid the real one behind it)."""
         fp = Fp(uninit=uninit)
-        if base.lazy:
+        if base.lazy or uninit:
             return fp
         if type(view) in _PLAIN_TYPES and view.is_cpu and not view.is_nested:
             try:  # a strided CPU view (sparse and opaque ones refuse: the general path)

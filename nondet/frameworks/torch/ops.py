@@ -19,10 +19,12 @@ TODO: Limitations
 Note [Uninitialized memory]
 Outputs of ``empty`` & co. hold whatever the allocator left there, so they differ between
 runs without meaning anything. They are never compared (``Flag.UNINIT_OUTPUT``), a view of
-them inherits that, and an op that fully overwrites such a tensor (``fill_``, ``uniform_``,
-``copy_``, any ``out=``) ignores its old value. An op that *reads* one keeps its fingerprint
-apart (``taint_fp``): if that op's output then differs while its other inputs matched, the
-finding is "reads uninitialized memory", never a false alarm on the ``empty`` itself.
+them inherits that (and is hashed as itself where it is read, never derived from the whole
+base: it may show only the part written), and an op that fully overwrites such a tensor
+(``fill_``, ``uniform_``, ``copy_``, any ``out=``) ignores its old value. An op that
+*reads* one keeps its fingerprint apart (``taint_fp``): if that op's output then differs
+while its other inputs matched, the finding is "reads uninitialized memory", never a false
+alarm on the ``empty`` itself.
 
 The rule behind it: a value that is overwritten before anything reads it is never evidence.
 ``set_(storage)`` wraps a storage made outside the ops: ``copy.deepcopy`` (torchmetrics

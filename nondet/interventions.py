@@ -84,8 +84,8 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
                  "tf.random.Generator.from_non_deterministic_state() (and so the global "
                  "generator) made from_seed (the run's seed + its call number)"),
     Intervention("numpy.seed_unseeded_generators", "patch",
-                 "np.random.default_rng() without a seed gets one (the run's seed + its "
-                 "call number)"),
+                 "np.random.default_rng() and np.random.seed() without a seed get one (the "
+                 "run's seed + its call number)"),
     Intervention("python.seed_unseeded_random", "patch",
                  "random.Random() and random.seed() without a seed get one (the run's seed + "
                  "their call number)"),
@@ -265,6 +265,15 @@ def _numpy_seed_unseeded_generators(seed: int) -> None:
         return original(seed_arg)
 
     setattr(np.random, "default_rng", default_rng)  # noqa: B010 - typed stubs refuse it
+    original_seed = np.random.seed
+
+    def reseed(seed_arg: Any = None) -> None:
+        if seed_arg is None:  # the global RandomState from fresh entropy
+            calls[0] += 1
+            seed_arg = [seed, calls[0]]
+        original_seed(seed_arg)
+
+    setattr(np.random, "seed", reseed)  # noqa: B010 - typed stubs refuse it
 
 
 def _python_seed_unseeded_random(seed: int) -> None:

@@ -9,7 +9,8 @@ Two things are recorded here (torch and TensorFlow have their own ``seeding`` mo
   library (Albumentations' ``Compose`` keeps its own), to ``library.unseeded_generator`` as
   "library frame, from user frame", with ``library.unseeded_generator.<package>`` set so a
   recipe can name that library's own seed parameter;
-- every seeding call (``random.seed``, ``random.Random(x)``, ``np.random.seed``,
+- every seeding call (``random.seed``, ``random.Random(x)``, ``np.random.seed`` (without a
+  seed: an unseeded generator, as above),
   ``np.random.default_rng(x)``, ``np.random.RandomState(x)``, and once Keras is imported
   ``keras.utils.set_random_seed``) with its value (``nondet.seeding``).
 """
@@ -96,7 +97,14 @@ def install(session: Session) -> None:
         return generator
 
     np.random.default_rng = log.wrap("np.random.default_rng", default_rng, seeding.first_arg)
-    np.random.seed = log.wrap("np.random.seed", np.random.seed, seeding.first_arg)
+    original_np_seed = np.random.seed
+
+    def np_seed(seed: Any = None) -> None:
+        if seed is None:  # reseeds the global RandomState from fresh entropy
+            note("numpy.unseeded_generator", sys._getframe(2))
+        original_np_seed(seed)
+
+    np.random.seed = log.wrap("np.random.seed", np_seed, seeding.first_arg)
     standin.install(np.random, "RandomState", _recording_random_state(log, note, use))
     standin.install(np.random, "SeedSequence", _noting_seed_sequence(log, note))
 

@@ -365,3 +365,31 @@ def test_python_random_made_without_a_seed_gets_one() -> None:
     assert first[3] == str(__import__("random").Random(3).random())  # a given seed is kept
     plain = [_probe_child(_PY_RANDOM_PROBE, "")[1] for _ in range(2)]
     assert plain[0] != plain[1]  # without it: fresh entropy each time
+
+
+_NP_SEED_PROBE = """
+import numpy as np
+from nondet import interventions
+print(interventions.apply_requested(7))
+np.random.seed()
+a = np.random.random()
+np.random.seed(None)
+print(a, np.random.random())
+np.random.seed(3)
+print(np.random.random())
+print(np.random.default_rng().random())
+"""
+
+
+def test_numpys_global_generator_reseeded_without_a_seed_gets_one() -> None:
+    """Trial (normflows, round 12): ``np.random.seed(None)`` reseeds the legacy global
+    generator from fresh entropy; no fix nondet could apply reached it."""
+    first, second = (_probe_child(_NP_SEED_PROBE, "numpy.seed_unseeded_generators")
+                     for _ in range(2))
+    assert first == second  # the same streams in two processes
+    draws = first[1].split()
+    assert draws[0] != draws[1]  # each reseeding its own stream
+    np.random.seed(3)
+    assert first[2] == str(np.random.random())  # a given seed is kept
+    plain = [_probe_child(_NP_SEED_PROBE, "")[1] for _ in range(2)]
+    assert plain[0] != plain[1]  # without it: fresh entropy each time

@@ -71,3 +71,33 @@ def test_a_generator_made_in_the_workers_is_named_at_its_line(tmp_path: Path) ->
     first = report["suggestions"][0]
     assert first["id"] == "PY-NP-GENERATOR", [s["id"] for s in report["suggestions"]]
     assert "train.py:11" in result.stdout, result.stdout
+
+
+GLOBAL_RESEEDED = """
+import numpy as np, torch
+
+torch.manual_seed(0)
+np.random.seed(None)  # the legacy global generator from fresh entropy
+net = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+x = torch.ones(16, 8)
+for _ in range(3):
+    noisy = x + torch.from_numpy(np.random.normal(0, 0.1, (16, 8)).astype("float32"))
+    loss = net(noisy).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_the_global_generator_reseeded_without_a_seed_is_named_and_its_fix_verified(
+        tmp_path: Path) -> None:
+    """Trial (normflows, round 12): ``np.random.seed(None)`` got the OpenCV recipe and no
+    fix that worked; its line is now the unseeded generator's, its fix applied."""
+    script = tmp_path / "train.py"
+    script.write_text(GLOBAL_RESEEDED)
+    result = run_cli("run", "-q", "--json", "r.json", str(script), cwd=tmp_path, timeout=600)
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    first = report["suggestions"][0]
+    assert first["id"] == "PY-NP-GENERATOR", [s["id"] for s in report["suggestions"]]
+    assert first["verified"], first
+    assert "train.py:5" in result.stdout, result.stdout

@@ -159,6 +159,10 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         if div is None and final_differs:
             div = end_state.divergence(a, b)
         if div is None:
+            # a seeding call given another seed in each run, though training repeated (a
+            # generator seeded from the clock to sample after training): noted below
+            div = seed_diff.seed_divergence(a, b, None)
+        if div is None:
             _check_steps_compared(a, b, both_ended)
             return deterministic
     else:
@@ -187,10 +191,11 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         where = f" at {div.source}" if div.source else ""
         step = "init" if div.step is None else f"step {div.step}"
         what = div.op or (", ".join(div.step_fields) if div.step_fields else "state")
-        return replace(deterministic, notes=[*notes, (
+        contained = (_seed_note(a, b, div, where) if div.kind == "seed" else [
             f"{step}: {what}{where} differs between the runs, but the training state (loss, "
             "parameters, gradients, optimizer state) was identical at every step: the "
-            "difference never reached training")], contained=[
+            "difference never reached training"])
+        return replace(deterministic, notes=[*notes, *contained], contained=[
             {"kind": "contained", "step": div.step, "phase": div.phase, "op": div.op,
              "source": div.source}])
     if step_div is not None:  # a report note: a narrowed finding replaces div's own notes
@@ -202,6 +207,20 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                    growth(a, b, step_div.step if step_div else (div.step or 0)))
 
 
+
+
+def _seed_note(a: Capture, b: Capture, div: Divergence, where: str) -> list[str]:
+    """Notes for a seeding call given another seed in each run while training repeated:
+    what the script drew from that generator (samples after training, an evaluation) is
+    outside what nondet compares, and differs between plain runs."""
+    steps = min(a.n_steps, b.n_steps)
+    when = ("before training" if div.step is None else "after the last training step"
+            if div.step >= steps else f"at step {div.step}")
+    first, *rest = div.notes or [f"{div.op} received different seeds"]
+    return [f"{when}, {first.removesuffix(seed_diff.SEED_DIFFERS)}{where}: the training state "
+            "(loss, parameters, gradients, optimizer state) was identical at every step, but "
+            "whatever the script draws from that generator (samples, an evaluation, a metric) "
+            "differs between runs", *rest]
 
 
 #: An op finding in a TensorFlow step run under a tf.distribute strategy: the replicas' ops

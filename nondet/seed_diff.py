@@ -30,6 +30,10 @@ CLOCK_NOTE = ("nondet runs run b with its clock {offset:g} s ahead on purpose, s
               "read from the clock differs even when both runs start in the same second")
 
 
+#: Ends the first note of a seed finding (after the API and the two values).
+SEED_DIFFERS = ": the seed itself differs between the runs"
+
+
 @dataclass(frozen=True)
 class SeedDifference:
     api: str
@@ -102,7 +106,7 @@ def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergenc
                          f"seeds ({values}), but this op differs with all its inputs equal "
                          "and draws no random numbers: a cause of its own")
         return None
-    notes = [f"{diff.api} received {values}: the seed itself differs between the runs"]
+    notes = [f"{diff.api} received {values}{SEED_DIFFERS}"]
     origin = clock_origin(a, diff), clock_origin(b, diff)
     if origin[0] is not None and origin[0] == origin[1]:
         site, unit = origin[0]

@@ -97,3 +97,36 @@ def test_a_clock_seed_finding_names_the_clock_line(tmp_path: Path) -> None:
     assert any(n.startswith("the seed was read from the clock at train.py:4 "
                             "(seed = int(time.time() * 1000) % 2**32)")
                for n in div["notes"]), div["notes"]
+
+
+_SAMPLED_AFTER_TRAINING = """
+import time
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(4, 8)
+for step in range(3):
+    loss = model(x).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+g = torch.Generator().manual_seed(int(time.time() * 1000) % 100000)
+with torch.no_grad():
+    samples = model(torch.randn(8, 8, generator=g))
+"""
+
+
+@pytest.mark.e2e
+def test_a_generator_seeded_from_the_clock_after_training_is_noted(tmp_path: Path) -> None:
+    """Trial (round 12: sampling after training, diffusers' DDPM pipeline): training
+    repeats, the samples drawn afterwards do not. That was "deterministic" without a word;
+    the verdict stays (training repeated), with a note naming the seeding call and the
+    clock line."""
+    (tmp_path / "train.py").write_text(_SAMPLED_AFTER_TRAINING)
+    result = run_cli("run", "-q", "--json", "r.json", "train.py", cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    notes = [n for n in report["notes"] if n.startswith("after the last training step")]
+    assert len(notes) == 1, report["notes"]
+    assert "torch.Generator.manual_seed received" in notes[0] and "train.py:11" in notes[0]
+    assert any("the seed was read from the clock at train.py:11" in n
+               for n in report["notes"]), report["notes"]

@@ -23,7 +23,12 @@ otherwise offered for any value that entered with a difference nothing else expl
 And the results it takes in the order threads or processes finish them
 (``concurrent.futures.as_completed``, ``Pool.imap_unordered``, asyncio's ``as_completed``):
 ``python.completion_order``, the evidence for PY-COMPLETION-ORDER (a trial's shards loaded
-in threads and trained on as they came got the OpenCV recipe).
+in threads and trained on as they came got the OpenCV recipe). And what it orders by
+object identity (``sorted(params, key=id)``, ``key=hash``, ``key=lambda p: id(p)``):
+``python.address_order``, a note whatever the verdict. Addresses differ from one plain
+run to the next, but nondet's two runs allocate alike and mostly agree, so a trial's
+script whose plain runs differed 5 times in 10 was "deterministic" (or got a fix that
+happened to hold), with no word on the line.
 """
 
 from __future__ import annotations
@@ -35,11 +40,15 @@ from typing import Any
 FACT = "python.set_iteration"
 LISTING_FACT = "python.unsorted_listing"
 COMPLETION_FACT = "python.completion_order"
+ADDRESS_FACT = "python.address_order"
 HASH_SEED_FACT = "python.hash_seed_by_nondet"
 #: Calls that list a directory in the file system's order.
 _LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir", "walk"})
 #: Calls that hand results over in the order threads or processes finish them.
 _COMPLETIONS = frozenset({"as_completed", "imap_unordered"})
+#: Calls that order what they are given by a ``key=``, and the keys that are identities.
+_KEYED = frozenset({"sorted", "sort", "min", "max", "nsmallest", "nlargest"})
+_IDENTITY_KEYS = frozenset({"id", "hash"})
 #: Sites named at most.
 MAX_SITES = 8
 #: Scripts larger than this are not read (a generated file): bytes.
@@ -63,25 +72,26 @@ def set_iterations(source: str, filename: str = "<script>") -> list[tuple[int, s
 Sites = list[tuple[int, str]]
 
 
-def scan(source: str, filename: str = "<script>") -> tuple[Sites, Sites, Sites]:
-    """(set iterations, unsorted directory listings, results taken as they complete) of
-    ``source``: (line, text) each, at most ``MAX_SITES`` of each, in line order. Never
-    raises."""
+def scan(source: str, filename: str = "<script>") -> tuple[Sites, Sites, Sites, Sites]:
+    """(set iterations, unsorted directory listings, results taken as they complete,
+    orderings by object identity) of ``source``: (line, text) each, at most ``MAX_SITES``
+    of each, in line order. Never raises."""
     if len(source) > MAX_SOURCE:
-        return [], [], []
+        return [], [], [], []
     try:
         tree = ast.parse(source, filename)
         finder = _Finder(_set_names(tree))
         finder.visit(tree)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return [], [], []
+        return [], [], [], []
     lines = source.splitlines()
 
     def shown(found: list[int]) -> list[tuple[int, str]]:
         return [(n, lines[n - 1].strip() if 0 < n <= len(lines) else "")
                 for n in sorted(set(found))[:MAX_SITES]]
 
-    return shown(finder.lines), shown(finder.listings), shown(finder.completions)
+    return (shown(finder.lines), shown(finder.listings), shown(finder.completions),
+            shown(finder.addresses))
 
 
 def _set_names(tree: ast.AST) -> set[str]:
@@ -137,6 +147,7 @@ class _Finder(ast.NodeVisitor):
         self.lines: list[int] = []
         self.listings: list[int] = []  # directory listings not handed to sorted()
         self.completions: list[int] = []  # results taken in the order they finish
+        self.addresses: list[int] = []  # orderings by object identity (key=id)
         self.order_free: set[int] = set()  # ids of nodes handed straight to sorted() & co
 
     def _check(self, iterated: ast.AST, at: ast.AST) -> None:
@@ -168,6 +179,8 @@ class _Finder(ast.NodeVisitor):
             self.listings.append(node.lineno)
         if name in _COMPLETIONS and id(node) not in self.order_free:
             self.completions.append(node.lineno)
+        if name in _KEYED and any(k.arg == "key" and _identity(k.value) for k in node.keywords):
+            self.addresses.append(node.lineno)
         ordering = (isinstance(func, ast.Name) and func.id in _ORDERING_CALLS) or (
             isinstance(func, ast.Attribute) and func.attr == "join")
         if ordering:
@@ -185,6 +198,16 @@ class _Finder(ast.NodeVisitor):
         self.generic_visit(node)
 
 
+def _identity(key: ast.AST) -> bool:
+    """``id``, ``hash``, or a lambda returning ``id(x)``/``hash(x)`` of its argument."""
+    if isinstance(key, ast.Name):
+        return key.id in _IDENTITY_KEYS
+    if isinstance(key, ast.Lambda) and isinstance(key.body, ast.Call):
+        func = key.body.func
+        return isinstance(func, ast.Name) and func.id in _IDENTITY_KEYS
+    return False
+
+
 def send(session: Any, script: str | None, seed: int) -> None:
     """Before the script runs: its set iterations as the fact ``FACT`` ("train.py:5" each),
     its unsorted listings as ``LISTING_FACT`` and the results it takes as they complete as
@@ -196,12 +219,13 @@ def send(session: Any, script: str | None, seed: int) -> None:
             return
         with open(script, "rb") as file:
             raw = file.read(MAX_SOURCE + 1)
-        sets, listings, completions = scan(raw.decode("utf-8", "replace"), script)
+        sets, listings, completions, addresses = scan(raw.decode("utf-8", "replace"), script)
         facts: dict[str, Any] = {
             fact: [session.string(session.sources.intern_location(script, line))
                    for line, _ in sites]
             for fact, sites in ((FACT, sets), (LISTING_FACT, listings),
-                                (COMPLETION_FACT, completions)) if sites}
+                                (COMPLETION_FACT, completions), (ADDRESS_FACT, addresses))
+            if sites}
         if facts:
             facts[HASH_SEED_FACT] = os.environ.get("PYTHONHASHSEED") == str(seed % 2**32)
             session.send_facts(facts)
@@ -221,3 +245,16 @@ def note(facts: dict[str, Any]) -> str | None:
             "(PYTHONHASHSEED) and which plain runs draw afresh at every start, so plain runs "
             "may differ where these repeated [PY-HASHSEED]; sorted(...) gives the set one "
             "order (PYTHONHASHSEED=random nondet run ... shows whether it matters)")
+
+
+def address_note(facts: dict[str, Any]) -> str | None:
+    """The report's note for a capture's orderings by object identity (None: none)."""
+    sites = facts.get(ADDRESS_FACT)
+    if not isinstance(sites, list) or not sites or not all(isinstance(s, str) for s in sites):
+        return None
+    where = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
+    return (f"{where} orders objects by id() or hash(): by their memory addresses, which "
+            "differ from one plain run to the next while nondet's two runs, allocating alike, "
+            "mostly agree; so plain runs may differ where these repeated, and a fix verified "
+            "here may have held by chance. Order by a stable key instead (a parameter's name "
+            "from named_parameters(), an index)")

@@ -28,19 +28,23 @@ object identity (``sorted(params, key=id)``, ``key=hash``, ``key=lambda p: id(p)
 ``python.address_order``, a note whatever the verdict. Addresses differ from one plain
 run to the next, but nondet's two runs allocate alike and mostly agree, so a trial's
 script whose plain runs differed 5 times in 10 was "deterministic" (or got a fix that
-happened to hold), with no word on the line.
+happened to hold), with no word on the line. And the threads it starts
+(``ThreadPoolExecutor``, ``threading.Thread``): ``python.threads``, the evidence for
+PY-THREAD-WORK (ops run in the script's threads are not recorded; a trial's threads drawing
+``torch.randperm`` from the global generator got the OpenCV recipe).
 """
 
 from __future__ import annotations
 
 import ast
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 FACT = "python.set_iteration"
 LISTING_FACT = "python.unsorted_listing"
 COMPLETION_FACT = "python.completion_order"
 ADDRESS_FACT = "python.address_order"
+THREADS_FACT = "python.threads"
 HASH_SEED_FACT = "python.hash_seed_by_nondet"
 #: Calls that list a directory in the file system's order.
 _LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir", "walk"})
@@ -49,6 +53,8 @@ _COMPLETIONS = frozenset({"as_completed", "imap_unordered"})
 #: Calls that order what they are given by a ``key=``, and the keys that are identities.
 _KEYED = frozenset({"sorted", "sort", "min", "max", "nsmallest", "nlargest"})
 _IDENTITY_KEYS = frozenset({"id", "hash"})
+#: Calls that start threads of the script's own.
+_THREADS = frozenset({"ThreadPoolExecutor", "Thread"})
 #: Sites named at most.
 MAX_SITES = 8
 #: Scripts larger than this are not read (a generated file): bytes.
@@ -66,32 +72,41 @@ _ORDER_FREE = frozenset({"sorted", "len", "set", "frozenset", "any", "all", "min
 def set_iterations(source: str, filename: str = "<script>") -> list[tuple[int, str]]:
     """(line, source text) of each place ``source`` iterates a set in an order that can
     follow the hash salt, at most ``MAX_SITES``, in line order. Never raises."""
-    return scan(source, filename)[0]
+    return scan(source, filename).sets
 
 
 Sites = list[tuple[int, str]]
 
 
-def scan(source: str, filename: str = "<script>") -> tuple[Sites, Sites, Sites, Sites]:
-    """(set iterations, unsorted directory listings, results taken as they complete,
-    orderings by object identity) of ``source``: (line, text) each, at most ``MAX_SITES``
-    of each, in line order. Never raises."""
+class Scan(NamedTuple):
+    """What ``scan`` found: (line, text) of each place, at most ``MAX_SITES`` of each, in
+    line order."""
+
+    sets: Sites  # iterations of a set
+    listings: Sites  # directory listings nothing sorts
+    completions: Sites  # results taken as they complete
+    addresses: Sites  # orderings by object identity
+    threads: Sites  # threads the script starts (ThreadPoolExecutor, threading.Thread)
+
+
+def scan(source: str, filename: str = "<script>") -> Scan:
+    """The places in ``source`` whose order the machine decides. Never raises."""
     if len(source) > MAX_SOURCE:
-        return [], [], [], []
+        return Scan([], [], [], [], [])
     try:
         tree = ast.parse(source, filename)
         finder = _Finder(_set_names(tree))
         finder.visit(tree)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return [], [], [], []
+        return Scan([], [], [], [], [])
     lines = source.splitlines()
 
     def shown(found: list[int]) -> list[tuple[int, str]]:
         return [(n, lines[n - 1].strip() if 0 < n <= len(lines) else "")
                 for n in sorted(set(found))[:MAX_SITES]]
 
-    return (shown(finder.lines), shown(finder.listings), shown(finder.completions),
-            shown(finder.addresses))
+    return Scan(shown(finder.lines), shown(finder.listings), shown(finder.completions),
+                shown(finder.addresses), shown(finder.threads))
 
 
 def _set_names(tree: ast.AST) -> set[str]:
@@ -148,6 +163,7 @@ class _Finder(ast.NodeVisitor):
         self.listings: list[int] = []  # directory listings not handed to sorted()
         self.completions: list[int] = []  # results taken in the order they finish
         self.addresses: list[int] = []  # orderings by object identity (key=id)
+        self.threads: list[int] = []  # threads started (their ops are not recorded)
         self.order_free: set[int] = set()  # ids of nodes handed straight to sorted() & co
 
     def _check(self, iterated: ast.AST, at: ast.AST) -> None:
@@ -181,6 +197,8 @@ class _Finder(ast.NodeVisitor):
             self.completions.append(node.lineno)
         if name in _KEYED and any(k.arg == "key" and _identity(k.value) for k in node.keywords):
             self.addresses.append(node.lineno)
+        if name in _THREADS:
+            self.threads.append(node.lineno)
         ordering = (isinstance(func, ast.Name) and func.id in _ORDERING_CALLS) or (
             isinstance(func, ast.Attribute) and func.attr == "join")
         if ordering:
@@ -219,12 +237,13 @@ def send(session: Any, script: str | None, seed: int) -> None:
             return
         with open(script, "rb") as file:
             raw = file.read(MAX_SOURCE + 1)
-        sets, listings, completions, addresses = scan(raw.decode("utf-8", "replace"), script)
+        found = scan(raw.decode("utf-8", "replace"), script)
         facts: dict[str, Any] = {
             fact: [session.string(session.sources.intern_location(script, line))
                    for line, _ in sites]
-            for fact, sites in ((FACT, sets), (LISTING_FACT, listings),
-                                (COMPLETION_FACT, completions), (ADDRESS_FACT, addresses))
+            for fact, sites in ((FACT, found.sets), (LISTING_FACT, found.listings),
+                                (COMPLETION_FACT, found.completions),
+                                (ADDRESS_FACT, found.addresses), (THREADS_FACT, found.threads))
             if sites}
         if facts:
             facts[HASH_SEED_FACT] = os.environ.get("PYTHONHASHSEED") == str(seed % 2**32)

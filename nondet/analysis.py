@@ -137,6 +137,13 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                 "overrides run(); their parameters after they were joined matched); pass "
                 "the training function as Process(target=...), or call it in the main "
                 "process, to compare it step by step")
+        if a.facts.get(channel.POOL_FACT) is True:
+            raise NondetError(
+                "no training step was observed in the main process: the script trains in a "
+                "process pool (multiprocessing.Pool, concurrent.futures.ProcessPoolExecutor), "
+                "whose workers nondet does not record: a worker takes whichever task is "
+                "free, so the two runs' workers cannot be paired; to compare it step by step, "
+                "run the training in the main process or in Process(target=...) children")
         forks = exit_place.fork_notes(a)
         if forks:  # the child of a bare os.fork trained, unrecorded
             raise NondetError(f"no training step was observed in the main process; {forks[0]}")

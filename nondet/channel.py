@@ -72,6 +72,9 @@ CHILD_PARAMS_FACT = "child#{}.params_fp"
 #: Prefix of an entry's name in the parent: a tensor handed to child K, read after its join.
 CHILD_ENTRY_PREFIX = "child:"
 CHILD_PARAMS_PREFIX = "child#"
+#: Fact: the run started process pool workers (multiprocessing.Pool, ProcessPoolExecutor),
+#: which are not recorded (frameworks/torch/children.py)
+POOL_FACT = "python.pool_workers"
 #: Fact: an optimizer was given its parameters as a set (torch/owners.py); with ".line" the
 #: user's line that made it.
 OPTIMIZER_PARAMS_SET = "torch.optimizer_params_set"

@@ -13,8 +13,10 @@ target and ends the session. The parent stores and compares those files
 K is the child's creation order among the processes this run started (not its pid), so two
 runs line up whatever the scheduling. Data workers are left out: DataLoader workers and
 ``multiprocessing.Pool`` workers make data, never train, and their start stays as cheap as
-it is. A Process subclass that overrides ``run()`` has no target to wrap and is not
-recorded step by step.
+it is. So are ``ProcessPoolExecutor`` workers: pool workers take tasks as they come free,
+and cannot be paired between the runs (``_DATA_WORKERS``); the fact ``POOL_FACT`` says a
+pool was started, for the message when no step was observed elsewhere. A Process subclass
+that overrides ``run()`` has no target to wrap and is not recorded step by step.
 
 Beside that, the tensors handed to a child are fingerprinted afresh when the parent joins
 it and sent as the fact ``child#K.params_fp``: the state it leaves behind, compared even
@@ -35,7 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from nondet import frameworks
-from nondet.channel import CHILD_ENTRY_PREFIX, CHILD_PARAMS_FACT
+from nondet.channel import CHILD_ENTRY_PREFIX, CHILD_PARAMS_FACT, POOL_FACT
 from nondet.frameworks.base import Session, StopRun
 from nondet.frameworks.fp import group_fp
 from nondet.frameworks.torch.cache import FingerprintCache
@@ -84,8 +86,13 @@ def _tensors_in(values: Iterable[Any], depth: int = 2) -> list[torch.Tensor]:
 _FORKED = "forked"  # a key of ChildMain's config that is not ChildConfig's
 #: A child's first steps recorded op by op (beside the run's window).
 CHILD_OP_STEPS = 32
-#: Modules whose process targets make data, not training: DataLoader and Pool workers.
-_DATA_WORKERS = ("torch.utils.data", "multiprocessing")
+#: Modules whose process targets are not recorded: DataLoader workers and ``multiprocessing``'s
+#: own (Pool workers make data), and pool workers (``Pool``, ``ProcessPoolExecutor``), which
+#: take tasks as they come free: the worker that ran a task in run a may run another in run
+#: b, so two runs' workers cannot be paired by creation order (a sweep of deterministic
+#: tasks, each seeding itself, read "a different seed" in 3 of 4 invocations).
+_DATA_WORKERS = ("torch.utils.data", "multiprocessing", "concurrent.futures")
+_POOL_WORKERS = ("multiprocessing.pool", "concurrent.futures")
 
 
 #: Name of the entry a joined child's tensors make at their next read in the parent
@@ -113,6 +120,7 @@ def _child_config(backend: ChildrenHost, index: int) -> dict[str, Any] | None:
 def install(backend: ChildrenHost) -> None:
     """Wrap ``BaseProcess.start`` and ``join`` (every start method and context uses them)."""
     started = [0]  # children recorded by this run, in creation order
+    pools = [False]  # a pool worker was started (POOL_FACT sent)
     # child -> (creation order, weak refs to its tensors); kept beside the Process, never on
     # it: a spawned child's Process object is pickled, and must stay as the user made it
     marks: weakref.WeakKeyDictionary[mp_process.BaseProcess,
@@ -125,8 +133,12 @@ def install(backend: ChildrenHost) -> None:
     def start(proc: mp_process.BaseProcess) -> None:
         target = getattr(proc, "_target", None)
         wrapped = False
-        if not backend.disabled and target is not None \
-                and not (getattr(target, "__module__", None) or "").startswith(_DATA_WORKERS):
+        module = (getattr(target, "__module__", None) or "") if target is not None else ""
+        if module.startswith(_POOL_WORKERS) and not backend.disabled and not pools[0]:
+            pools[0] = True
+            with backend.guarded():  # said once: why training there is not compared
+                backend.session.send_facts({POOL_FACT: True})
+        if not backend.disabled and target is not None and not module.startswith(_DATA_WORKERS):
             with backend.guarded():
                 index = started[0]
                 started[0] += 1

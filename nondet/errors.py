@@ -42,8 +42,14 @@ _sigint = {"watched": False, "seen": False}
 
 def watch_sigint() -> None:
     """Note when nondet gets SIGINT, raising KeyboardInterrupt as Python's own handler does
-    (left alone when SIGINT is ignored, or outside the main thread)."""
+    (left alone when SIGINT is ignored, or outside the main thread): once. Another SIGINT
+    while nondet ends its runs is ignored, as a SIGTERM then is (``end_once``): `timeout`
+    forwards a Ctrl-C to nondet and again to its group, and a second KeyboardInterrupt in
+    the middle of the clean-up left runs going and captures open ("release unlocked lock"
+    from a Condition it cut short, exit 3; or a hang at exit on h5py's lock)."""
     def handler(signum: int, frame: FrameType | None) -> None:
+        if not end_once():
+            return
         _sigint["seen"] = True
         raise KeyboardInterrupt
 
@@ -53,6 +59,18 @@ def watch_sigint() -> None:
             _sigint["watched"] = True
     except ValueError:
         pass  # not the main thread (nondet used as a library)
+
+
+_ending = {"now": False}
+
+
+def end_once() -> bool:
+    """True the first time nondet is told to end (SIGINT, SIGTERM or SIGHUP), False after:
+    the signal handlers raise only then, so the clean-up the first one started finishes
+    (each of its waits is bounded)."""
+    first = not _ending["now"]
+    _ending["now"] = True
+    return first
 
 
 def interrupted_here() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,6 +153,35 @@ def test_sigint_to_nondet_alone_ends_the_runs_as_interrupted(tmp_path: Path) -> 
         # ended on a SIGINT of its own (exit 130), not on the SIGTERM nondet sends a run
         # still there after waiting ten seconds for a Ctrl-C that never reached it
         assert capture.exit_code == 130, (label, capture.exit_code)
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
+def test_sigint_forwarded_twice_by_timeout_leaves_readable_captures(tmp_path: Path) -> None:
+    """Faults round 9: under `timeout`, a Ctrl-C reaches nondet twice or thrice (from the
+    terminal, and forwarded by `timeout`). The second KeyboardInterrupt cut the clean-up
+    short: runs left going, captures damaged (3 of 4 tries), "release unlocked lock"
+    (exit 3), or a hang at exit. The clean-up now finishes."""
+    for attempt in range(2):
+        out = tmp_path / f"out{attempt}"
+        proc = subprocess.Popen(["timeout", "120", sys.executable, "-m", "nondet", "run", "-q",
+                                 "--out", str(out), STEPS, "--steps", "400", "--sleep",
+                                 "0.05"], cwd=tmp_path, env={**os.environ, "NO_COLOR": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            logs = list(out.glob("*/run-a.log"))
+            if logs and f"step {2 + attempt} done" in logs[0].read_text():
+                break
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        os.killpg(proc.pid, signal.SIGINT)  # timeout and nondet both get it; timeout forwards
+        _, stderr = proc.communicate(timeout=90)
+        assert proc.returncode == 130, stderr
+        assert "internal error" not in stderr and "Traceback" not in stderr, stderr
+        for label in "ab":
+            capture = open_capture(out / "latest" / f"run-{label}.h5")
+            assert capture.status == "interrupted", (label, capture.status)
 
 
 def test_the_terminal_foreground_is_told_from_a_job_without_one() -> None:

@@ -150,7 +150,8 @@ def _terminate_on_sigterm() -> None:
     def handler(signum: int, frame: object) -> None:
         for sig in TERMINATING:  # once: let the clean-up finish
             signal.signal(sig, signal.SIG_IGN)
-        raise Terminated(signum)
+        if errors.end_once():  # not after a Ctrl-C whose clean-up is under way
+            raise Terminated(signum)
 
     try:
         for sig in TERMINATING:

@@ -270,3 +270,15 @@ def test_numbers_too_large_for_a_float_in_a_crafted_report(tmp_path: Path) -> No
     result = run_cli("report", "r.json", "--html", "out.html", cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr and (tmp_path / "out.html").exists()
+
+
+@pytest.mark.parametrize("run", ["str", None, {}, [1, "x", None], {"label": ["x"]}])
+def test_a_run_of_the_wrong_shape_in_a_crafted_report(tmp_path: Path, run: Any) -> None:
+    """Faults round 9: ``runs[0]`` given as a string, null, a list or ``{}`` ended the page
+    in an internal error ('dict object' has no attribute 'label', exit 3)."""
+    _, data = _page(tmp_path)
+    data["runs"][0] = run
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    result = run_cli("report", "r.json", "--html", "out.html", cwd=tmp_path)
+    assert result.returncode == data["exit_code"], result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and (tmp_path / "out.html").exists()

@@ -114,12 +114,21 @@ class View:
     baseline: str = ""
 
 
+#: A run's fields the page shows: each present, "" where a crafted report lacks it (a run
+#: given as a string, null, or {} ended the page in an internal error).
+_RUN_FIELDS = ("label", "steps", "status", "exit_code", "path")
+
+
+def _run(run: dict[str, Any]) -> dict[str, str]:
+    return {k: _s(run.get(k)) for k in _RUN_FIELDS}
+
+
 def build(data: dict[str, Any], *, root: Path | None, cwd: Path | None = None) -> View:
     """The page's content from a JSON report; ``root``: where source files may be read."""
     div = _d(data.get("first_divergence"))
     view = View(verdict=_s(data.get("verdict")) or "error", headline=_headline(data, div),
                 exit_code=_i(data.get("exit_code")), command=_s(data.get("command")),
-                runs=[{k: _s(v) for k, v in _d(r).items()} for r in _l(data.get("runs"))],
+                runs=[_run(_d(r)) for r in _l(data.get("runs"))],
                 baseline=_s(data.get("baseline")))
     if div:
         _finding(view, div, root, cwd)

@@ -194,5 +194,7 @@ def test_a_deterministic_verdict_over_interrupted_runs_says_so() -> None:
                        status="interrupted", label=x) for i, x in enumerate("ab")]
     report = Report(verdict="deterministic", exit_code=ExitCode.DETERMINISTIC, runs=runs)
     assert "interrupted: a, b" in text.lines(report)[0]
+    runs[1].status = "crashed"  # faults round 9: a run SIGKILLed mid-step, said nothing
+    assert "interrupted: a; crashed: b" in text.lines(report)[0]
     runs[1].status = runs[0].status = "complete"
     assert "interrupted" not in text.lines(report)[0]  # the control

@@ -70,6 +70,10 @@ def lines(report: Report) -> list[str]:
     return [printable(line) for line in out]
 
 
+#: How a run ended that leaves its steps short of the script's end (``channel``'s statuses).
+_CUT_SHORT = ("interrupted", "crashed", "failed")
+
+
 def _verdict(report: Report) -> str:
     div = report.first_divergence
     if div is None:
@@ -78,10 +82,16 @@ def _verdict(report: Report) -> str:
         if report.contained:  # something differed that reached no training state (a note)
             detail = (f"{len(report.runs)} runs ({steps} steps) trained bitwise identically "
                       "(a difference that never reached training is noted below)")
-        cut = [escape(r.label or r.path) for r in report.runs if r.status == "interrupted"]
-        if cut:  # `nondet diff` of what a Ctrl-C left: identical so far, not to the end
-            detail += (f" over the steps both recorded (interrupted: {', '.join(cut)}; what "
-                       "came after was not compared)")
+        # `nondet diff` of what a Ctrl-C, a crash or a failure left: identical so far, not
+        # to the end (a crashed run's capture read "bitwise identical" without a word)
+        ended: dict[str, list[str]] = {}
+        for r in report.runs:
+            if r.status in _CUT_SHORT:
+                ended.setdefault(r.status, []).append(escape(r.label or r.path))
+        cut = [f"{status}: {', '.join(labels)}" for status, labels in ended.items()]
+        if cut:
+            detail += (f" over the steps both recorded ({'; '.join(cut)}; what came after "
+                       "was not compared)")
         if report.op_records:
             detail += f", {report.op_records:,} op records compared"
         return f"[bold green]nondet: deterministic[/] — {detail}"

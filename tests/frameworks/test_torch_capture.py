@@ -533,3 +533,20 @@ def test_kept_copies_never_stop_a_tensor_from_being_resized() -> None:
         kept = _to_numpy(t)
         assert kept.flags.c_contiguous and torch.equal(torch.from_numpy(kept), t.float())
         t.resize_(40)  # raised "Trying to resize storage that is not resizable"
+
+
+def test_training_on_the_meta_device_is_recorded_without_values(tmp_path: Path) -> None:
+    """Faults round 9: ``torch.set_default_device("meta")`` and a training loop (shapes
+    only) ended in nondet's own error: the loss and parameter sum, meta tensors, were read
+    back. They have no values: NaN, and the run is recorded."""
+    c = capture(tmp_path, """
+        import torch
+        torch.manual_seed(0)
+        torch.set_default_device("meta")
+        m = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        x = torch.randn(8, 4)
+        for step in range(3):
+            opt.zero_grad(); loss = m(x).pow(2).mean(); loss.backward(); opt.step()
+        """)
+    assert c.n_steps == 3 and c.status == "complete"

@@ -11,6 +11,7 @@ device is waited for once (Note [Streams] in cuda.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,6 +31,11 @@ def read_back(ints: Sequence[torch.Tensor],
     values: list[int | float] = [0] * (len(ints) + len(floats))
     plain: list[tuple[int, torch.Tensor]] = []
     for i, t in enumerate((*ints, *floats)):
+        if t.device.type == "meta":
+            # no values to read (a model trained on the meta device, shapes only): the
+            # loss and parameter sum of such a step are NaN, as for a model with none
+            values[i] = 0 if i < len(ints) else math.nan
+            continue
         if type(t) is torch.Tensor:
             t = t.reshape(())
             plain.append((i, t if i < len(ints) else t.view(torch.int64)))

@@ -44,6 +44,8 @@ def note_launcher_state() -> None:
     if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.environ[IGNORED_ENV] = "1"
+    else:  # nondet's word to its runs, never the user's: a value in the caller's
+        os.environ.pop(IGNORED_ENV, None)  # environment made the script ignore SIGCHLD
 
 
 def descriptors() -> tuple[int, ...]:

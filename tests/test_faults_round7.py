@@ -210,6 +210,23 @@ def test_a_run_that_crashed_is_not_taken_for_a_clean_end_with_sigchld_ignored(
     assert "script sees SIGCHLD ignored: True" in log
 
 
+def test_nondets_sigchld_word_in_the_callers_environment_is_not_taken(tmp_path: Path) -> None:
+    # Faults round 9: NONDET_SIGCHLD_IGNORED=1 in the caller's environment (nondet's word
+    # to its runs) made the script ignore SIGCHLD: its `subprocess.run(["false"])` read
+    # exit status 0, and nondet said "the script failed".
+    (tmp_path / "probe.py").write_text(
+        "import signal, subprocess\n"
+        "print('ignored:', signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN, flush=True)\n"
+        "assert subprocess.run(['false']).returncode == 1\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "nondet", "run", "--no-verify", "probe.py"], cwd=tmp_path,
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "NONDET_SIGCHLD_IGNORED": "1"})
+    assert "the script failed" not in result.stderr, result.stderr
+    log = next((tmp_path / ".nondet").glob("*/run-a.log")).read_text()
+    assert "ignored: False" in log, log
+
+
 def test_a_descriptor_nondet_was_given_reaches_the_script(tmp_path: Path) -> None:
     # Trial: `nondet run train.py 3>metrics.log` (plain python: the script writes its
     # metrics to descriptor 3): the runs started without it, and nondet said "the script

@@ -137,6 +137,13 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                 "overrides run(); their parameters after they were joined matched); pass "
                 "the training function as Process(target=...), or call it in the main "
                 "process, to compare it step by step")
+        cut = [f"{c.path} ({c.status})" for c in (a, b)
+               if c.status in ("interrupted", "crashed", "failed")]
+        if cut:
+            raise NondetError(
+                f"no training step was recorded: {' and '.join(cut)} ended before the first "
+                "step ended, so there is nothing to compare; capture runs that get past a "
+                "step (nondet run, or let the runs go on longer)")
         if a.facts.get(channel.POOL_FACT) is True:
             raise NondetError(
                 "no training step was observed in the main process: the script trains in a "

@@ -26,7 +26,7 @@ from nondet.exitcodes import ExitCode
 from nondet.progress import Progress
 from nondet.report import ContextLine, Divergence, Report, RunSummary, text
 from nondet.store import open_capture
-from tests.conftest import run_cli
+from tests.conftest import run_cli, step_rows, write_capture
 from tests.test_readback import _run
 from tests.test_unclosed_capture import _killed_capture
 
@@ -198,3 +198,16 @@ def test_a_deterministic_verdict_over_interrupted_runs_says_so() -> None:
     assert "interrupted: a; crashed: b" in text.lines(report)[0]
     runs[1].status = runs[0].status = "complete"
     assert "interrupted" not in text.lines(report)[0]  # the control
+
+
+def test_a_diff_of_captures_interrupted_before_their_first_step_says_so(
+        tmp_path: Path) -> None:
+    # Faults round 9: both runs interrupted during init, then `nondet diff` of them: "no
+    # training step was observed ... check that the script trains", which it does.
+    rows = step_rows({"step": -1, "params_fp": 1})
+    a = write_capture(tmp_path / "run-a.h5", rows, status="interrupted")
+    b = write_capture(tmp_path / "run-b.h5", rows, status="interrupted")
+    result = run_cli("diff", str(a), str(b), cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "ended before the first step" in result.stderr, result.stderr
+    assert "check that the script trains" not in result.stderr

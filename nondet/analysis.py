@@ -105,6 +105,7 @@ def compare_captures(a: Capture, b: Capture, *, command: str = "", notes: Sequen
 def compare_pair(a: Capture, b: Capture) -> Comparison:
     """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
     _check_same_framework(a, b)
+    _check_same_process(a, b)
     _check_same_scheme(a, b)
     env_diff = environment.differences(a.env, b.env)
     notes = [*capture_notes(a, b), *readback.pair_notes(a, b),
@@ -278,6 +279,26 @@ def _check_same_framework(a: Capture, b: Capture) -> None:
             f"{a.path} was recorded with {', '.join(sorted(made_a))} and {b.path} with "
             f"{', '.join(sorted(made_b))}: nothing in them can be compared; give two captures "
             "of the same script")
+
+
+_CHILD_LABEL = re.compile(r"\.child(\d+)$")
+
+
+def _check_same_process(a: Capture, b: Capture) -> None:
+    """A run's capture against the capture of a child process a run started (``run-b.
+    child0.h5``, child_captures.py): two different programs' steps, which a comparison
+    would call different (child captures also record no fingerprint scheme: it said the
+    schemes differed). Child K is compared with the other run's child K."""
+    kids = [_CHILD_LABEL.search(c.label) for c in (a, b)]
+    if bool(kids[0]) == bool(kids[1]):
+        return
+    child, main = (b, a) if kids[1] else (a, b)
+    number = (kids[1] or kids[0]).group(1)  # type: ignore[union-attr]
+    raise NondetError(
+        f"{child.path} is the capture of child process {number} that a run started, and "
+        f"{main.path} a run's own: compare a run's capture with the other run's, and a "
+        f"child's with the same child's of the other run (run-a.child{number}.h5 with "
+        f"run-b.child{number}.h5)")
 
 
 def _check_same_scheme(a: Capture, b: Capture) -> None:

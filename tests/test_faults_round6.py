@@ -211,3 +211,16 @@ def test_a_diff_of_captures_interrupted_before_their_first_step_says_so(
     assert result.returncode == 2, result.stdout + result.stderr
     assert "ended before the first step" in result.stderr, result.stderr
     assert "check that the script trains" not in result.stderr
+
+
+def test_a_diff_of_a_runs_capture_and_a_childs_says_which_to_compare(tmp_path: Path) -> None:
+    # Faults round 9: `nondet diff run-a.h5 run-b.child0.h5` said the two captures computed
+    # fingerprints differently (a child capture records no scheme): two programs' steps.
+    rows = step_rows({"step": -1, "params_fp": 1}, {"step": 0, "loss": 0.5, "params_fp": 2})
+    a = write_capture(tmp_path / "run-a.h5", rows, attrs={"label": "a"})
+    child = write_capture(tmp_path / "run-b.child0.h5", rows, attrs={"label": "b.child0"})
+    result = run_cli("diff", str(a), str(child), cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "run-a.child0.h5 with run-b.child0.h5" in result.stderr, result.stderr
+    other = write_capture(tmp_path / "run-a.child0.h5", rows, attrs={"label": "a.child0"})
+    assert run_cli("diff", str(other), str(child), cwd=tmp_path).returncode == 0

@@ -104,9 +104,7 @@ def compare_captures(a: Capture, b: Capture, *, command: str = "", notes: Sequen
 
 def compare_pair(a: Capture, b: Capture) -> Comparison:
     """Compare two captures already on disk (``nondet diff``, and step 1 of ``run``)."""
-    _check_same_framework(a, b)
-    _check_same_process(a, b)
-    _check_same_scheme(a, b)
+    check_comparable(a, b)
     env_diff = environment.differences(a.env, b.env)
     notes = [*capture_notes(a, b), *readback.pair_notes(a, b),
              *seed_diff.unseeded_script_notes(a)]
@@ -279,6 +277,14 @@ def _check_same_framework(a: Capture, b: Capture) -> None:
             f"{a.path} was recorded with {', '.join(sorted(made_a))} and {b.path} with "
             f"{', '.join(sorted(made_b))}: nothing in them can be compared; give two captures "
             "of the same script")
+
+
+def check_comparable(a: Capture, b: Capture) -> None:
+    """Refuse (one line, exit 2) two captures nothing in which can be compared: of two
+    frameworks, of a run and a child process, or hashed under two fingerprint schemes."""
+    _check_same_framework(a, b)
+    _check_same_process(a, b)
+    _check_same_scheme(a, b)
 
 
 _CHILD_LABEL = re.compile(r"\.child(\d+)$")

@@ -41,6 +41,7 @@ from nondet import (
 )
 from nondet.analysis import (
     Comparison,
+    check_comparable,
     compare_pair,
     summary_of_capture,
     with_suggestions,
@@ -247,6 +248,7 @@ def against_baseline(target: Target, options: Options, progress: ProgressSink,
     progress.stage(f"run: {target.describe()}, compared with the baseline {path}")
     result = _run_single(target, Plan("a", [], _first_plan(options)[1]), options, progress)
     current = open_capture(result.path)
+    check_comparable(base, current)  # another framework: said before any drift
     drift = baseline.drift(base, current)
     if drift and not allow_drift:
         raise NondetError(

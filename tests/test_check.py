@@ -330,3 +330,20 @@ def test_a_baseline_from_another_fingerprint_scheme_is_written_again(
     assert "--update-baseline" in errors[0]
     assert "--allow-env-drift" not in result.stderr
     assert not list(tmp_path.rglob("run-a.h5"))  # refused before running the script
+
+
+@pytest.mark.e2e
+def test_a_baseline_of_another_framework_says_so_first(tmp_path: Path) -> None:
+    """Faults round 9: a TensorFlow script's baseline given to a torch script's check
+    (with --allow-script-change) listed 1,500 characters of environment drift ending in
+    "--allow-env-drift", which then said the captures could not be compared."""
+    tf_script = str(REPO / "fixtures" / "tensorflow" / "custom_loop_control.py")
+    made = run_cli("check", "--update-baseline", "--baseline", "tf.h5", tf_script,
+                   cwd=tmp_path, timeout=600)
+    assert made.returncode == 0, made.stdout + made.stderr
+    result = run_cli("check", "--baseline", "tf.h5", "--allow-script-change", STEPS,
+                     cwd=tmp_path, timeout=600)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [x for x in result.stderr.splitlines() if x.startswith("nondet: error")]
+    assert len(errors) == 1 and "nothing in them can be compared" in errors[0], result.stderr
+    assert "--allow-env-drift" not in result.stderr

@@ -180,7 +180,7 @@ def test_a_run_that_ends_early_while_the_other_went_on_differs(tmp_path: Path) -
     assert div.kind == "structure" and div.step == 1
     assert "run b ended after 1 steps, run a went on to 2" in div.notes[0]
     shown = "\n".join(text.lines(report))
-    assert "step 1, other: one run ended, the other went on" in shown
+    assert "step 1: one run ended, the other went on" in shown  # no "other" phase shown
     assert "None" not in shown  # was "record #None: run a executed None, run b None"
 
 

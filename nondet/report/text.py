@@ -113,7 +113,10 @@ def _verdict(report: Report) -> str:
     elif not div.localized:
         what = f"runs diverge ({escape(div.phase)})"
     rank = f", rank {div.rank}" if div.world_size > 1 else ""
-    return f"[bold red]nondet: nondeterministic[/] — {where}, {escape(div.phase)}{rank}: {what}"
+    # "init, init" and "step 0, other" say nothing the place does not: the phase is shown
+    # where it names one (forward, backward, optimizer, data)
+    phase = f", {escape(div.phase)}" if div.phase and div.phase not in (where, "other") else ""
+    return f"[bold red]nondet: nondeterministic[/] — {where}{phase}{rank}: {what}"
 
 
 def _entry_label(div: Divergence) -> str:

@@ -22,6 +22,7 @@ from nondet.generator_use import USE_FACT
 from nondet.pyhooks import KERAS_DEFAULT_SEED, LIBRARY_UNSEEDED
 from nondet.records import INIT_STEP
 from nondet.report import Divergence
+from nondet.report import seed_verb as got
 from nondet.seeding import SEED_FACT_PREFIX
 from nondet.store import Capture
 
@@ -102,11 +103,11 @@ def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergenc
         return None  # the seed came after the difference: it may be derived from it
     values = f"{_shown(diff.value_a)} in run a and {_shown(diff.value_b)} in run b"
     if div is not None and _independent(div):
-        div.notes.append(f"{diff.api} at {diff.site or diff.library} also received different "
-                         f"seeds ({values}), but this op differs with all its inputs equal "
-                         "and draws no random numbers: a cause of its own")
+        div.notes.append(f"{diff.api} at {diff.site or diff.library} also {got(diff.api)} "
+                         f"different seeds ({values}), but this op differs with all its "
+                         "inputs equal and draws no random numbers: a cause of its own")
         return None
-    notes = [f"{diff.api} received {values}{SEED_DIFFERS}"]
+    notes = [f"{diff.api} {got(diff.api)} {values}{SEED_DIFFERS}"]
     origin = clock_origin(a, diff), clock_origin(b, diff)
     if origin[0] is not None and origin[0] == origin[1]:
         site, unit = origin[0]

@@ -42,5 +42,8 @@ def test_a_drawn_seed_is_named_and_pinned(tmp_path: Path, how: str, line: int,
     report = json.loads((tmp_path / "r.json").read_text())
     div = report["first_divergence"]
     assert div["source"].endswith(f"train.py:{line}") and api in done.stdout
+    # round 12: it takes no seed, it draws one ("received a different seed" said otherwise)
+    assert f"{api} drew a different seed" in done.stdout, done.stdout
+    assert div["notes"][0].startswith(f"{api} drew "), div["notes"]
     first = report["suggestions"][0]
     assert first["id"] == "PY-SEED-VARIES" and first["verified"] is True

@@ -16,6 +16,15 @@ from nondet.recipe import Suggestion
 REPORT_VERSION = 1
 
 
+
+#: Seeding calls that draw their seed themselves (and take none): recorded with it.
+DRAWN_SEEDS = frozenset({"torch.seed", "torch.Generator.seed"})
+
+
+def seed_verb(api: str) -> str:
+    """How a seeding call came by its seed: given it ("received"), or drew it itself."""
+    return "drew" if api in DRAWN_SEEDS else "received"
+
 @dataclass
 class RunSummary:
     path: str

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from nondet.report import charts, snippet
+from nondet.report import seed_verb as got
 from nondet.report.text import printable
 
 
@@ -178,7 +179,8 @@ def _headline(data: dict[str, Any], div: dict[str, Any]) -> str:
             "entry": f"{_s(div.get('op')) or 'a tensor'} enters with different values",
             "structure": "the runs execute different ops",
             "init": "the initial state already differs",
-            "seed": f"{_s(div.get('op')) or 'a seeding call'} received a different seed",
+            "seed": f"{_s(div.get('op')) or 'a seeding call'} {got(_s(div.get('op')))} a "
+                    "different seed",
             }.get(_s(div.get("kind")), "the runs differ")
     if div.get("localized") is False:
         what = "the runs diverge"

@@ -12,6 +12,7 @@ from nondet.fingerprint import short
 from nondet.printable import clip
 from nondet.printable import printable as printable  # re-exported: its users import it here
 from nondet.report import STATE_PARTS, Divergence, GrowthRow, Report
+from nondet.report import seed_verb as got
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -101,7 +102,7 @@ def _verdict(report: Report) -> str:
         "entry": f"{escape(_entry_label(div))} enters with different values",
         "structure": "the runs execute different ops",
         "init": "the initial state already differs",
-        "seed": f"{escape(div.op or 'a seeding call')} received a different seed",
+        "seed": f"{escape(div.op or 'a seeding call')} {got(div.op or '')} a different seed",
         "collective": f"the collective {escape(div.op or '?')} creates the difference: its "
                       "output differs while every rank's inputs matched"
                       + (f" ({escape(str(div.collective['summary']))})"

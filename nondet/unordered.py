@@ -252,13 +252,20 @@ def send(session: Any, script: str | None, seed: int) -> None:
         pass  # the script's source is the script's: nondet only reads it, and may not
 
 
+def _where(facts: dict[str, Any], fact: str) -> str | None:
+    """The sites of ``fact`` as the notes name them ("train.py:5, train.py:9 and 2 more"),
+    or None where the capture (untrusted input) holds none, or not as a list of strings."""
+    sites = facts.get(fact)
+    if not isinstance(sites, list) or not sites or not all(isinstance(s, str) for s in sites):
+        return None
+    return ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
+
+
 def note(facts: dict[str, Any]) -> str | None:
     """The report's note for a capture's set iterations (None: none)."""
-    sites = facts.get(FACT)
-    if facts.get(HASH_SEED_FACT) is not True or not isinstance(sites, list) or not sites \
-            or not all(isinstance(s, str) for s in sites):
+    where = _where(facts, FACT)
+    if facts.get(HASH_SEED_FACT) is not True or where is None:
         return None
-    where = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
     return (f"{where} iterates a set: a set of strings iterates in an order that follows "
             "Python's string hash salt, which nondet fixed alike for both runs "
             "(PYTHONHASHSEED) and which plain runs draw afresh at every start, so plain runs "
@@ -268,10 +275,9 @@ def note(facts: dict[str, Any]) -> str | None:
 
 def address_note(facts: dict[str, Any]) -> str | None:
     """The report's note for a capture's orderings by object identity (None: none)."""
-    sites = facts.get(ADDRESS_FACT)
-    if not isinstance(sites, list) or not sites or not all(isinstance(s, str) for s in sites):
+    where = _where(facts, ADDRESS_FACT)
+    if where is None:
         return None
-    where = ", ".join(sites[:3]) + (f" and {len(sites) - 3} more" if len(sites) > 3 else "")
     return (f"{where} orders objects by id() or hash(): by their memory addresses, which "
             "differ from one plain run to the next while nondet's two runs, allocating alike, "
             "mostly agree; so plain runs may differ where these repeated, and a fix verified "

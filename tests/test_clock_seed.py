@@ -109,7 +109,7 @@ x = torch.randn(4, 8)
 for step in range(3):
     loss = model(x).pow(2).mean()
     opt.zero_grad(); loss.backward(); opt.step()
-g = torch.Generator().manual_seed(int(time.time() * 1000) % 100000)
+g = torch.Generator().manual_seed(int(time.time() * 1000) % 2**32)
 with torch.no_grad():
     samples = model(torch.randn(8, 8, generator=g))
 """

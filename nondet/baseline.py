@@ -116,8 +116,8 @@ def scheme_mismatch(baseline: Capture, scheme: str) -> str:
     (``fingerprint.SCHEME``): every step would differ, whatever the environment, so no
     option compares them; the baseline must be written again. "" if alike."""
     made = str(baseline.env.get("fingerprint_scheme", ""))
-    if made == scheme:
-        return ""
+    if not made or made == scheme:
+        return ""  # none recorded (a capture from before schemes were): checked after the run
     return (f"fingerprint scheme {clip(made) if made else '(none recorded)'} (nondet "
             f"{clip(str(baseline.env.get('nondet_version', '?')))}), this nondet computes "
             f"scheme {scheme}")

@@ -83,6 +83,7 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
     first_last = max((int(x) for c in pair for x in c.steps["step"]), default=0)
     sources = [first]
     written: list[str] = []
+    used: set[Path] = set()  # folders this search wrote to (never written twice)
     fix = first.fix
     if (whole_script and budget.steps is None and fix is not None and fix.parts_again is None
             and fix.verified_steps == _training_steps(*pair)):
@@ -99,7 +100,7 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
             return sources, _combined(sources, applied, note=(
                 f"source {len(sources)} has no fix nondet could verify from outside; "
                 "what follows it was not examined")), written
-        folder = out_dir / f"source-{len(sources) + 1}"
+        folder = _fresh(out_dir / f"source-{len(sources) + 1}", used)
         folder.mkdir(exist_ok=True)
         spent = time.monotonic() - started
         if spent >= budget.seconds:
@@ -178,6 +179,20 @@ def _verify_the_rest(source: Source, pair: tuple[Capture, Capture], steps: Steps
     winner = checked[0]
     source.suggestions[:] = [winner, *[s for s in source.suggestions if s is not winner]]
     return True
+
+
+def _fresh(folder: Path, used: set[Path]) -> Path:
+    """``folder``, or ``folder-2``, ``-3``, ... if this search wrote there already: after
+    the first source's fix failed and another was verified, the search looks for source 2
+    again, and its runs' captures would go where the last attempt's are still open (the
+    DataLoader fixture's "cannot write source-2/run-a-all.h5: unable to truncate a file
+    which is already open", exit 2, in CI)."""
+    name, k = folder, 1
+    while name in used:
+        k += 1
+        name = folder.with_name(f"{folder.name}-{k}")
+    used.add(name)
+    return name
 
 
 def _same_as_before(sources: list[Source], div: Divergence) -> Source | None:

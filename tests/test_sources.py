@@ -199,9 +199,23 @@ def test_when_a_fix_does_not_hold_the_untried_ones_are_verified(tmp_path: Path) 
     suggestions, _ = job.verify((), job.files.folder,
                                 _suggestions("PT-GETITEM-CPU", "DATA-PT-INORDER"), pair, 0)
     assert suggestions[0].recipe.id == "PT-GETITEM-CPU" and suggestions[1].verified is None
-    job.explain = lambda apply, folder, a, b: (  # type: ignore[method-assign]
-        Divergence("op", 2, "backward", op="aten.index_put.default", source="train.py:12"),
-        _suggestions("PT-GETITEM-CPU"), [])
+    folders: list[Path] = []  # where each re-run of the search wrote
+
+    def explain(apply: tuple[str, ...], folder: Path, a: Capture, b: Capture,
+                ) -> tuple[Divergence, list[recipe.Suggestion], list[str]]:
+        folders.append(folder)
+        return (Divergence("op", 2, "backward", op="aten.index_put.default",
+                           source="train.py:12"), _suggestions("PT-GETITEM-CPU"), [])
+
+    job.explain = explain  # type: ignore[method-assign]
+    run_on = job.run_on
+
+    def run_on_recorded(apply: tuple[str, ...], folder: Path,
+                        stop_after: int | None) -> tuple[Path, Path]:
+        folders.append(folder)
+        return run_on(apply, folder, stop_after)
+
+    job.run_on = run_on_recorded  # type: ignore[method-assign]
     found, combined, _ = sources.every_source(sources.Source(div, suggestions), pair, job,
                                               tmp_path, sources.Budget(), lambda _t: None)
     first = found[0].suggestions
@@ -209,6 +223,9 @@ def test_when_a_fix_does_not_hold_the_untried_ones_are_verified(tmp_path: Path) 
                                                           ("PT-GETITEM-CPU", False)]
     assert "did not hold" in first[1].verify_note
     assert len(found) == 1 and combined is not None and combined.verified is True
+    # the search for source 2 ran again after the fix changed: in a folder of its own (it
+    # wrote its captures over the open ones of the first attempt: "unable to truncate")
+    assert folders and len(set(folders)) == len(folders), folders
 
 
 def test_no_search_without_a_verified_first_fix(tmp_path: Path) -> None:

@@ -278,9 +278,9 @@ class CapturedRun(RunStream):
         # SIGTERM that would follow. (In a terminal's foreground, a second SIGINT so soon
         # would be a second Ctrl-C the user never pressed, cutting short a script's own
         # clean-up.)
-        wait = 10.0 if _terminal_foreground() else INTERRUPT_WAIT
-        steps = (((signal.SIGINT, 10.0),) if forward
-                 else ((None, wait), (signal.SIGINT, 10.0 - wait)))
+        steps = (((signal.SIGINT, 10.0),) if forward else ((None, 10.0),)
+                 if _terminal_foreground()
+                 else ((None, INTERRUPT_WAIT), (signal.SIGINT, 10.0 - INTERRUPT_WAIT)))
         for sig, patience in (*steps, (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
             if sig is not None and self._proc.poll() is None:
                 self._proc.send_signal(sig)

@@ -23,6 +23,7 @@ from nondet import (
     readback,
     recipe,
     seed_diff,
+    settings,
 )
 from nondet.errors import NondetError
 from nondet.exitcodes import ExitCode
@@ -143,6 +144,14 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                 f"no training step was recorded: {' and '.join(cut)} ended before the first "
                 "step ended, so there is nothing to compare; capture runs that get past a "
                 "step (nondet run, or let the runs go on longer)")
+        idle = [c for c in (a, b) if c.idle_ended]
+        if idle:  # a limit set far too low ends the runs before their first step
+            raise NondetError(
+                f"no training step was recorded: nondet ended {idle[0].path} after "
+                f"{idle[0].idle_ended:.3g} s in which it sent nothing and used no CPU, "
+                "before its first step ended; if the script was still loading or waiting, "
+                "raise NONDET_IDLE_AFTER (seconds, default "
+                f"{settings.DURATIONS['NONDET_IDLE_AFTER']:g}) or unset it")
         if a.facts.get(channel.POOL_FACT) is True:
             raise NondetError(
                 "no training step was observed in the main process: the script trains in a "

@@ -102,7 +102,7 @@ class RunResult:
                     "than the other)")
         if not self.idle_ended:
             return ""
-        return (f"run {self.label} sent nothing and used no CPU for {self.idle_ended:.0f} s "
+        return (f"run {self.label} sent nothing and used no CPU for {self.idle_ended:.3g} s "
                 f"after its last step ({self.steps} steps): nondet ended it and compared the "
                 "steps it recorded (NONDET_IDLE_AFTER sets the limit)")
 

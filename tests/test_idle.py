@@ -324,3 +324,17 @@ def test_a_run_held_for_its_turn_is_not_quiet_while_it_waits() -> None:
     assert twin.longest_quiet == 1.0
     clock.now += 61.0
     assert run.outlived(twin, floor=60.0) > 0
+
+
+def test_an_idle_limit_that_ends_the_runs_before_their_first_step_is_named(
+        tmp_path: Path) -> None:
+    """A limit set lower than the script's wait before training: the runs were ended, not
+    stepless ("no training step was observed ... check that the script trains", before)."""
+    script = tmp_path / "train.py"
+    script.write_text("import time\nimport torch\ntime.sleep(60)\n" + tiny_training(steps=3))
+    result = run_cli("run", "-q", "--no-verify", str(script), cwd=tmp_path,
+                     env={"NONDET_IDLE_AFTER": "2"}, timeout=BOUND)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "raise NONDET_IDLE_AFTER" in lines[0], result.stderr
+    assert "before its first step ended" in lines[0]

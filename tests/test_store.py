@@ -283,3 +283,16 @@ def test_a_file_without_the_comm_table_reads_as_no_collectives(tmp_path: Path) -
     with h5py.File(path, "a") as f:  # as written before the table existed
         del f["comm"]
     assert len(open_capture(path).comm) == 0
+
+
+def test_a_probe_past_the_users_own_limit_names_the_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deadline the user set (tiny, say) is named with what to do; nondet's own default
+    deadline passing still means a damaged capture ("within 0 s" of a damaged one, before)."""
+    path = tmp_path / "run-a.h5"
+    monkeypatch.setenv("NONDET_PROBE_SECONDS", "0.001")
+    with pytest.raises(NondetError, match=r"within 0\.001 s, the limit NONDET_PROBE_SECONDS"):
+        probe._judge(path, 0.001, None, "")
+    monkeypatch.delenv("NONDET_PROBE_SECONDS")
+    with pytest.raises(NondetError, match=r"damaged capture \(reading it did not finish"):
+        probe._judge(path, 20.0, None, "")

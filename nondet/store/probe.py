@@ -93,6 +93,11 @@ def _judge(path: Path, seconds: float, code: int | None, said: str) -> bool:
     """The probe's verdict from the child's exit code (negative: a signal; None: killed at
     the deadline) and what it said."""
     if code is None:
+        if os.environ.get("NONDET_PROBE_SECONDS", "").strip():  # the user's limit, not ours
+            raise NondetError(f"cannot read {path}: reading it did not finish within "
+                              f"{seconds:.3g} s, the limit NONDET_PROBE_SECONDS sets; raise "
+                              "it or unset it (if it still does not finish, the capture is "
+                              "damaged: re-capture it with `nondet run`)")
         raise NondetError(f"cannot read {path}: damaged capture (reading it did not finish "
                           f"within {seconds:.0f} s); re-capture it with `nondet run`")
     if code < 0:

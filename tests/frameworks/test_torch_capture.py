@@ -74,6 +74,41 @@ def test_optimizer_steps_phases_modules_and_backward_lines(tmp_path: Path) -> No
     assert {"0.weight", "0.bias"} <= names
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpoints_recomputed_ops_and_their_backward_carry_module_and_line(
+        tmp_path: Path, reentrant: bool) -> None:
+    """A reentrant checkpoint recomputes its forward inside the backward and runs a backward
+    of its own over it: those ops had no module and no line (a real race found in one was
+    reported at no place of the script)."""
+    c = capture(tmp_path, f"""
+        import torch
+        from torch.utils.checkpoint import checkpoint
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        head = torch.nn.Linear(4, 1)
+        params = [*block.parameters(), *head.parameters()]
+        opt = torch.optim.SGD(params, lr=0.1)
+        for _ in range(2):
+            x = torch.ones(3, 4, requires_grad=True)
+            h = checkpoint(block, x, use_reentrant={reentrant})   # line 11
+            loss = head(h).sum()
+            opt.zero_grad()
+            loss.backward()                               # line 14
+            opt.step()
+        """)
+    backward = [r[:4] for r in records(c, 0) if r[1] == "backward"]
+    assert ("aten.tanh_backward.default", "backward", "1", "11") in backward, backward
+    assert ("aten.mm.default", "backward", "0", "11") in backward, backward
+    unplaced = [r for r in backward if r[0].startswith("aten.") and r[3] in ("", "14")]
+    # what remains without a place of its own: the engine's start (ones_like of the loss)
+    # and the gradients' accumulation into the parameters' .grad
+    assert all(r[0] in ("aten.ones_like.default", "aten.add.Tensor", "aten.detach.default",
+                        "aten.clone.default") for r in unplaced), unplaced
+    # the recomputed forward, recorded in the backward, is placed like the forward
+    if reentrant:
+        assert ("aten.tanh.default", "backward", "1", "11") in backward, backward
+
+
 def test_hand_written_updates_make_one_step_per_backward(tmp_path: Path) -> None:
     c = capture(tmp_path, """
         import torch

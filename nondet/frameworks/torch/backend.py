@@ -65,6 +65,8 @@ from nondet.frameworks.torch.state import (
 from nondet.frameworks.torch.stepstate import GroupFps, StateFingerprints
 from nondet.records import Kind, Phase
 
+_autograd_node = torch._C._current_autograd_node
+
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _pre_dispatch_depth: Callable[[], int] = torch._ops._len_torch_dispatch_stack_pre_dispatch
 
@@ -80,6 +82,11 @@ class TorchBackend(StepLifecycle):
         self.update_pending = False  # hand-written update: step ends at the next forward
         self.verified_step: int | None = None  # last step whose parameters were re-checked
         self.module_stack: list[int] = []  # string ids of module paths
+        # The module stack's depth where forward code began inside a backward (a reentrant
+        # checkpoint's recomputation, a module called by an autograd Function's backward),
+        # None outside: its ops are attributed like forward ops (ops.py).
+        self.forward_in_backward_at: int | None = None
+        self.backward_call_source = -1  # then: the script's innermost line (the backward call)
         self.module_ids: dict[int, int] = {}  # id(module) -> string id of its path
         self.roots: list[torch.nn.Module] = []
         self.param_names: dict[int, str] = {}  # id(tensor) -> "encoder.weight"
@@ -221,11 +228,16 @@ class TorchBackend(StepLifecycle):
             mid = self.module_ids.get(id(module))
             if mid is None:
                 mid = self.module_ids[id(module)] = self.session.intern(type(module).__name__)
+            if self.forward_in_backward_at is None and _autograd_node() is not None:
+                self.forward_in_backward_at = len(self.module_stack)
+                self.backward_call_source = self.session.sources.here(2)
             self.module_stack.append(mid)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.module_stack and not self.disabled and not self.paused:
             self.module_stack.pop()
+            if self.forward_in_backward_at == len(self.module_stack):
+                self.forward_in_backward_at = None
             if not self.module_stack and not torch.compiler.is_compiling():
                 self._root_done()
 

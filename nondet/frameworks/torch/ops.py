@@ -79,6 +79,9 @@ class OpRecorder(FingerprintCache):
         #: collectives of the step, read once their work is done (comm.py); the backend
         #: replaces it with one that knows about DDP models
         self.collectives = comm.Collectives(self.fingerprint, self.paused, lambda: False)
+        #: module -> the script's line of its last forward op: where a checkpoint's
+        #: recomputation in the backward, run from library code only, was called from
+        self.forward_lines: dict[int, int] = {}
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -111,13 +114,19 @@ class OpRecorder(FingerprintCache):
         if self.stamp is not None:
             self.apply_stamp()
         node = _autograd_node()
-        if node is not None:
+        if node is not None and self.backend.forward_in_backward_at is None:
             phase = _BACKWARD
             module, source = self.backend.node_origin(node)
+        elif node is not None:  # forward code a backward runs: a checkpoint's recomputation
+            phase = _BACKWARD
+            module = self.backend.current_module()
+            source = self.session.sources.here(2)
+            if source == self.backend.backward_call_source:  # no line of the script's own
+                source = self.forward_lines.get(module, -1)  # inside: its forward's line
         else:
             phase = int(self.backend.phase)
             module = self.backend.current_module()
-            source = self.session.sources.here(2)
+            source = self.forward_lines[module] = self.session.sources.here(2)
         if info.comm:
             phase = int(Phase.COMM)
         ctx = (phase, module, source)
@@ -247,7 +256,7 @@ class OpRecorder(FingerprintCache):
             out_fps.append(Fp(value=scalar_value(out)))  # .item() and friends
         if mutates:
             self.wrote(outputs)
-        if needs_grad and phase != _BACKWARD:
+        if needs_grad and (phase != _BACKWARD or self.backend.forward_in_backward_at is not None):
             # Not gated on grad mode: a custom op's autograd Function runs its forward with
             # grad mode off, yet its output gets a grad_fn afterwards.
             self.stamp = (outputs, module, source)

@@ -26,6 +26,9 @@ class TorchHost(RecorderHost, Protocol):
     """What the recorder asks of the torch backend (it never imports the backend)."""
 
     hasher: TorchHasher
+    #: not None while forward code runs inside a backward (TorchBackend's module hooks)
+    forward_in_backward_at: int | None
+    backward_call_source: int  # ... and the script's line that called that backward
 
     def tensor_name(self, t: torch.Tensor) -> str | None: ...
 

@@ -45,6 +45,8 @@ class FakeHost:
         self.hasher = TorchHasher()
         self.phase = Phase.FORWARD
         self.disabled = False
+        self.forward_in_backward_at: int | None = None
+        self.backward_call_source = -1
 
     def current_module(self) -> int:
         return -1

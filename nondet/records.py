@@ -11,6 +11,11 @@ from enum import IntEnum, IntFlag
 
 import numpy as np
 
+#: Strings with this prefix are not names but the text of a source line:
+#: "<mark><file:line>\n<the line's text>" (see session.SourceLocator). Here, not in the
+#: store: the recorded run interns them and never imports the store (h5py).
+SOURCE_TEXT_MARK = "\x1fsource\x1f"
+
 
 class Phase(IntEnum):
     INIT = 0

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
+import numpy as np
+
 from nondet import channel, clock, worker_seeds
 from nondet import session as session_module
 from nondet.frameworks.base import Session
@@ -72,8 +74,6 @@ class CallSite:
 def seed_value(value: Any) -> str:
     """A seed as comparable text: numbers as themselves, other seeds fingerprinted, objects
     of unknown types by type name only (never by ``repr``, which may hold an address)."""
-    import numpy as np
-
     if isinstance(value, bool | int | np.integer):
         return str(int(value))
     if isinstance(value, float | np.floating):

@@ -25,7 +25,14 @@ import numpy as np
 
 from nondet import channel, fdguard
 from nondet.frameworks.base import Backend, StopRun
-from nondet.records import COMM_DTYPE, INIT_STEP, OP_DTYPE, STEP_DTYPE, TENSOR_DTYPE
+from nondet.records import (
+    COMM_DTYPE,
+    INIT_STEP,
+    OP_DTYPE,
+    SOURCE_TEXT_MARK,
+    STEP_DTYPE,
+    TENSOR_DTYPE,
+)
 
 CONFIG_ENV = "NONDET_CHILD_CONFIG"
 #: Longest a finished lockstep run waits for the parent's word before exiting anyway.
@@ -319,8 +326,6 @@ class SourceLocator:
             # never reads a file a (possibly crafted) capture names (see Capture.source_text).
             text = self.source_line(filename, line)
             if text:
-                from nondet.store.writer import SOURCE_TEXT_MARK
-
                 self._session.intern(f"{SOURCE_TEXT_MARK}{shown}\n{text}")
         return sid
 

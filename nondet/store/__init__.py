@@ -28,12 +28,12 @@ every attribute value by ``nondet_digest``. Format 1.0 files have neither and st
 ``open_capture`` verifies them.
 """
 
+from nondet.records import SOURCE_TEXT_MARK
 from nondet.store.reader import Capture, open_capture
 from nondet.store.writer import (
     DIGEST_ATTR,
     FORMAT_MAJOR,
     FORMAT_VERSION,
-    SOURCE_TEXT_MARK,
     STRINGS_CRC_ATTR,
     TABLES,
     CaptureWriter,

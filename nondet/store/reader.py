@@ -13,7 +13,7 @@ import numpy as np
 
 from nondet import __version__
 from nondet.outdir import named_like_invocation, writer_running
-from nondet.records import COMM_DTYPE, OP_DTYPE
+from nondet.records import COMM_DTYPE, OP_DTYPE, SOURCE_TEXT_MARK
 from nondet.store import probe
 from nondet.store.checks import (
     Damaged,
@@ -38,7 +38,6 @@ from nondet.store.writer import (
     DIGEST_ATTR,
     FORMAT_MAJOR,
     IDLE_ENDED,
-    SOURCE_TEXT_MARK,
     STRINGS_CRC_ATTR,
     TABLES,
     _h5py,

@@ -34,9 +34,6 @@ DIGEST_ATTR = "nondet_digest"
 STRINGS_CRC_ATTR = "nondet_strings_crc"
 #: Root attribute: nondet ended the run after this many idle seconds (``nondet.idle``).
 IDLE_ENDED = "idle_ended"
-#: Strings with this prefix are not names but the text of a source line:
-#: "<mark><file:line>\n<the line's text>" (see session.SourceLocator).
-SOURCE_TEXT_MARK = "\x1fsource\x1f"
 
 # h5py serializes calls through one global lock anyway; this keeps our own multi-step
 # updates (resize + write) atomic when two runs are captured at once.

@@ -159,6 +159,13 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                 "whose workers nondet does not record: a worker takes whichever task is "
                 "free, so the two runs' workers cannot be paired; to compare it step by step, "
                 "run the training in the main process or in Process(target=...) children")
+        replaced = a.facts.get(exit_place.EXEC_AT_FACT)
+        if replaced:  # os.exec* before the first step: the program it runs is not recorded
+            raise NondetError(
+                f"no training step was recorded: the script replaced its process ({replaced}) "
+                "before its first step, and nondet does not record the program that "
+                "replaces it; if that is the script run again (to set environment variables "
+                "first, say), set those before `nondet run` instead")
         forks = exit_place.fork_notes(a)
         if forks:  # the child of a bare os.fork trained, unrecorded
             raise NondetError(f"no training step was observed in the main process; {forks[0]}")

@@ -50,6 +50,18 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _plain_orig_argv(orig: list[str], config: ChildConfig) -> list[str]:
+    """The command line ``python train.py ARGS`` would have had: a script that re-runs
+    itself with ``os.execv(sys.executable, sys.orig_argv)`` (to set an environment variable
+    first) ran ``-m nondet.boot`` again, which failed without nondet's config ("the script
+    failed: KeyError: 'NONDET_CHILD_CONFIG'")."""
+    for i in range(len(orig) - 1):
+        if orig[i] in ("-m", "--module") and orig[i + 1] == "nondet.boot":
+            what = ["-m", config.module] if config.module else [str(config.script)]
+            return [*orig[:i], *what, *config.args]
+    return orig
+
+
 def main() -> int:
     config = ChildConfig.from_env()
     # The config names the run (label, descriptors, paths): left in the environment, a
@@ -99,6 +111,7 @@ def main() -> int:
 
     status, code, error = "complete", 0, ""
     try:
+        sys.orig_argv = _plain_orig_argv(sys.orig_argv, config)
         if config.module:
             sys.argv = [config.module, *config.args]
             importpath.as_plain_python(config.startup_env, os.getcwd())

@@ -75,6 +75,10 @@ def install(session: Session) -> None:
             setattr(os, name, _noting_fork(session, getattr(os, name), name))
 
 
+#: fact keys of a capture whose script replaced its process (``os.exec*``): the note,
+#: and the call with its line ("os.execv at train.py:5")
+EXEC_FACT = "capture_note.exec"
+EXEC_AT_FACT = "python.exec_at"
 #: the note on a capture whose script replaced its process (``os.exec*``)
 EXEC_NOTE = ("the script replaced its process with another program ({how} at {source}): "
              "what that program did is not recorded, so only the steps before it are "
@@ -94,8 +98,9 @@ def _noting_exec(session: Session, real: Callable[..., NoReturn], name: str
             if session_module.current() is session and place is not None:
                 how = f"os.{name}"
                 _send(session, place, how)
-                session.send_facts({"capture_note.exec": EXEC_NOTE.format(
-                    how=how, source=session.sources.display(*place))})
+                shown = session.sources.display(*place)
+                session.send_facts({EXEC_FACT: EXEC_NOTE.format(how=how, source=shown),
+                                    EXEC_AT_FACT: f"{how} at {shown}"})
                 session._send_strings()
                 session.writer.flush()
         except BaseException:  # the exec must happen whatever failed

@@ -19,3 +19,38 @@ def test_a_script_that_hides_numpy_from_itself_is_compared(tmp_path: Path) -> No
                      timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "bitwise identical" in result.stdout
+
+
+REEXECS = """
+import os, sys
+if os.environ.get("REEXEC_DONE") != "1":  # re-run itself with a variable set first
+    os.environ["REEXEC_DONE"] = "1"
+    os.execv(sys.executable, sys.orig_argv)
+"""
+
+
+def test_a_script_that_re_executes_itself_is_told_what_to_do(tmp_path: Path) -> None:
+    """``os.execv(sys.executable, sys.orig_argv)`` re-ran ``-m nondet.boot``, which failed
+    without its config: "the script failed in run a: KeyError: 'NONDET_CHILD_CONFIG'"
+    (nondet's error as the script's). ``sys.orig_argv`` is now the plain run's, the
+    re-run is plain python, and the run has no step nondet recorded."""
+    script = tmp_path / "train.py"
+    script.write_text(REEXECS + tiny_training(steps=3))
+    result = run_cli("run", "-q", "--no-verify", str(script), "--lr", "1", cwd=tmp_path,
+                     timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "replaced its process (os.execv at train.py:5)" in lines[0]
+    assert "KeyError" not in result.stderr
+
+
+def test_the_script_sees_the_command_line_plain_python_gives_it(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nprint('orig:', sys.orig_argv[1:], flush=True)\n"
+                      + tiny_training(steps=2))
+    result = run_cli("run", "--no-verify", "--json", "r.json", str(script), "--lr", "1",
+                     cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    logs = sorted(tmp_path.glob(".nondet/*/run-a.log"))
+    assert f"orig: [{str(script)!r}, '--lr', '1']" in logs[-1].read_text()

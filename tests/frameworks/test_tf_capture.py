@@ -339,6 +339,40 @@ def test_an_xla_compiled_step_recorded_op_by_op_still_runs(tmp_path: Path, jit: 
         assert "capture_note.xla" in c.facts  # the report says why no op inside is recorded
 
 
+@pytest.mark.parametrize("per_example", [
+    "jac = tape.jacobian(losses, model.trainable_variables)",
+    "jac = tf.vectorized_map(lambda xi: tf.square(xi), xb)",
+])
+def test_a_step_with_pfor_recorded_op_by_op_still_runs(tmp_path: Path,
+                                                       per_example: str) -> None:
+    # h-tf10: per-example gradients (DP-SGD) with tape.jacobian or tf.vectorized_map: with
+    # the op window open, guards went into the loop TensorFlow's pfor vectorizes, which
+    # then failed ("the script failed in run a-ops: AssertionError"), throwing away the
+    # finding of every nondeterministic script of this kind
+    c = capture(tmp_path, f"""
+        import numpy as np
+        x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2)])
+        opt = tf.keras.optimizers.SGD(0.1)
+
+        @tf.function
+        def step(xb):
+            with tf.GradientTape(persistent=True) as tape:
+                losses = tf.reduce_sum(tf.square(model(xb)), axis=1)
+                loss = tf.reduce_mean(losses)
+            {per_example}
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        for xb in tf.data.Dataset.from_tensor_slices(x).batch(8):
+            step(xb)
+        """, op_steps=[-1, 0, 1])
+    assert c.n_steps == 4
+    assert "capture_note.pfor" in c.facts  # the report says why no op inside is recorded
+    assert any(r["name"] == "MatMul" for r in records(c, 0))  # the step's own ops are
+
+
 def test_validation_in_fit_is_not_counted_into_training(tmp_path: Path) -> None:
     fit = "model.fit(x, x[:, :1], batch_size=8, epochs=2, shuffle=False, verbose=0{})\n"
     header = HEADER + "keras = tf.keras\n"

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import math
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -349,6 +350,48 @@ def xla_compiled(graph: Any) -> bool:
         return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
     except Exception:  # an internal API: if it moves, guard as before
         return False
+
+
+PFOR_NOTE = (
+    "ops inside tf.vectorized_map and GradientTape.jacobian/batch_jacobian (TensorFlow's "
+    "pfor) are not recorded one by one (pfor vectorizes every op of its loop, nondet's "
+    "hashing included, and refuses it): a difference made inside one is reported at the "
+    "step level or at the first recorded op that reads it")
+
+
+class _Pfor(threading.local):
+    depth = 0  # > 0 while pfor traces and converts a loop on this thread
+
+
+_PFOR = _Pfor()
+
+
+def pfor_converting() -> bool:
+    """Is TensorFlow's pfor (``tf.vectorized_map``, ``GradientTape.jacobian``) tracing a
+    loop body it will vectorize, on this thread? Guards there broke it: pfor asserts its
+    loop variable is the ``PlaceholderWithDefault`` nondet's identity replaced, then fails
+    to vectorize nondet's own variable writes ("the script failed")."""
+    return _PFOR.depth > 0
+
+
+def install_pfor_watch() -> None:
+    """Wrap pfor's implementation (called by ``pfor`` inside its own tf.function, looked up
+    in its module: the wrapper is what runs) to mark the time it traces and converts."""
+    from tensorflow.python.ops.parallel_for import control_flow_ops
+
+    original = getattr(control_flow_ops, "_pfor_impl", None)
+    if original is None or getattr(original, "__wrapped__", None) is not None:
+        return  # an internal API: if it moves, guard as before
+
+    @functools.wraps(original)
+    def pfor_impl(*args: Any, **kwargs: Any) -> Any:
+        _PFOR.depth += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _PFOR.depth -= 1
+
+    control_flow_ops._pfor_impl = pfor_impl
 
 
 def first_replica() -> bool:

@@ -27,7 +27,12 @@ from nondet.frameworks.base import RecorderHost
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.step_thread import STEP_THREAD
 from nondet.frameworks.tensorflow.entries import Call
-from nondet.frameworks.tensorflow.graph import first_replica, strategy_facts, under_strategy
+from nondet.frameworks.tensorflow.graph import (
+    first_replica,
+    install_pfor_watch,
+    strategy_facts,
+    under_strategy,
+)
 from nondet.frameworks.tensorflow.hashing import hashable
 from nondet.frameworks.tensorflow.ops import TFOpRecorder
 from nondet.records import Phase
@@ -163,6 +168,7 @@ def install(backend: HookHost) -> Any:
         return element
 
     iterator_ops.OwnedIterator.__next__ = iterator_next
+    install_pfor_watch()  # no guards in a loop pfor vectorizes
     _hook_calls(backend)
     _save_unguarded(backend)
     return creator_scope

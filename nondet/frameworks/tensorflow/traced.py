@@ -70,6 +70,7 @@ from nondet.frameworks.tensorflow.graph import (
     DERIVED_OPS,
     ENTRY_KINDS_OF,
     LATE_OPS,
+    PFOR_NOTE,
     SKIPPED_OPS,
     SLOT_MARGIN,
     XLA_NOTE,
@@ -81,6 +82,7 @@ from nondet.frameworks.tensorflow.graph import (
     entry_label,
     joined,
     numel,
+    pfor_converting,
     under_strategy,
     xla_compiled,
 )
@@ -193,6 +195,9 @@ class GraphRecorder:
             return None  # traced after the last op-captured step: a guard would never open
         if op_type not in DATA_OPS and xla:
             self.backend.note_once("xla", XLA_NOTE)
+            return None
+        if pfor_converting():
+            self.backend.note_once("pfor", PFOR_NOTE)
             return None
         if self.next_slot + len(outputs) + SLOT_MARGIN > CAPACITY:
             self._stop_instrumenting()

@@ -7,6 +7,7 @@ with an END message that says how the run ended.
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import runpy
@@ -14,6 +15,7 @@ import signal
 import sys
 import threading
 import traceback
+from typing import Any
 
 from nondet import (
     channel,
@@ -121,6 +123,8 @@ def main() -> int:
             sys.argv = [script, *config.args]
             importpath.as_plain_python(config.startup_env, importpath.script_entry(script))
             runpy.run_path(script, run_name="__main__")
+        if _python_shutdown():
+            raise StopRun
         loop_end.send(session)  # ended on its own: how its step loop ended, if known
     except StopRun:
         status = "stopped"
@@ -128,6 +132,8 @@ def main() -> int:
         exit_place.note_system_exit(session, exc)
         code = _exit_code(exc)
         status = "complete" if code == 0 else "failed"
+        if _python_shutdown():
+            status = "stopped"
     except KeyboardInterrupt:
         status, code = "interrupted", 130
         # a second SIGINT (Ctrl-C pressed again, or nondet's own: launch.INTERRUPT_WAIT)
@@ -136,12 +142,42 @@ def main() -> int:
     except BaseException as exc:
         error = _uncaught(exc)
         status, code = "failed", 1
+        _python_shutdown()
     seeding.collect_workers(session)  # seeding calls of forked DataLoader workers
     status = frameworks.finish_all(session, status)
     session.finish(status, code, error)
     sys.stdout.flush()
     sys.stderr.flush()
     return code
+
+
+def _python_shutdown() -> bool:
+    """What Python does once the main module is done, done while the run is still recorded:
+    wait for the script's non-daemon threads, then run its ``atexit`` functions (each
+    once: Python clears them). Training there (an unjoined training thread, a last
+    fine-tune registered with ``atexit``) went on after the run had sent its end and final
+    weights, unrecorded or racing them: "one run ended, the other went on", a false alarm.
+    True if nondet stopped the run at a step boundary in there (``StopRun``), which Python
+    reports as an ignored exception and nondet keeps out of the script's output."""
+    stopped = False
+    previous = sys.unraisablehook
+
+    def unraisable(info: Any) -> None:
+        nonlocal stopped
+        if isinstance(info.exc_value, StopRun):
+            stopped = True
+        else:
+            previous(info)
+
+    sys.unraisablehook = unraisable
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # Python's own, at exit
+        atexit._run_exitfuncs()
+    except StopRun:
+        stopped = True
+    finally:
+        sys.unraisablehook = previous
+    return stopped
 
 
 def _uncaught(exc: BaseException) -> str:

@@ -3,7 +3,10 @@ hooks run under, and more."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import run_cli, tiny_training
 
@@ -54,3 +57,35 @@ def test_the_script_sees_the_command_line_plain_python_gives_it(tmp_path: Path) 
     assert result.returncode == 0, result.stdout + result.stderr
     logs = sorted(tmp_path.glob(".nondet/*/run-a.log"))
     assert f"orig: [{str(script)!r}, '--lr', '1']" in logs[-1].read_text()
+
+
+_TRAINS_LATER = {
+    "atexit": ("import atexit\n{train}\ndef finish():\n    train(3)\n    print('done')\n"
+               "atexit.register(finish)\ntrain(2)\n", 5),
+    "unjoined thread": ("import threading, time\n{train}\n"
+                        "threading.Thread(target=lambda: (time.sleep(0.5), train(4))).start()\n",
+                        4),
+}
+_TRAIN = ("import torch\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(8, 2)\n"
+          "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+          "x, y = torch.randn(16, 8), torch.randn(16, 2)\n"
+          "def train(steps):\n"
+          "    for _ in range(steps):\n"
+          "        loss = (model(x) - y).pow(2).mean()\n"
+          "        opt.zero_grad(); loss.backward(); opt.step()\n")
+
+
+@pytest.mark.parametrize("how", sorted(_TRAINS_LATER))
+def test_training_after_the_main_module_is_recorded_before_the_end(tmp_path: Path,
+                                                                   how: str) -> None:
+    """Steps Python runs after the main module (non-daemon threads it waits for, then
+    ``atexit`` functions) came after the run had sent its end: "one run ended, the other
+    went on", exit 1 for a deterministic script (5 of 5, faults round 10)."""
+    source, steps = _TRAINS_LATER[how]
+    script = tmp_path / "train.py"
+    script.write_text(source.format(train=_TRAIN))
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", str(script),
+                     cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["steps"] for r in report["runs"]] == [steps, steps]

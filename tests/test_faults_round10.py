@@ -89,3 +89,37 @@ def test_training_after_the_main_module_is_recorded_before_the_end(tmp_path: Pat
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert [r["steps"] for r in report["runs"]] == [steps, steps]
+
+
+def test_the_script_sees_no_variable_of_nondets(tmp_path: Path) -> None:
+    """NONDET_INVOCATION_STARTED (a new time at each invocation) stayed in the script's
+    environment: a seed derived from os.environ differed from its baseline's, made by
+    another invocation ("FAIL" from `nondet check --baseline`, 3 of 3)."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\nprint('seen:', sorted(k for k in os.environ "
+                      "if k.startswith('NONDET')), flush=True)\n" + tiny_training(steps=2))
+    result = run_cli("run", "-q", "--no-verify", str(script), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    logs = sorted(tmp_path.glob(".nondet/*/run-a.log"))
+    assert "seen: []" in logs[-1].read_text()
+
+
+def test_an_optimizer_step_in_inference_mode_at_a_window_end_runs(tmp_path: Path) -> None:
+    """opt.step() inside torch.inference_mode() at the op window's last step: nondet took
+    its dispatch mode off the stack in there, and leaving inference_mode put the Python
+    dispatch key back with no mode: "the script failed: ... Hit Python dispatch key" at the
+    next op (4 of 4), where plain python ran it."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\ntorch.manual_seed(0)\nm = torch.nn.Linear(8, 4)\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "x, y = torch.randn(16, 8), torch.randn(16, 4)\n"
+        "for i in range(4):\n"
+        "    opt.zero_grad(); ((m(x) - y) ** 2).mean().backward()\n"
+        "    if i == 0:\n"
+        "        with torch.inference_mode():\n"
+        "            opt.step()\n"
+        "    else:\n"
+        "        opt.step()\n")
+    result = run_cli("run", "-q", "--no-verify", str(script), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr

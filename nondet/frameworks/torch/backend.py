@@ -408,10 +408,14 @@ class TorchBackend(StepLifecycle):
             return
         self.recorder.close_window()
         if (self.mode is not None and _get_current_dispatch_mode() is self.mode
-                and not nocompile.inside_compiled_call()):
+                and not nocompile.inside_compiled_call()
+                and not torch.is_inference_mode_enabled()):
             self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             self.mode = None
-        # Otherwise another mode was pushed above ours: leave ours in place, inactive.
+        # Otherwise another mode was pushed above ours: leave ours in place, inactive. Inside
+        # the script's inference_mode too (an opt.step() there): leaving it puts back the
+        # dispatch keys it entered with, the Python key among them, and with no mode left
+        # the next op failed ("Hit Python dispatch key but no arguments had PyInterpreter").
 
     @contextmanager
     def paused_capture(self) -> Iterator[None]:

@@ -4,6 +4,7 @@ hooks run under, and more."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,19 @@ def test_an_optimizer_step_in_inference_mode_at_a_window_end_runs(tmp_path: Path
         "        opt.step()\n")
     result = run_cli("run", "-q", "--no-verify", str(script), cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_framework_imported_before_the_script_is_recorded(tmp_path: Path) -> None:
+    """A cluster's sitecustomize imports torch at start-up, before nondet's hooks: its
+    backend was never made, "no training step was observed in either run"."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\ntorch.set_num_threads(1)\n")
+    script = tmp_path / "train.py"
+    script.write_text(tiny_training(steps=3))
+    paths = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", str(script), cwd=tmp_path,
+                     env={"PYTHONPATH": os.pathsep.join(paths)}, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["steps"] for r in report["runs"]] == [3, 3]

@@ -96,6 +96,13 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
 def install_import_hooks(session: Session) -> None:
     sys.meta_path.insert(0, _PostImportFinder(session))
+    # A framework imported before the script (by a sitecustomize, a .pth file) never passes
+    # the finder: its backend now, or nothing was recorded ("no training step was observed")
+    for framework in BACKENDS:
+        loaded = sys.modules.get(framework)
+        if loaded is not None and not getattr(getattr(loaded, "__spec__", None),
+                                              "_initializing", False):
+            _install(session, framework)
 
 
 def finish_all(session: Session, status: str) -> str:

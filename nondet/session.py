@@ -137,10 +137,16 @@ class Session:
     def intern(self, text: str) -> int:
         sid = self._strings.get(text)
         if sid is None:
-            sid = len(self._strings)
+            # HDF5 strings end at a NUL: a name holding one (a probe's, a module's) made the
+            # parent's write fail, "VLEN strings do not support embedded NULLs" (exit 3)
+            stored = text.replace("\x00", "\\x00")
+            sid = self._strings.get(stored)
+            if sid is None:
+                sid = len(self._string_list)
+                self._strings[stored] = sid
+                self._string_list.append(stored)
+                self._new_strings.append(stored)
             self._strings[text] = sid
-            self._string_list.append(text)
-            self._new_strings.append(text)
         return sid
 
     def string(self, sid: int) -> str:

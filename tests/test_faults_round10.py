@@ -140,3 +140,20 @@ def test_a_framework_imported_before_the_script_is_recorded(tmp_path: Path) -> N
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert [r["steps"] for r in report["runs"]] == [3, 3]
+
+
+def test_a_name_holding_a_nul_is_stored(tmp_path: Path) -> None:
+    """``nondet.probe(t, "\\x00nul")`` or a module added as "a\\x00b": the capture's string
+    table (HDF5) refused it, "VLEN strings do not support embedded NULLs", exit 3."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import nondet\nimport torch\ntorch.manual_seed(0)\n"
+        "model = torch.nn.Sequential()\nmodel.add_module('a\\x00b', torch.nn.Linear(8, 2))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in range(3):\n"
+        "    out = model(torch.randn(4, 8))\n"
+        "    nondet.probe(out, '\\x00nul')\n"
+        "    opt.zero_grad(); out.pow(2).mean().backward(); opt.step()\n")
+    result = run_cli("run", "-q", "--no-verify", "--ops", "all", str(script), cwd=tmp_path,
+                     timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -452,3 +452,26 @@ def test_a_model_exported_with_the_op_window_open_is_saved(tmp_path: Path, expor
         """, op_steps=list(range(-1, 4)))
     assert c.n_steps == 2
     assert "exported" in result.log_path.read_text(errors="replace")
+
+
+def test_a_batch_from_the_tf_data_service_recorded_op_by_op_still_runs(tmp_path: Path) -> None:
+    # h-tf10: distribute() with its default compression adds an uncompression function,
+    # which the service's dataset op instantiates without captured inputs; a guard went into
+    # it (its graph is named "DataServiceDataset_uncompress_...", not "Dataset_...") and its
+    # capture of nondet's variable was missing: "the script failed in run a", in every run
+    c = capture(tmp_path, """
+        import numpy as np
+        service = tf.data.experimental.service
+        dispatcher = service.DispatchServer()
+        worker = service.WorkerServer(
+            service.WorkerConfig(dispatcher_address=dispatcher.target.split("://")[1]))
+        x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+        ds = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8)
+        ds = ds.apply(service.distribute("parallel_epochs", dispatcher.target))
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(ds, epochs=1, verbose=0)
+        """, op_steps=[-1, 0, 1])
+    assert c.n_steps == 2
+    rows = c.steps[c.steps["step"] >= 0]
+    assert all(int(fp) for fp in rows["data_fp"])  # the batches are recorded where read

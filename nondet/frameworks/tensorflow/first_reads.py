@@ -47,7 +47,7 @@ import tensorflow as tf
 from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
-from nondet.frameworks.tensorflow.graph import backward_graph
+from nondet.frameworks.tensorflow.graph import backward_graph, data_function_graph
 from nondet.frameworks.tensorflow.state import TrackedVariable
 
 #: Eager ops that take a variable's handle and never write it.
@@ -191,12 +191,9 @@ class FirstReads:
             return
         if not any(getattr(t, "dtype", None) == tf.resource for t in inputs or ()):
             return
-        while graph is not None:
-            if str(getattr(graph, "name", "")).startswith("Dataset_"):
-                self.off = True
-                self.known.clear()
-                return
-            graph = getattr(graph, "outer_graph", None)
+        if data_function_graph(graph):
+            self.off = True
+            self.known.clear()
 
     # -- the hook ------------------------------------------------------------------------------
     def install(self) -> None:

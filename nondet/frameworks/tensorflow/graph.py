@@ -71,6 +71,10 @@ _CONTROL_FLOW_GRAPHS = frozenset({
     "_WhileBodyGradFuncGraph",
 })
 HOST = "/device:CPU:0"
+#: The name scope of the ops nondet adds to a traced graph (its guards and data writes):
+#: TensorFlow's error names the op that failed, so a failure of nondet's own op is told
+#: from the script's (``own_op_failed``).
+GUARD_SCOPE = "nondet_guard"
 CAPACITY = 1 << 18  # slots in the buffer variable: outputs of all graphs traced in a run
 SLOT_MARGIN = 4096  # kept free for the graph inputs and control-flow outputs of one op
 
@@ -297,6 +301,12 @@ def to_host(t: Any) -> np.ndarray:
     return np.asarray(t.numpy())
 
 
+def own_op_failed(error: BaseException) -> bool:
+    """Did a traced call fail in an op nondet added (``GUARD_SCOPE``)? TensorFlow names the
+    failing node in its error (``uncompress_nondet_guard_readvariableop_resource``)."""
+    return isinstance(error, tf.errors.OpError) and GUARD_SCOPE in str(error)
+
+
 def backward_graph(graph: Any) -> bool:
     """The gradient function TensorFlow builds for a function called under an eager tape:
     it is traced along with the forward call, while nondet's phase is still "forward"."""
@@ -394,6 +404,56 @@ def install_pfor_watch() -> None:
     control_flow_ops._pfor_impl = pfor_impl
 
 
+class _DataFunction(threading.local):
+    depth = 0  # > 0 while tf.data traces a function of its own on this thread
+
+
+_DATA_FUNCTION = _DataFunction()
+
+
+def install_data_function_watch() -> None:
+    """Wrap the maker of tf.data's functions (``StructuredFunctionWrapper``, which traces
+    every ``map``/``filter``/``interleave``/``reduce``/``from_generator`` function and those
+    tf.data adds itself) to mark the time it traces one. Their graph names are made of the
+    transformation's (``Dataset_map_f``, but ``reduce_f``,
+    ``tf_data_experimental_map_and_batch_f``, ``DataServiceDataset_uncompress_lambda``), so
+    a name does not tell them all. Some are instantiated by their dataset op without
+    captured inputs (the tf.data service's uncompression, added by ``distribute()`` with
+    its default compression): a guard there, whose ``If`` captures nondet's variables,
+    failed the script's input pipeline ("Argument 1 is out of range")."""
+    from tensorflow.python.data.ops import structured_function
+
+    cls = getattr(structured_function, "StructuredFunctionWrapper", None)
+    original = getattr(cls, "__init__", None)
+    if original is None or getattr(original, "_nondet_watch", False):
+        return  # an internal API: if it moves, the names below still tell most
+
+    @functools.wraps(original)
+    def init(wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        _DATA_FUNCTION.depth += 1
+        try:
+            original(wrapper, *args, **kwargs)
+        finally:
+            _DATA_FUNCTION.depth -= 1
+
+    init._nondet_watch = True  # type: ignore[attr-defined]
+    cls.__init__ = init  # type: ignore[misc]
+
+
+def data_function_graph(graph: Any) -> bool:
+    """Is ``graph`` (traced on this thread) one of tf.data's functions or nested in one?
+    They run on tf.data's threads, as far ahead as prefetching goes, and tf.data may
+    instantiate them where a capture of nondet's variables cannot be resolved."""
+    if _DATA_FUNCTION.depth > 0:
+        return True
+    while graph is not None:
+        name = str(getattr(graph, "name", ""))
+        if name.startswith("Dataset_") or name in _MULTI_DEVICE_ITERATOR:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
 def first_replica() -> bool:
     """Not inside a replica other than the first: each replica of a strategy calls the
     optimizer's ``apply`` once for one update of the shared (mirrored) variables."""
@@ -411,11 +471,11 @@ def recordable_graph(graph: Any) -> bool:
     threads for many elements at once (the batches they make are recorded)."""
     if not isinstance(graph, FuncGraph):
         return False  # a TF1-style graph (``with tf.Graph().as_default()``): not ours to change
+    if data_function_graph(graph):
+        return False
     while graph is not None:
-        name = str(getattr(graph, "name", ""))
-        if (name.startswith("Dataset_") or name.startswith("scratch_graph")
-                or name in _MULTI_DEVICE_ITERATOR):
-            return False  # tf.data's functions; Keras' shape inference (never run)
+        if str(getattr(graph, "name", "")).startswith("scratch_graph"):
+            return False  # Keras' shape inference (never run)
         if type(graph).__name__ in _CONTROL_FLOW_GRAPHS:
             return False
         graph = getattr(graph, "outer_graph", None)
@@ -425,12 +485,7 @@ def recordable_graph(graph: Any) -> bool:
 def in_dataset_function() -> bool:
     """Traced inside a tf.data function (a ``map``/``filter`` stage's), which runs on
     tf.data's threads, as far ahead as prefetching goes: never a training step."""
-    graph: Any = tf.compat.v1.get_default_graph()
-    while graph is not None:
-        if str(getattr(graph, "name", "")).startswith("Dataset_"):
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
+    return data_function_graph(tf.compat.v1.get_default_graph())
 
 
 def in_loop_body() -> bool:

@@ -29,7 +29,9 @@ from nondet.frameworks.step_thread import STEP_THREAD
 from nondet.frameworks.tensorflow.entries import Call
 from nondet.frameworks.tensorflow.graph import (
     first_replica,
+    install_data_function_watch,
     install_pfor_watch,
+    own_op_failed,
     strategy_facts,
     under_strategy,
 )
@@ -169,6 +171,7 @@ def install(backend: HookHost) -> Any:
 
     iterator_ops.OwnedIterator.__next__ = iterator_next
     install_pfor_watch()  # no guards in a loop pfor vectorizes
+    install_data_function_watch()  # nor in tf.data's own functions
     _hook_calls(backend)
     _save_unguarded(backend)
     return creator_scope
@@ -201,8 +204,7 @@ def _hook_calls(backend: HookHost) -> None:
 
     original = concrete_function.ConcreteFunction._call_flat
 
-    @functools.wraps(original)
-    def call_flat(function: Any, tensor_inputs: Any, captured_inputs: Any) -> Any:
+    def recorded_call(function: Any, tensor_inputs: Any, captured_inputs: Any) -> Any:
         recorder = backend.recorder
         if backend.disabled or backend.evaluating or recorder.busy or recorder.foreign() \
                 or not tf.executing_eagerly():  # (busy: nondet's own, the state hash)
@@ -216,7 +218,26 @@ def _hook_calls(backend: HookHost) -> None:
         finally:
             del calls[depth:]  # taken by after_function, unless the call failed
 
+    @functools.wraps(original)
+    def call_flat(function: Any, tensor_inputs: Any, captured_inputs: Any) -> Any:
+        try:
+            return recorded_call(function, tensor_inputs, captured_inputs)
+        except Exception as error:
+            if own_op_failed(error):
+                _report_own_op_failure(backend, error)
+            raise  # the call failed all the same: the script cannot go on without its result
+
     concrete_function.ConcreteFunction._call_flat = call_flat
+
+
+def _report_own_op_failure(backend: HookHost, error: Exception) -> None:
+    """A traced call failed in an op nondet placed there: nondet's failure (exit 3, with
+    TensorFlow's error in its log), never reported as the script's."""
+    try:
+        raise RuntimeError("a graph op nondet added to the script's function failed "
+                           "(TensorFlow's error above)") from error
+    except RuntimeError:
+        backend.hook_failed()
 
 
 def _save_unguarded(backend: HookHost) -> None:

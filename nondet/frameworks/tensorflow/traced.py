@@ -69,6 +69,7 @@ from nondet.frameworks.tensorflow.graph import (
     DATA_OPS,
     DERIVED_OPS,
     ENTRY_KINDS_OF,
+    GUARD_SCOPE,
     LATE_OPS,
     PFOR_NOTE,
     SKIPPED_OPS,
@@ -334,6 +335,10 @@ class GraphRecorder:
         inline saved 0.5-3.6 ms of the ~18-20 ms of CPU the hashes add per step and cost
         1.3-1.4 s more CPU in the trace and first call: 400 steps or more to repay
         (docs/benchmarks.md, TensorFlow)."""
+        with tf.name_scope(GUARD_SCOPE):  # a failure here is nondet's (graph.own_op_failed)
+            return self._write_scoped(t, slot, always)
+
+    def _write_scoped(self, t: Any, slot: int, always: bool) -> Any:
         t = _as_declared(t)
         if always:
             plan = static_plan(t)

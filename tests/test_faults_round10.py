@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from nondet.frameworks.base import StepLifecycle
 from tests.conftest import run_cli, tiny_training
 
 
@@ -157,3 +158,43 @@ def test_a_name_holding_a_nul_is_stored(tmp_path: Path) -> None:
     result = run_cli("run", "-q", "--no-verify", "--ops", "all", str(script), cwd=tmp_path,
                      timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+class _Sources:
+    def user_file(self, filename: str) -> bool:
+        return "site-packages" not in filename and "/nondet/" not in filename
+
+
+class _Hooks:
+    """What ``StepLifecycle.guarded`` uses of a backend."""
+
+    def __init__(self) -> None:
+        self.session = type("S", (), {"sources": _Sources()})()
+        self.failures = 0
+
+    def hook_failed(self) -> None:
+        self.failures += 1
+
+
+class StepTimeout(Exception):
+    """A script's own exception, as its SIGALRM watchdog raises it."""
+
+
+@pytest.mark.parametrize("exc,reaches_script", [
+    (StepTimeout("a step took too long"), True),
+    (type("Fired", (Exception,), {"__module__": "__main__"})(), True),  # the script's own
+    (ValueError("nondet's own bug"), False),
+])
+def test_the_scripts_own_exception_raised_in_a_hook_reaches_the_script(
+        exc: Exception, reaches_script: bool) -> None:
+    """Faults round 10: a watchdog's exception fired inside nondet's hook was taken for
+    nondet's error (exit 3) and swallowed: the script never saw its timeout."""
+    hooks = _Hooks()
+    raised = None
+    try:
+        with StepLifecycle.guarded(hooks):  # type: ignore[arg-type]
+            raise exc
+    except Exception as caught:
+        raised = caught
+    assert (raised is exc) is reaches_script
+    assert hooks.failures == (0 if reaches_script else 1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 import traceback
 from collections.abc import Iterator
@@ -128,6 +129,19 @@ class RecorderHost(Protocol):
     def note_once(self, key: str, text: str) -> None: ...
 
     def hook_failed(self) -> None: ...
+
+
+def raised_by_script(exc: BaseException, sources: Sources) -> bool:
+    """Is ``exc`` of a class the script defined (in its own files)? Raised inside nondet's
+    hook, it can only come from the script's signal handler firing there: it is the
+    script's to handle, as under plain Python (it was reported as nondet's error, exit 3,
+    and swallowed: the script's watchdog never saw its timeout)."""
+    kind = type(exc)
+    if kind.__module__ == "__main__":
+        return True
+    module = sys.modules.get(kind.__module__)
+    filename = getattr(module, "__file__", None)
+    return isinstance(filename, str) and sources.user_file(filename)
 
 
 @dataclass
@@ -391,10 +405,14 @@ class StepLifecycle:
     @contextmanager
     def guarded(self) -> Iterator[None]:
         """Runs nondet's part of a hook: an exception in it never reaches the script.
-        (``StopRun`` is a BaseException and passes: ending the run is nondet's to do.)"""
+        (``StopRun`` is a BaseException and passes: ending the run is nondet's to do.) One
+        of the script's own exception classes does: a signal handler of the script's (a
+        step watchdog on SIGALRM) raised it while nondet's code ran."""
         try:
             yield
-        except Exception:
+        except Exception as exc:
+            if raised_by_script(exc, self.session.sources):
+                raise
             self.hook_failed()
 
     def note_once(self, key: str, text: str) -> None:

@@ -55,6 +55,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from nondet.fingerprint import scalar_value
+from nondet.frameworks.base import raised_by_script
 from nondet.frameworks.fp import Fp
 from nondet.frameworks.torch import comm, cuda, shared
 from nondet.frameworks.torch import tensors as safe
@@ -454,9 +455,10 @@ class CaptureMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
             if cuda.capturing():  # Note [CUDA graphs] in cuda.py
                 return cuda.pass_captured(recorder, func, args, kwargs)
             return recorder.dispatch(func, args, kwargs)
-        except Exception:
-            if recorder.op_state == OP_RUNNING:
-                raise  # the op's own error (a shape mismatch...): the script's to see
+        except Exception as exc:
+            if recorder.op_state == OP_RUNNING or raised_by_script(exc, recorder.session.sources):
+                raise  # the op's own error (a shape mismatch...), or the script's signal
+                # handler's (base.raised_by_script): the script's to see
             # nondet's own: reported once as nondet's (exit 3), capture stops, the op's
             # result goes back to the script as if nondet had not been there
             state, out = recorder.op_state, recorder.op_out

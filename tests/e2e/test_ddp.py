@@ -305,6 +305,21 @@ def test_a_replica_that_drifts_is_a_desync_even_when_the_runs_agree(tmp_path: Pa
     assert "rank 1's parameters differ from rank 0's" in result.stdout
 
 
+
+def test_zero_redundancy_optimizer_replicas_are_compared_after_its_broadcast(
+        tmp_path: Path) -> None:
+    """Trial: DDP with ``ZeroRedundancyOptimizer`` was "a replica's parameters drift from
+    rank 0's" at step 0 (exit 1): the step ended when ZeRO's local optimizer returned, each
+    rank with only its own shard updated, before ZeRO broadcast the shards."""
+    report_path = tmp_path / "report.json"
+    result = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--json",
+                     str(report_path), "--nproc-per-node", "2",
+                     str(CONTROL.relative_to(REPO)), "--zero", cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(report_path.read_text())
+    assert report["verdict"] == "deterministic"
+    assert [run["steps"] for run in report["runs"]] == [3, 3, 3, 3]  # one per opt.step()
+
 def test_two_node_agents_on_one_machine_each_capture_their_own_ranks(tmp_path: Path) -> None:
     """Multi-node as on a cluster: the same command on every node (here two nondet
     processes on 127.0.0.1, one rank each); each node's runs a and b rendezvous with the

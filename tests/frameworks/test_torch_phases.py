@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from nondet.store import Capture
 from tests.frameworks.test_torch_capture import capture, records
 
 
@@ -58,3 +61,108 @@ def test_a_forward_inside_an_optimizer_closure_is_forward(tmp_path: Path) -> Non
               if line == "9" and module and not name.startswith("external:")}
     assert phases.get("aten.addmm.default") == "forward", rows
     assert phases.get("aten.tanh.default") == "forward", rows
+
+
+
+NESTED_STEPS = """
+    import collections
+    import torch
+    torch.manual_seed(0)
+
+    def sgd(params):
+        for p in params:
+            p.add_(p.grad, alpha=-0.1)
+
+    class Plain(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            sgd(self.param_groups[0]["params"])
+
+    class Wrapper(torch.optim.Optimizer):
+        # its step scales the gradients, runs its inner optimizer's step, then changes the
+        # parameters again: ZeRO broadcasts the shards its local optimizer updated, LARS
+        # rescales, Lookahead averages
+        def __init__(self, params):
+            params = list(params)
+            self.inner = Plain(params)
+            INIT
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                p.grad.mul_(2)
+            self.inner.step()
+            for p in self.param_groups[0]["params"]:
+                p.mul_(0.5)
+
+    class Flat(torch.optim.Optimizer):
+        # the same update in one optimizer
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            params = self.param_groups[0]["params"]
+            for p in params:
+                p.grad.mul_(2)
+            sgd(params)
+            for p in params:
+                p.mul_(0.5)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+    opt = OPTIMIZER(model.parameters())
+    for i in range(3):
+        loss = model(torch.ones(2, 4) * (i + 1)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    """
+
+# How a wrapper starts decides whether torch hooks its step (then its step and its inner
+# optimizer's each run the global step hooks):
+# - ZeroRedundancyOptimizer calls Optimizer.__init__: hooked;
+# - Lookaheads that keep torch's hook dicts (pytorch_optimizer's) do not call it:
+#   Optimizer.zero_grad hooks their step when first called;
+# - accelerate's AcceleratedOptimizer does neither and has its own zero_grad: never hooked.
+HOOKED = "super().__init__(params, {})"
+HOOKED_BY_ZERO_GRAD = """self.param_groups, self.defaults, self.state = \\
+                self.inner.param_groups, self.inner.defaults, self.inner.state
+            self._optimizer_step_pre_hooks = collections.OrderedDict()
+            self._optimizer_step_post_hooks = collections.OrderedDict()"""
+NEVER_HOOKED = """self.param_groups, self.defaults, self.state = \\
+                self.inner.param_groups, self.inner.defaults, self.inner.state
+            self.zero_grad = self.inner.zero_grad"""
+
+
+def _nested(init: str) -> str:
+    return NESTED_STEPS.replace("OPTIMIZER", "Wrapper").replace("INIT", init)
+
+
+def _step_fields(c: Capture, field: str) -> list[int]:
+    return [int(c.step_row(s)[field]) for s in range(c.n_steps)]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("init", [HOOKED, HOOKED_BY_ZERO_GRAD], ids=["zero", "lookahead"])
+def test_an_optimizer_whose_step_steps_another_makes_one_step_with_its_result(
+        tmp_path: Path, init: str) -> None:
+    """Trial: DDP with ``ZeroRedundancyOptimizer``, "a replica's parameters drift from rank
+    0's" at step 0 (exit 1) for ranks equal after every ``opt.step()``. The global step
+    hooks fire for the inner optimizer too: the step ended when it returned, with only this
+    rank's shard updated (ZeRO had not broadcast yet), and again at ZeRO's own end (two
+    steps per update). A step is now the outermost optimizer's: its gradients from before
+    it, its parameters from after it, as if one optimizer had done it all."""
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "flat").mkdir()
+    nested = capture(tmp_path / "nested", _nested(init))
+    flat = capture(tmp_path / "flat", NESTED_STEPS.replace("OPTIMIZER", "Flat"))
+    assert nested.n_steps == flat.n_steps == 3
+    for field in ("params_fp", "grads_fp", "loss_fp"):
+        assert _step_fields(nested, field) == _step_fields(flat, field), field
+
+
+def test_a_wrapper_torch_never_hooks_still_makes_one_step_per_update(tmp_path: Path) -> None:
+    # only the inner optimizer's step runs the hooks: the step ends when it returns
+    assert capture(tmp_path, _nested(NEVER_HOOKED)).n_steps == 3

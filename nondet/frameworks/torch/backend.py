@@ -2,8 +2,9 @@
 
 Installed right after the user's script imports torch. It seeds torch, then hooks:
 
-- optimizer steps (global pre/post hooks): the step boundary, gradients before the update,
-  parameters and optimizer state after it;
+- optimizer steps (global pre/post hooks; only the outermost when one optimizer's step
+  calls another's): the step boundary, gradients before the update, parameters and
+  optimizer state after it;
 - ``torch.autograd.backward``: the loss, and for scripts that update parameters by hand, the
   boundary ("each backward-and-update is a step": it ends when the next forward, batch or
   backward begins);
@@ -23,6 +24,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import CodeType
 from typing import Any
 
 import numpy as np
@@ -69,6 +71,37 @@ _autograd_node = torch._C._current_autograd_node
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _pre_dispatch_depth: Callable[[], int] = torch._ops._len_torch_dispatch_stack_pre_dispatch
+
+
+def _hooked_step_code() -> CodeType | None:
+    """The code of torch's wrapper around every hooked ``Optimizer.step``
+    (``Optimizer.profile_hook_step``): the frame the global step hooks are called from."""
+    try:
+        return torch.optim.Optimizer.profile_hook_step(lambda: None).__code__
+    except Exception:  # another torch: no nesting known, every step's hooks count
+        return None
+
+
+_HOOKED_STEP = _hooked_step_code()
+
+
+def _inside_another_step() -> bool:
+    """Does this step hook's optimizer step run inside another optimizer's step (on this
+    thread)? A wrapper's ``step`` calling its inner optimizer's: ZeRO's local optimizer
+    over this rank's shard, whose update ZeRO then broadcasts; a Lookahead-style wrapper's
+    base optimizer, whose update it then averages. Read from the stack, not counted by the
+    hooks: a step that raised never calls its post-hooks (a count would stay off)."""
+    if _HOOKED_STEP is None:
+        return False
+    frame = sys._getframe(1)
+    steps = 0
+    while frame is not None:
+        if frame.f_code is _HOOKED_STEP:
+            steps += 1
+            if steps > 1:
+                return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 class TorchBackend(StepLifecycle):
@@ -316,7 +349,9 @@ class TorchBackend(StepLifecycle):
         if self.disabled or self.paused or cuda.capturing():  # Note [CUDA graphs]
             return
         self.phase = Phase.OPTIMIZER
-        if not self.explicit:
+        # the step's gradients are those the outermost optimizer got, not what a wrapper
+        # made of them for its inner one (LARS rescales them)
+        if not self.explicit and not _inside_another_step():
             with self.guarded():
                 if vars(self.traced_roots):
                     self._adopt_traced_roots()
@@ -325,6 +360,8 @@ class TorchBackend(StepLifecycle):
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.disabled or self.paused or self.explicit or cuda.capturing():
             return
+        if _inside_another_step():
+            return  # the step ends when the outermost optimizer's step has returned
         with self.guarded():
             self.boundary()
 

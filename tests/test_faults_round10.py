@@ -198,3 +198,12 @@ def test_the_scripts_own_exception_raised_in_a_hook_reaches_the_script(
         raised = caught
     assert (raised is exc) is reaches_script
     assert hooks.failures == (0 if reaches_script else 1)
+
+
+def test_a_verify_budget_of_nan_is_refused(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(tiny_training(steps=2))
+    result = run_cli("run", "--verify-budget", "nan", str(script), cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "'--verify-budget': nan is not a number of seconds" in result.stderr
+    assert not (tmp_path / ".nondet").exists()  # refused before any run

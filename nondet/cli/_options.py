@@ -137,6 +137,13 @@ def _remember_nproc(ctx: click.Context, _param: click.Parameter,
 MAX_VERIFY_PAIRS = 20
 
 
+def _a_number(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """FloatRange lets NaN through (every comparison with it is false)."""
+    if value is not None and value != value:
+        raise click.BadParameter("nan is not a number of seconds", ctx=ctx, param=param)
+    return value
+
+
 def verify_options(command: F) -> F:
     """--max-fixes, --verify-steps, --verify-budget: how far fix verification goes."""
     for option in reversed([
@@ -148,7 +155,7 @@ def verify_options(command: F) -> F:
                      help="Steps the runs with every verified fix compare (default: the whole "
                           "script, or --max-steps)."),
         click.option("--verify-budget", type=click.FloatRange(min=0, min_open=True),
-                     default=900, show_default=True, metavar="SECONDS",
+                     default=900, show_default=True, metavar="SECONDS", callback=_a_number,
                      help="Wall time for finding further sources; what is left unexamined "
                           "when it runs out is said in the report."),
         click.option("--verify-pairs", type=click.IntRange(min=1, max=MAX_VERIFY_PAIRS),

@@ -175,6 +175,11 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
                 "no training step was observed: the script runs a TensorFlow 1 graph with "
                 f"tf.compat.v1.Session.run (first at {session_run}), which nondet does not "
                 "record; it records TensorFlow 2 code (eager, tf.function, Keras)")
+        if a.facts.get(channel.JAX_FACT) is True:
+            raise NondetError(
+                "no training step was observed: the script uses JAX (Keras 3 on its JAX "
+                "backend, or JAX itself), which nondet does not record; it records PyTorch "
+                "and TensorFlow (for Keras, set KERAS_BACKEND=tensorflow or torch)")
         raise NondetError(
             "no training step was observed in either run, so nothing was compared (no "
             "optimizer step, no backward-and-update, no nondet.step()); check that the script "

@@ -146,6 +146,8 @@ def main() -> int:
         error = _uncaught(exc)
         status, code = "failed", 1
         _python_shutdown()
+    if "jax" in sys.modules:  # a framework nondet does not record: said if nothing trained
+        session.send_facts({channel.JAX_FACT: True})
     seeding.collect_workers(session)  # seeding calls of forked DataLoader workers
     status = frameworks.finish_all(session, status)
     session.finish(status, code, error)

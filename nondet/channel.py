@@ -75,6 +75,9 @@ CHILD_PARAMS_PREFIX = "child#"
 #: Fact: the run started process pool workers (multiprocessing.Pool, ProcessPoolExecutor),
 #: which are not recorded (frameworks/torch/children.py)
 POOL_FACT = "python.pool_workers"
+#: fact: the script imported JAX (Keras 3 on its JAX backend, or JAX itself), which
+#: nondet does not record (boot.py): said when no step was observed
+JAX_FACT = "python.jax_imported"
 #: Fact: an optimizer was given its parameters as a set (torch/owners.py); with ".line" the
 #: user's line that made it.
 OPTIMIZER_PARAMS_SET = "torch.optimizer_params_set"

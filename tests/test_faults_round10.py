@@ -207,3 +207,14 @@ def test_a_verify_budget_of_nan_is_refused(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stdout + result.stderr
     assert "'--verify-budget': nan is not a number of seconds" in result.stderr
     assert not (tmp_path / ".nondet").exists()  # refused before any run
+
+
+def test_a_script_on_jax_is_told_so(tmp_path: Path) -> None:
+    """Keras 3 on its JAX backend trains where nondet records nothing: the message asked to
+    check that the script trains (h-tf10). A stand-in ``jax`` module beside the script."""
+    (tmp_path / "jax.py").write_text("")
+    script = tmp_path / "train.py"
+    script.write_text("import jax\nprint('trained with jax')\n")
+    result = run_cli("run", "-q", "--no-verify", str(script), cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "the script uses JAX" in result.stderr and "KERAS_BACKEND" in result.stderr

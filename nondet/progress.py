@@ -19,11 +19,22 @@ class Progress:
         self.quiet = quiet
         self._status: Any = None
         self._last_plain = 0.0
+        # Not a TTY: the latest status not printed (throttled). It is printed before the
+        # next stage and at the end, or a log read "step 0: both runs done" for a whole
+        # 200-step run that took less than the throttle's 15 s.
+        self._unprinted: str | None = None
 
     def stage(self, text: str) -> None:
         if self.quiet:
             return
+        self._print_unprinted()
         self.console.print(f"[dim]nondet:[/] {escape(text)}", highlight=False)
+
+    def _print_unprinted(self) -> None:
+        if self._unprinted is not None:
+            self.console.print(f"nondet: {escape(self._unprinted)}", highlight=False)
+            self._unprinted = None
+            self._last_plain = time.monotonic()
 
     def status(self, text: str) -> None:
         if self.quiet:
@@ -36,10 +47,13 @@ class Progress:
             else:
                 self._status.update(escape(text))
         elif time.monotonic() - self._last_plain > 15:
-            self._last_plain = time.monotonic()
-            self.console.print(f"nondet: {escape(text)}", highlight=False)
+            self._unprinted = text
+            self._print_unprinted()
+        else:
+            self._unprinted = text
 
     def close(self) -> None:
+        self._print_unprinted()
         if self._status is not None:
             self._status.stop()
             self._status = None

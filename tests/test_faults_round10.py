@@ -3,13 +3,16 @@ hooks run under, and more."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from nondet.frameworks.base import StepLifecycle
+from nondet.progress import Progress
 from tests.conftest import run_cli, tiny_training
 
 
@@ -218,3 +221,17 @@ def test_a_script_on_jax_is_told_so(tmp_path: Path) -> None:
     result = run_cli("run", "-q", "--no-verify", str(script), cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "the script uses JAX" in result.stderr and "KERAS_BACKEND" in result.stderr
+
+
+def test_progress_off_a_terminal_ends_on_the_last_status() -> None:
+    """In a CI log the throttled status read "step 0: both runs done" for a whole run of
+    200 steps that took less than the throttle (PyTorch round 13)."""
+    out = io.StringIO()
+    with Progress(Console(file=out, force_terminal=False, width=200)) as progress:
+        for step in range(200):
+            progress.status(f"step {step}: both runs done")
+        progress.stage("the runs differ at step 199")
+        progress.status("step 200: both runs done")
+    assert out.getvalue().splitlines() == [
+        "nondet: step 0: both runs done", "nondet: step 199: both runs done",
+        "nondet: the runs differ at step 199", "nondet: step 200: both runs done"]

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -55,6 +56,18 @@ class Invocation:
         return self.path.name
 
 
+def _kind(path: Path) -> str:
+    """What a path that is not a directory is, in words ("a file" for a FIFO misled)."""
+    mode = path.stat().st_mode
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a file"
+
+
 def check_root(root: Path) -> None:
     """Refuse an --out nondet cannot write into, before any run starts (exit 2)."""
     existing = root
@@ -65,8 +78,8 @@ def check_root(root: Path) -> None:
                           f"{display(os.readlink(existing))}, which does not exist or leads "
                           "back to itself; make that directory, or give --out another")
     if existing.exists() and not existing.is_dir():
-        raise NondetError(f"--out {display(root)}: {display(existing)} is a file, not a "
-                          "directory; give --out a directory to write the captures into")
+        raise NondetError(f"--out {display(root)}: {display(existing)} is {_kind(existing)}, "
+                          "not a directory; give --out a directory to write the captures into")
     if existing.exists() and not os.access(existing, os.W_OK | os.X_OK):
         raise NondetError(f"--out {display(root)}: {display(existing)} is not writable")
 

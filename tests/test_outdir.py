@@ -119,6 +119,13 @@ def test_out_under_a_file_is_refused(tmp_path: Path) -> None:
         outdir.start(tmp_path / "file" / "sub" / "out")
 
 
+def test_out_on_a_named_pipe_says_what_it_is(tmp_path: Path) -> None:
+    """Faults round 10: a FIFO given to --out was "a file"."""
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(NondetError, match="pipe is a named pipe, not a directory"):
+        outdir.start(tmp_path / "pipe")
+
+
 def test_read_only_out_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Root writes into read-only directories, so the check is exercised through os.access.
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)

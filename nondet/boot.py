@@ -126,8 +126,6 @@ def main() -> int:
             sys.argv = [script, *config.args]
             importpath.as_plain_python(config.startup_env, importpath.script_entry(script))
             runpy.run_path(script, run_name="__main__")
-        if _python_shutdown():
-            raise StopRun
         loop_end.send(session)  # ended on its own: how its step loop ended, if known
     except StopRun:
         status = "stopped"
@@ -135,8 +133,6 @@ def main() -> int:
         exit_place.note_system_exit(session, exc)
         code = _exit_code(exc)
         status = "complete" if code == 0 else "failed"
-        if _python_shutdown():
-            status = "stopped"
     except KeyboardInterrupt:
         status, code = "interrupted", 130
         # a second SIGINT (Ctrl-C pressed again, or nondet's own: launch.INTERRUPT_WAIT)
@@ -145,7 +141,8 @@ def main() -> int:
     except BaseException as exc:
         error = _uncaught(exc)
         status, code = "failed", 1
-        _python_shutdown()
+    if status in ("complete", "failed"):  # the main module is done: Python's exit stage
+        status, code = _python_shutdown(status, code)
     if "jax" in sys.modules:  # a framework nondet does not record: said if nothing trained
         session.send_facts({channel.JAX_FACT: True})
     seeding.collect_workers(session)  # seeding calls of forked DataLoader workers
@@ -156,14 +153,15 @@ def main() -> int:
     return code
 
 
-def _python_shutdown() -> bool:
+def _python_shutdown(status: str, code: int) -> tuple[str, int]:
     """What Python does once the main module is done, done while the run is still recorded:
     wait for the script's non-daemon threads, then run its ``atexit`` functions (each
     once: Python clears them). Training there (an unjoined training thread, a last
     fine-tune registered with ``atexit``) went on after the run had sent its end and final
     weights, unrecorded or racing them: "one run ended, the other went on", a false alarm.
-    True if nondet stopped the run at a step boundary in there (``StopRun``), which Python
-    reports as an ignored exception and nondet keeps out of the script's output."""
+    Returns how the run ended: as before, or ``stopped`` if nondet stopped it at a step
+    boundary in there (``StopRun``, which Python reports as an ignored exception and nondet
+    keeps out of the script's output), or ``interrupted`` by a Ctrl-C while it waited."""
     stopped = False
     previous = sys.unraisablehook
 
@@ -180,9 +178,12 @@ def _python_shutdown() -> bool:
         atexit._run_exitfuncs()
     except StopRun:
         stopped = True
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as main's: let the run say how it ended
+        return "interrupted", 130
     finally:
         sys.unraisablehook = previous
-    return stopped
+    return ("stopped" if stopped else status), code
 
 
 def _uncaught(exc: BaseException) -> str:

@@ -367,6 +367,8 @@ class TorchBackend(StepLifecycle):
 
     def _before_backward(self, tensors: Any) -> None:
         loop_end.pause()
+        if _autograd_node() is None:  # a backward of the script's own, not a nested one:
+            self.forward_in_backward_at = None  # no recomputation can still be running
         if vars(self.traced_roots):
             self._adopt_traced_roots()
         if self.update_pending:

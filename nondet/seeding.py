@@ -18,7 +18,10 @@ than a miss.
 
 Not recorded: calls made by nondet itself (the run's own seeds), calls made by the
 frameworks' own code (a DataLoader sampler seeding its generator from the torch RNG, Keras'
-seed generators: those values follow RNG state the step records already cover), seeding
+seed generators: those values follow RNG state the step records already cover) unless the
+seed is a clock reading the user's code made (``SobolEngine(seed=int(time.time()))``,
+PowerSGD's ``random_seed=time.time_ns()``: the framework seeds with the user's number, which
+no RNG state covers; the site is then the user's line that called into the framework), seeding
 calls nested inside another recorded one (``keras.utils.set_random_seed`` seeds four RNGs).
 Calls in forked workers (DataLoader workers cannot write to the run's pipe) go to a file of
 the run's that the run reads at its end (``worker_seeds``).
@@ -123,11 +126,13 @@ class SeedLog:
                                       else os.getcwd()) + os.sep
 
     # -- where a call comes from -------------------------------------------------------------
-    def call_site(self, frame: FrameType) -> CallSite | None:
-        """The call site of a call made from ``frame`` (the caller of a hooked function);
-        None when nondet or a framework made the call itself."""
+    def call_site(self, frame: FrameType, seed: Any = None) -> CallSite | None:
+        """The call site of a call made from ``frame`` (the caller of a hooked function)
+        with ``seed``; None when nondet made the call, or a framework did with a seed that
+        is not a clock reading of the user's (see module docstring)."""
         package = _package(frame)
-        if package in FRAMEWORK_PACKAGES:
+        if package == "nondet" or (package in FRAMEWORK_PACKAGES
+                                   and clock.origin_of(seed) is None):
             return None
         library = "" if self.is_users(frame) else self._library_frame(frame, package)
         user: FrameType | None = frame
@@ -203,7 +208,7 @@ class SeedLog:
                                       package)
             return
         try:
-            where = self.call_site(frame)
+            where = self.call_site(frame, value)
             if where is None:
                 return
             key = (api, where.site, where.library)
@@ -291,10 +296,11 @@ class SeedLog:
         self.record(api, value, frame)
         return value
 
-    def next_pin(self, frame: FrameType) -> int | None:
-        """The next pinned seed for a call from ``frame`` (``PINNED`` plus the call number),
-        None for calls the frameworks make themselves or without the pin_seeds fix."""
-        if PINNED is None or self.call_site(frame) is None:
+    def next_pin(self, frame: FrameType, seed: Any = None) -> int | None:
+        """The next pinned seed for a call from ``frame`` in place of ``seed`` (``PINNED``
+        plus the call number), None for calls that are not recorded (``call_site``) or
+        without the pin_seeds fix."""
+        if PINNED is None or self.call_site(frame, seed) is None:
             return None
         value = (PINNED + self._pins) % 2**31
         self._pins += 1
@@ -309,11 +315,11 @@ class SeedLog:
             def number(x: Any) -> bool:
                 return isinstance(x, int | float) and not isinstance(x, bool)
             if args and number(args[0]):
-                value = self.next_pin(frame)
+                value = self.next_pin(frame, args[0])
                 if value is not None:
                     return (type(args[0])(value), *args[1:]), kwargs
             elif number(kwargs.get("seed")):
-                value = self.next_pin(frame)
+                value = self.next_pin(frame, kwargs["seed"])
                 if value is not None:
                     return args, {**kwargs, "seed": type(kwargs["seed"])(value)}
         except Exception:

@@ -17,6 +17,7 @@ directory for ``-m``, as ``python`` would (``as_plain_python``).
 from __future__ import annotations
 
 import os
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -24,6 +25,21 @@ from pathlib import Path
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 #: The variables a run's start changes; their user's values go in the child config.
 STARTUP_VARIABLES = ("PYTHONPATH", "PYTHONSAFEPATH")
+
+
+#: The script's failure when a module of its own named ``nondet`` (a ``nondet.py`` or a
+#: ``nondet/`` folder beside it) is hidden by nondet's package, already imported in the run.
+_OWN_NONDET = re.compile(r"module 'nondet' has no attribute|cannot import name '[^']*' from "
+                         r"'nondet'|No module named 'nondet\.")
+SHADOWED_HINT = ("; the script imports a module of its own named nondet (a nondet.py or a "
+                 "nondet/ folder), which nondet's own package hides in a recorded run: "
+                 "rename that module")
+
+
+def shadowed_hint(failure: str) -> str:
+    """``SHADOWED_HINT`` when a run's failure text shows the script reaching for a module
+    of its own named ``nondet`` and getting nondet's package; "" otherwise."""
+    return SHADOWED_HINT if _OWN_NONDET.search(failure) else ""
 
 
 def startup_env(env: dict[str, str]) -> dict[str, str | None]:

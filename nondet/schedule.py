@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nondet import channel, errors, idle, run_collisions, runspec
+from nondet import channel, errors, idle, importpath, run_collisions, runspec
 from nondet.errors import NondetError, ScriptFailed, Terminated
 from nondet.printable import LINE_MAX, clip
 from nondet.runspec import Plan, RunResult
@@ -313,6 +313,7 @@ def check_result(result: RunResult) -> RunResult:
         raise ScriptFailed(
             f"the script failed in run {result.label} ({how})"
             + (f": {last}" if last else "")
+            + importpath.shadowed_hint(f"{result.error}\n{result.log_tail()}")
             + f"; its output is in {result.log_path}",
             details=result.log_tail(),
         )

@@ -47,7 +47,10 @@ MASK64 = (1 << 64) - 1
 #: state) are the group's own in steps with op-level capture too (torch/stepstate.py
 #: ``GroupFps``), where they combined the per-tensor fingerprints: a capture's step rows no
 #: longer depend on which steps had op capture.
-SCHEME = "6"
+#: 7: a TensorFlow graph op reading a list a loop or branch made (``TensorListStack`` of
+#: a ``tf.map_fn``) is named after that control-flow op, at its line
+#: (tensorflow/traced.py, Note [Readers of a loop's lists]).
+SCHEME = "7"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device
 _CHUNK_KEY_OFFSET = 1 << 40  # chunk weights come from a disjoint part of the key stream

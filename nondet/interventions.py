@@ -73,6 +73,9 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
     Intervention("tf.image_stateless", "patch",
                  "every tf.image.random_* op made its tf.image.stateless_random_* twin, "
                  "seeded by the element's values and the call's place in the trace"),
+    Intervention("tf.sequential_loops", "patch",
+                 "every tf.while_loop (tf.map_fn's, tf.scan's, AutoGraph's loops too) built "
+                 "with parallel_iterations=1"),
     Intervention("keras.pydataset_one_worker", "patch",
                  "every keras.utils.PyDataset made with workers=1"),
     Intervention("keras2.fit_one_worker", "patch",
@@ -359,6 +362,12 @@ def _keras2_fit_one_worker(_seed: int) -> None:
     frameworks.after_import("tf_keras", patch)  # a script that never imports it is left alone
 
 
+def _tf_sequential_loops(_seed: int) -> None:
+    from nondet.frameworks.tensorflow.loops import sequential_loops
+
+    sequential_loops()
+
+
 def _seeding_pin_seeds(seed: int) -> None:
     from nondet import seeding
 
@@ -382,4 +391,5 @@ _CHILD: dict[str, Callable[[int], None]] = {
     "python.seed_unseeded_random": _python_seed_unseeded_random,
     "tf.generator_from_seed": _tf_generator_from_seed,
     "tf.image_stateless": _tf_image_stateless,
+    "tf.sequential_loops": _tf_sequential_loops,
 }

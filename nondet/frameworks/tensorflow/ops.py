@@ -45,8 +45,10 @@ from nondet.frameworks.tensorflow.graph import (
     to_host,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, host, on_host_and_small
+from nondet.frameworks.tensorflow.loops import LOOP_OPS, PARALLEL_DRAWS_NOTE, parallel_random_draws
+from nondet.frameworks.tensorflow.loops import NOTE_KEY as LOOPS_NOTE_KEY
 from nondet.frameworks.tensorflow.reads import READ
-from nondet.frameworks.tensorflow.stage_lines import StageLines
+from nondet.frameworks.tensorflow.stage_lines import StageLines, traced_user_line
 from nondet.frameworks.tensorflow.traced import GraphRecorder, TFHost
 from nondet.records import OP_DTYPE, Kind, Phase
 
@@ -95,6 +97,8 @@ class TFOpRecorder(GraphRecorder):
                 # trace's first data write).
                 self.vars  # noqa: B018
             if graph is not None:
+                if op_type in LOOP_OPS:
+                    self._note_parallel_draws(op_type, attrs)
                 if self.instrument and not self.full and recordable_graph(graph):
                     self.backend.tracing()
                     return self._trace(op_type, inputs, outputs, op_name or op_type, graph)
@@ -119,6 +123,19 @@ class TFOpRecorder(GraphRecorder):
             self._local.busy = False
         return None
 
+
+    def _note_parallel_draws(self, op_type: str, attrs: Any) -> None:
+        """A loop being traced that runs iterations at once and draws from a legacy random
+        op: a capture note with its line, whether or not the race strikes (loops.py)."""
+        draws = parallel_random_draws(op_type, attrs)
+        if draws is None:
+            return
+        source = traced_user_line(self.session.sources)
+        if source < 0:
+            source = self.session.sources.here(4)
+        op, iterations = draws
+        self.backend.note_once(f"{LOOPS_NOTE_KEY}:{source}", PARALLEL_DRAWS_NOTE.format(
+            source=self.session.string(source) or "?", iterations=iterations, op=op))
 
     def _note_dataset(self, op_type: str, inputs: Any, attrs: Any) -> None:
         """Remember where a tf.data stage that may reorder its elements was built

@@ -88,6 +88,7 @@ from nondet.frameworks.tensorflow.graph import (
     xla_compiled,
 )
 from nondet.frameworks.tensorflow.hashing import hashable, static_plan
+from nondet.frameworks.tensorflow.loops import loop_producer
 from nondet.frameworks.tensorflow.reads import READ, RepeatReads
 from nondet.frameworks.tensorflow.state import TrackedVariable
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
@@ -210,12 +211,17 @@ class GraphRecorder:
         module, source = backend.graph_origin(op_name, outputs[0] if outputs else None)
         index = len(self.table)
         data = op_type in DATA_OPS
+        loop = None if data or op_type in ENTRY_KINDS_OF else _control_flow_variant(inputs)
+        if loop is not None:  # Note [Readers of a loop's lists]
+            module, source = backend.graph_origin(loop.name, loop.outputs[0]
+                                                  if loop.outputs else None)
         if data and self.reordering_stage >= 0:
             source = self.reordering_stage
         entry = op_type in ENTRY_KINDS_OF or data
         node = getattr(getattr(outputs[0], "op", None), "name", op_name) if outputs else op_name
         name = (f"tf_data:{op_type}" if data else
                 f"{ENTRY_KINDS_OF[op_type]}:{entry_label(op_type)}" if entry else
+                f"{loop.type}{NODE_SEP}{loop.name}" if loop is not None else
                 f"{op_type}{NODE_SEP}{node}")
         op = GraphOp(
             kind=Kind.ENTRY if entry else Kind.OP,
@@ -265,6 +271,15 @@ class GraphRecorder:
                 position += 1
             replaced.append(t)
         return replaced
+
+    # Note [Readers of a loop's lists]
+    # A loop (``tf.while_loop``, ``tf.map_fn``) hands out what its iterations wrote as a
+    # ``TensorList``, a variant that cannot be hashed; the op that reads it
+    # (``TensorListStack`` of ``ta.stack()``) then has no recorded input for it, and a
+    # difference the loop's body made would be blamed on that reader, as if it created a
+    # difference from inputs that matched. Its record is named after the loop, at the
+    # loop's line, as a difference made inside any control-flow body is (module
+    # docstring): the cause is looked for there (loops.py). Scheme 7.
 
     def _producer(self, gid: int, t: Any, late: list[Any]) -> tuple[int, int]:
         """Where an input comes from; the outputs of LATE_OPS are recorded here, the first
@@ -486,3 +501,14 @@ def _as_declared(t: Any) -> Any:
         with tf.control_dependencies([t]):  # the write still waits for the op
             return tf.zeros(t.shape, t.dtype)
     return t
+
+
+def _control_flow_variant(inputs: Any) -> Any:
+    """The control-flow op (a loop, a branch) a variant input comes from, or None: see
+    Note [Readers of a loop's lists]."""
+    for t in inputs or ():
+        if getattr(t, "dtype", None) == tf.variant:
+            op = loop_producer(t)
+            if op is not None:
+                return op
+    return None

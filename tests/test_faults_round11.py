@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,47 @@ def test_a_scripts_own_nondet_module_is_named_when_the_run_fails(tmp_path: Path)
     first = done.stderr.splitlines()[0]
     assert "module 'nondet' has no attribute 'helper'" in first, done.stderr
     assert importpath.SHADOWED_HINT in first, done.stderr
+
+
+def test_a_zero_tensor_hashes_as_the_zeros_it_holds() -> None:
+    """Forward-mode AD's zero tangents are efficient zero tensors: no memory (data_ptr 0),
+    which NumPy refused inside the op recorder (exit 3 on every torch.func.jvp script)."""
+    import torch
+
+    from nondet.frameworks.torch import hostwords
+
+    for shape, dtype in (((2, 3), torch.float32), ((5,), torch.float16), ((3,), torch.int8)):
+        zero = torch._efficientzerotensor(shape, dtype=dtype)
+        assert zero._is_zerotensor() and zero.data_ptr() == 0
+        plain = torch.zeros(shape, dtype=dtype)
+        assert hostwords.dense_cpu_content(zero) == hostwords.dense_cpu_content(plain)
+        assert hostwords.raw_bytes(zero).tobytes() == hostwords.raw_bytes(plain).tobytes()
+
+
+_JVP_TRAINING = """
+import random
+import torch
+from torch.func import jvp
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Softplus(), torch.nn.Linear(16, 6))
+opt = torch.optim.Adam(net.parameters(), 3e-3)
+shift = random.Random()  # unseeded: enters at step 2
+for step in range(4):
+    z = torch.randn(8, 4) + (shift.random() if step == 2 else 0.0)
+    _, tangent = jvp(lambda x: net(x), (z,), (torch.ones_like(z),))
+    loss = net(z).pow(2).mean() + 1e-4 * tangent.pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.e2e
+def test_forward_mode_ad_training_is_recorded_and_narrowed(tmp_path: Path) -> None:
+    """Trial (PyTorch round 14): a loss with a ``torch.func.jvp`` term was nondet's
+    internal error (exit 3) in every run; a difference entering at step 2 is now found
+    there, through the op-level re-run that hashes the zero tangents."""
+    (tmp_path / "train.py").write_text(_JVP_TRAINING)
+    done = run_cli("run", "-q", "--no-verify", "--json", "r.json", "train.py", cwd=tmp_path,
+                   timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    div = json.loads((tmp_path / "r.json").read_text())["first_divergence"]
+    assert div["step"] == 2 and div["source"] == "train.py:10", div

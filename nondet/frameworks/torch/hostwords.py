@@ -50,7 +50,10 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return np.zeros(0, dtype=np.uint8)
-    return np.asarray(_Memory(t.data_ptr(), nbytes))
+    address = t.data_ptr()
+    if not address:  # Note [Zero tensors]
+        return np.zeros(nbytes, dtype=np.uint8)
+    return np.asarray(_Memory(address, nbytes))
 
 
 def dense_cpu_words(t: torch.Tensor) -> np.ndarray | None:
@@ -105,7 +108,15 @@ def _word_array(t: torch.Tensor) -> np.ndarray:
     if nbytes == 0:
         return np.zeros(0, dtype=np.uint8)
     word = word_size(nbytes)
-    return np.asarray(_Words(t.data_ptr(), nbytes // word, _TYPESTR[word]))
+    address = t.data_ptr()
+    if not address:
+        # Note [Zero tensors]
+        # Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) gives a zero
+        # tangent as an efficient zero tensor: its values are all zero, and it has no
+        # memory (``data_ptr()`` is 0; NumPy refused the address, a nondet error, exit 3).
+        # Its words are zeros, as a tensor of zeros has.
+        return np.zeros(nbytes // word, dtype=_TYPESTR[word])
+    return np.asarray(_Words(address, nbytes // word, _TYPESTR[word]))
 
 
 def host_words(t: torch.Tensor) -> np.ndarray:

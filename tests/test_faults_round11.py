@@ -90,3 +90,68 @@ def test_forward_mode_ad_training_is_recorded_and_narrowed(tmp_path: Path) -> No
     assert done.returncode == 1, done.stdout + done.stderr
     div = json.loads((tmp_path / "r.json").read_text())["first_divergence"]
     assert div["step"] == 2 and div["source"] == "train.py:10", div
+
+
+_SYNCS_BANNED = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(16, 8), torch.randn(16, 4)
+def banned(name):
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError(f"host sync via Tensor.{name} is banned in the training loop")
+    return refuse
+saved = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "numpy", "__float__")}
+for name in saved:
+    setattr(torch.Tensor, name, banned(name))
+for step in range(4):
+    opt.zero_grad(); loss = ((model(x) - y) ** 2).mean(); loss.backward(); opt.step()
+for name, method in saved.items():
+    setattr(torch.Tensor, name, method)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("ops", ["auto", "all"])
+def test_a_script_banning_host_syncs_in_its_loop_is_recorded(tmp_path: Path, ops: str) -> None:
+    """Trial (faults round 11): a script that makes ``Tensor.item``/``tolist``/``numpy``
+    raise while it trains (no host syncs in the loop) ran plainly; nondet's own reads at
+    the step end went through the replaced methods: exit 3, "nondet's hooks failed"."""
+    (tmp_path / "train.py").write_text(_SYNCS_BANNED)
+    done = run_cli("run", "-q", "--no-verify", "--ops", ops, "--out", str(tmp_path / "out"),
+                   "train.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("nondet: deterministic"), done.stdout
+
+
+def test_the_scripts_sync_debug_mode_is_off_while_nondet_reads_back() -> None:
+    """``torch.cuda.set_sync_debug_mode("error")`` makes every host sync raise: nondet's
+    one read-back per step is its own, so the mode is off while it reads and put back."""
+    import torch
+
+    from nondet.frameworks.torch import cuda, readback
+
+    modes = [2]
+    calls: list[int] = []
+
+    def set_mode(mode: int) -> None:
+        calls.append(mode)
+        modes[0] = mode
+
+    fake = type("FakeCuda", (), {
+        "is_available": staticmethod(lambda: True),
+        "is_initialized": staticmethod(lambda: True),
+        "get_sync_debug_mode": staticmethod(lambda: modes[0]),
+        "set_sync_debug_mode": staticmethod(set_mode),
+        "synchronize": staticmethod(lambda device=None: None),
+    })
+    original = cuda.api
+    cuda.api = fake
+    try:
+        ints, floats = readback.read_back([torch.tensor(7)],
+                                          [torch.tensor(0.5, dtype=torch.float64)])
+    finally:
+        cuda.api = original
+    assert (ints, floats) == ([7], [0.5])
+    assert calls == [0, 2] and modes == [2]

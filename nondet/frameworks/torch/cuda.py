@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Hashable, Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -81,6 +81,26 @@ def synchronize(devices: Iterable[torch.device]) -> None:
         waited = True
     if waited:
         _retired.clear()
+
+
+@contextmanager
+def own_syncs() -> Iterator[None]:
+    """nondet's per-step read-back synchronizes with the device on purpose: a script that
+    makes host syncs an error or a warning (``torch.cuda.set_sync_debug_mode``) means its
+    own, so the mode is off while nondet reads, and restored after."""
+    mode = 0
+    if in_use():
+        try:
+            mode = int(api.get_sync_debug_mode())
+        except (AttributeError, RuntimeError):
+            mode = 0
+        if mode:
+            api.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        if mode:
+            api.set_sync_debug_mode(mode)
 
 
 def hand_over(tensors: Iterable[torch.Tensor]) -> None:

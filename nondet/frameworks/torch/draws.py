@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from nondet import session as session_module
 from nondet.frameworks.base import Session
+from nondet.frameworks.torch.tensors import to_numpy
 
 FACT = "torch.unseeded_draw"
 #: Parts of the names of calls that may draw from a generator (a cheap filter: the state
@@ -66,7 +67,7 @@ def _state(paused: Callable[[], AbstractContextManager[None]]) -> bytes:
     """The default generator's state, read unrecorded (``get_state`` makes a tensor: read
     inside the capture, it was an entry of the script's init step)."""
     with paused():
-        return bytes(torch.default_generator.get_state().numpy())
+        return bytes(to_numpy(torch.default_generator.get_state()))
 
 
 class _Watch(TorchFunctionMode):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from nondet.fingerprint import host_content, pack_words, word_size
-from nondet.frameworks.torch.tensors import describe
+from nondet.frameworks.torch.tensors import describe, to_numpy
 
 NP_WORDS = {8: np.int64, 4: np.int32, 1: np.uint8}
 
@@ -127,7 +127,7 @@ def host_words(t: torch.Tensor) -> np.ndarray:
         return np.concatenate([host_words(t._indices()), host_words(t._values())])
     if not t.is_contiguous():
         # small tensors only (see content_of_many); the array owns the copy
-        raw = t.contiguous().view(torch.uint8).numpy().reshape(-1)
+        raw = to_numpy(t.contiguous().view(torch.uint8)).reshape(-1)
     else:
         raw = raw_bytes(t)
     return raw.view(NP_WORDS[word_size(raw.size)])

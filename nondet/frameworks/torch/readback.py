@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from nondet.frameworks.torch import cuda
+from nondet.frameworks.torch.tensors import item, tolist
 
 #: Host read-backs made so far (one per device per ``read_back`` call); tests bound it.
 READBACKS = 0
@@ -26,7 +27,14 @@ READBACKS = 0
 def read_back(ints: Sequence[torch.Tensor],
               floats: Sequence[torch.Tensor] = ()) -> tuple[list[int], list[float]]:
     """The values of 0-dim int64 tensors ``ints`` and float64 tensors ``floats``, in order,
-    with one device-to-host transfer per device."""
+    with one device-to-host transfer per device (a sync the script's sync debug mode does
+    not count: ``cuda.own_syncs``)."""
+    with cuda.own_syncs():
+        return _read_back(ints, floats)
+
+
+def _read_back(ints: Sequence[torch.Tensor],
+               floats: Sequence[torch.Tensor]) -> tuple[list[int], list[float]]:
     global READBACKS
     values: list[int | float] = [0] * (len(ints) + len(floats))
     plain: list[tuple[int, torch.Tensor]] = []
@@ -42,7 +50,7 @@ def read_back(ints: Sequence[torch.Tensor],
         else:
             # A wrapper subclass (a DTensor's loss or parameter sum): its own ``item`` may
             # have to combine shards, so it is read on its own.
-            values[i] = t.item()
+            values[i] = item(t)
             READBACKS += 1
     by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in plain:
@@ -51,7 +59,7 @@ def read_back(ints: Sequence[torch.Tensor],
     for group in by_device.values():
         tensors = [t for _, t in group]
         cuda.hand_over(tensors)
-        words = torch.stack(tensors).tolist()
+        words = tolist(torch.stack(tensors))
         READBACKS += 1
         for (i, _), word in zip(group, words, strict=True):
             # floats travelled as their bit patterns

@@ -14,6 +14,7 @@ from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from nondet.frameworks.torch.hostwords import raw_bytes
 from nondet.frameworks.torch.leaves import local_tensor
+from nondet.frameworks.torch.tensors import to_numpy as numpy_of
 
 Named = list[tuple[str, Any]]
 _NP_DTYPES: dict[torch.dtype, Any] = {}  # NumPy's dtype for each torch dtype to_numpy copies
@@ -215,7 +216,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     # out next, which tests/frameworks/test_torch_capture.py's recycled-address test needs.)
     dtype = _NP_DTYPES.get(t.dtype)
     if dtype is None:
-        dtype = _NP_DTYPES[t.dtype] = torch.empty(0, dtype=t.dtype).numpy().dtype
+        dtype = _NP_DTYPES[t.dtype] = numpy_of(torch.empty(0, dtype=t.dtype)).dtype
     out = np.empty(tuple(t.shape), dtype=dtype)
     if out.size:
         dense = t if t.is_contiguous() else t.contiguous()  # alive while its bytes are read

@@ -18,6 +18,7 @@ from nondet.frameworks.torch import hoststats
 from nondet.frameworks.torch.cache import FingerprintCache
 from nondet.frameworks.torch.hashing import TorchHasher
 from nondet.frameworks.torch.hostwords import StateViews
+from nondet.frameworks.torch.tensors import item
 from nondet.records import Group
 
 #: One fingerprint per named tensor (detailed steps) or per group: (name, fp, tensor).
@@ -129,7 +130,7 @@ def _on_host(x: torch.Tensor | float) -> torch.Tensor | float:
     cheaper than the read-back's bit-pattern round trip: ~50 us per step for the loss),
     anything else as it is."""
     if type(x) is torch.Tensor and x.is_cpu:
-        return float(x.item())
+        return float(item(x))
     return x
 
 

@@ -29,10 +29,38 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from nondet.fingerprint import name_code
 from nondet.frameworks.torch.leaves import storage_owner
+
+# Note [Methods the script replaces]
+# A script may replace torch's tensor methods while it trains: one that bans host syncs in
+# its loop makes ``Tensor.item``, ``tolist`` and ``numpy`` raise. nondet's own reads at a
+# step's end went through the replaced methods and failed (exit 3, "nondet's hooks failed")
+# where the plain script ran. nondet reads through torch's own methods, kept here when
+# nondet's torch backend is imported, before any script code has run.
+_ITEM = torch._C.TensorBase.item
+_TOLIST = torch._C.TensorBase.tolist
+_NUMPY = torch._C.TensorBase.numpy
+
+
+def item(t: torch.Tensor) -> Any:
+    """``t.item()`` through torch's own method (Note [Methods the script replaces])."""
+    return _ITEM(t)
+
+
+def tolist(t: torch.Tensor) -> Any:
+    """``t.tolist()`` through torch's own method (Note [Methods the script replaces])."""
+    return _TOLIST(t)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """``t.numpy()`` through torch's own method (Note [Methods the script replaces])."""
+    array: np.ndarray = _NUMPY(t)
+    return array
+
 
 #: What torch raises when an attribute does not apply to a tensor (see the Note). Anything
 #: else is a bug in nondet and is left to the backend's containment.

@@ -155,3 +155,17 @@ def test_the_scripts_sync_debug_mode_is_off_while_nondet_reads_back() -> None:
         cuda.api = original
     assert (ints, floats) == ([7], [0.5])
     assert calls == [0, 2] and modes == [2]
+
+
+@pytest.mark.e2e
+def test_a_script_that_forbids_threads_while_it_trains_is_recorded(tmp_path: Path) -> None:
+    """Trial (faults round 11): a script that replaces ``threading.Thread.start`` after its
+    first step (or whose address-space limit leaves no room for a thread) ran plainly;
+    nondet's pipe flusher, started at the first step end, failed there: exit 3."""
+    script = "import threading\n" + tiny_training().replace(
+        "opt.step()", "opt.step()\n    threading.Thread.start = None")
+    assert "threading.Thread.start = None" in script
+    (tmp_path / "train.py").write_text(script)
+    done = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "train.py",
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr

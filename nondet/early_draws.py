@@ -33,6 +33,8 @@ class Kind:
     #: a script that never seeds it gets a note here too (the other kinds get
     #: ``seed_diff``'s notes for a script that never seeds TensorFlow or Keras)
     never_seeded_note: bool = False
+    #: that note's cause and fix
+    never_seeded_fix: str = "[PY-ENTROPY]: call random.seed(0) at the start of the script"
 
 
 #: Keras 3's default seeds come from Python's ``random`` (``make_default_seed``): every
@@ -51,7 +53,16 @@ TF_GLOBAL = Kind("tf_global_seed", "a TensorFlow random op without seed= drew fr
 PYTHON_GLOBAL = Kind("python_random", "the script draws from Python's random module",
                      frozenset({"random.seed", "keras.utils.set_random_seed"}),
                      never_seeded_note=True)
-KINDS = {kind.name: kind for kind in (KERAS_DEFAULT, TF_GLOBAL, PYTHON_GLOBAL)}
+#: NumPy's global generator (``np.random.permutation``, ``np.random.rand``...) drawn by the
+#: script's own code: a script that seeds torch only (or a library it calls, torchsde's
+#: Brownian motion) varies with every plain run.
+NUMPY_GLOBAL = Kind("numpy_random", "the script draws from NumPy's global random generator "
+                    "(np.random.*)",
+                    frozenset({"np.random.seed", "keras.utils.set_random_seed"}),
+                    never_seeded_note=True,
+                    never_seeded_fix="[PY-NP-GENERATOR]: call np.random.seed(0) at the start "
+                                     "of the script, or draw from np.random.default_rng(seed)")
+KINDS = {kind.name: kind for kind in (KERAS_DEFAULT, TF_GLOBAL, PYTHON_GLOBAL, NUMPY_GLOBAL)}
 
 
 class EarlyDraws:
@@ -128,7 +139,7 @@ def notes_for(facts: dict[str, Any],
                 f"at {site} {kind.what} and never seeds it: nondet seeded it alike in both "
                 "runs (--seed), so these two runs match, but the script run on its own draws "
                 "different values there each time (its plain runs differ if they feed "
-                "training) [PY-ENTROPY]: call random.seed(0) at the start of the script")
+                f"training) {kind.never_seeded_fix}")
             continue
         if not isinstance(site, str) or seeded is None:
             continue

@@ -135,6 +135,7 @@ def install(session: Session) -> None:
 
     random.seed = log.wrap("random.seed", seed, lambda a=None, *_, **__: a)
     _watch_python_draws(session, log)
+    _watch_numpy_draws(session, log)
     frameworks.after_import("keras", lambda: _wrap_keras_seed(log, "keras"))
     frameworks.after_import("tf_keras", lambda: _wrap_keras_seed(log, "tf_keras"))
     frameworks.after_import("keras", lambda: _note_keras_default_seeds(session, log))
@@ -147,33 +148,59 @@ _PYTHON_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices
                  "paretovariate", "vonmisesvariate", "weibullvariate", "binomialvariate")
 
 
+#: NumPy's module functions that draw from its global generator (``np.random.mtrand._rand``).
+_NUMPY_DRAWS = ("rand", "randn", "randint", "random", "random_sample", "ranf", "sample",
+                "choice", "permutation", "shuffle", "normal", "uniform", "standard_normal",
+                "binomial", "poisson", "exponential", "beta", "gamma", "laplace", "logistic",
+                "lognormal", "multinomial", "multivariate_normal", "dirichlet", "bytes",
+                "random_integers", "standard_cauchy", "standard_t", "geometric")
+
+
 def _watch_python_draws(session: Session, log: seeding.SeedLog) -> None:
     """The first draw the script's own code makes from Python's global ``random`` before
     seeding it (``early_draws.PYTHON_GLOBAL``): nondet seeds that generator in both runs,
     so they repeat where plain runs draw fresh values. Once recorded, or once the script
     has seeded it, the module's functions are nondet's no longer (a name imported
-    earlier with ``from random import`` keeps a wrapper that only checks a set)."""
+    earlier with ``from random import`` keeps a wrapper that only checks a set). A
+    library's own draws are left out: they need not feed training."""
+    _watch_draws(session, log, random, _PYTHON_DRAWS, early_draws.PYTHON_GLOBAL,
+                 script_only=True)
+
+
+def _watch_numpy_draws(session: Session, log: seeding.SeedLog) -> None:
+    """The same for NumPy's global generator (``early_draws.NUMPY_GLOBAL``), whoever draws
+    while the script's code runs: a library's draws there feed training as often as not
+    (torchsde's Brownian motion, Keras' shuffle of array data)."""
+    import numpy as np
+
+    _watch_draws(session, log, np.random, _NUMPY_DRAWS, early_draws.NUMPY_GLOBAL,
+                 script_only=False)
+
+
+def _watch_draws(session: Session, log: seeding.SeedLog, module: Any, names: tuple[str, ...],
+                 kind: early_draws.Kind, script_only: bool) -> None:
+    """Wrap ``module``'s drawing functions ``names`` to record the first draw of ``kind``
+    (see ``_watch_python_draws``); ``script_only``: only the script's own calls count."""
     early = early_draws.EarlyDraws(session, log)
-    kind = early_draws.PYTHON_GLOBAL
-    originals = {name: getattr(random, name) for name in _PYTHON_DRAWS
-                 if callable(getattr(random, name, None))}
+    originals = {name: getattr(module, name) for name in names
+                 if callable(getattr(module, name, None))}
     wrappers: dict[str, Any] = {}
 
     def restore() -> None:
         for name, original in originals.items():
-            if getattr(random, name, None) is wrappers.get(name):
-                setattr(random, name, original)
+            if getattr(module, name, None) is wrappers.get(name):
+                setattr(module, name, original)
 
     def watched(original: Any) -> Any:
         def draw(*args: Any, **kwargs: Any) -> Any:
             if not early.done(kind):
                 caller = sys._getframe(1)
                 try:
-                    users = log.is_users(caller)
+                    counts = log.is_users(caller) if script_only else True
                 except Exception:
                     log.failed()
-                    users = False
-                if users:  # the script's own call (a library's need not feed training)
+                    counts = False
+                if counts:
                     early.drawn(kind, caller)
                 if early.done(kind):
                     restore()
@@ -185,7 +212,7 @@ def _watch_python_draws(session: Session, log: seeding.SeedLog) -> None:
 
     for name, original in originals.items():
         wrappers[name] = watched(original)
-        setattr(random, name, wrappers[name])
+        setattr(module, name, wrappers[name])
 
 
 #: Where each Keras defines ``set_random_seed``; every module exporting it imports it from

@@ -271,8 +271,9 @@ def unseeded_script_notes(capture: Capture) -> list[str]:
 
 def _seeding_notes(capture: Capture) -> list[str]:
     calls = seed_calls(capture)
-    # the script's own draws from Python's random, whatever the framework
-    python = early_draws.notes_for(capture.facts, calls, [early_draws.PYTHON_GLOBAL])
+    # the script's draws from Python's and NumPy's global generators, whatever the framework
+    python = early_draws.notes_for(capture.facts, calls,
+                                   [early_draws.PYTHON_GLOBAL, early_draws.NUMPY_GLOBAL])
     if capture.facts.get("framework") == "torch":
         return _torch_draw_notes(capture) + python
     if capture.facts.get("framework") != "tensorflow":

@@ -49,7 +49,9 @@ MASK64 = (1 << 64) - 1
 #: longer depend on which steps had op capture.
 #: 7: a TensorFlow graph op reading a list a loop or branch made (``TensorListStack`` of
 #: a ``tf.map_fn``) is named after that control-flow op, at its line
-#: (tensorflow/traced.py, Note [Readers of a loop's lists]).
+#: (tensorflow/traced.py, Note [Readers of a loop's lists]); TensorFlow's state hash folds
+#: the variables in the order of their names, not of their creation
+#: (tensorflow/backend.py, Note [Variables in the order of their names]).
 SCHEME = "7"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device

@@ -88,3 +88,4 @@ def test_the_intervention_builds_every_loop_with_one_iteration_at_a_time(
     graph = tf.function(by_position).get_concrete_function(X).graph
     whiles = [op for op in graph.get_operations() if op.type in loops.LOOP_OPS]
     assert [op.get_attr("parallel_iterations") for op in whiles] == [1]
+

@@ -77,7 +77,8 @@ class TFBackend(StepLifecycle):
     def __init__(self, session: Session) -> None:
         self.layer_stack: list[int] = []
         self.scopes: dict[str, tuple[int, int]] = {}  # graph name scope -> (module, source)
-        self.variables: list[TrackedVariable] = []
+        self.variables: list[TrackedVariable] = []  # in creation order
+        self._ordered: list[TrackedVariable] | None = None  # in the state hash's order
         self.making_own_variables = False
         self._state_hasher: StateHasher | None = None  # made with the recorder's variables
         self._refresher: StateHasher | None = None  # first reads' contents (first_reads.py)
@@ -243,8 +244,10 @@ class TFBackend(StepLifecycle):
             ref = weakref.ref(variable)
         except TypeError:
             return
-        self.variables.append(TrackedVariable(ref, str(getattr(variable, "name", "?")),
-                                              self.session.string(source), group))
+        self.variables.append(TrackedVariable(
+            ref, str(getattr(variable, "name", "?")), self.session.string(source), group,
+            order=(str(getattr(variable, "dtype", "")), str(getattr(variable, "shape", "")))))
+        self._ordered = None
 
     def note_loss(self, target: Any) -> None:
         if not tf.executing_eagerly():
@@ -408,13 +411,25 @@ class TFBackend(StepLifecycle):
             self.recorder.active = was and not self.disabled
 
     # -- step-level state ------------------------------------------------------------------------
+    # Note [Variables in the order of their names]
+    # The state hash folds the tracked variables in one order. Creation order is not the same
+    # in every run: a SavedModel loaded mid-training (``tf.saved_model.load`` of a Keras
+    # ``model.export()``, a ``TFSMLayer``) makes its variables in an order that varies from
+    # process to process, with the same values, and the state "differed" at that step (a
+    # false alarm, TensorFlow round 11). Variables are therefore hashed in the order of their
+    # names, dtypes and shapes, creation order breaking ties only. Scheme 7.
     def _live_variables(self) -> list[tuple[TrackedVariable, Any]]:
+        if self._ordered is None or len(self._ordered) != len(self.variables):
+            self._ordered = sorted(self.variables, key=lambda t: (t.name, *t.order))
         alive = []
-        for tracked in self.variables:
+        for tracked in self._ordered:
             variable = tracked.ref()
             if variable is not None:
                 alive.append((tracked, variable))
-        self.variables = [t for t, _ in alive]
+        if len(alive) != len(self._ordered):
+            dead = {id(t) for t in self._ordered} - {id(t) for t, _ in alive}
+            self.variables = [t for t in self.variables if id(t) not in dead]
+            self._ordered = [t for t, _ in alive]
         return alive
 
     def _step_state(self, step: int, detailed: bool) -> StepState:

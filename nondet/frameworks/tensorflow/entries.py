@@ -298,11 +298,13 @@ class StepOrder:
         fps: list[Fp] = []
         waiting = []
         try:
+            # in the order of their names, not of their making, as the state hash (Note
+            # [Variables in the order of their names] in backend.py)
+            made = sorted(((ref, v) for ref in self.made if (v := ref()) is not None),
+                          key=lambda pair: (str(pair[1].name), str(pair[1].dtype),
+                                            str(pair[1].shape)))
             with record.stop_recording():  # an eager tape must not see nondet's reads
-                for ref in self.made:
-                    variable = ref()
-                    if variable is None:
-                        continue
+                for ref, variable in made:
                     if not bool(variable.is_initialized()):
                         waiting.append(ref)
                         continue

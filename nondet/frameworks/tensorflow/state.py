@@ -26,6 +26,8 @@ class TrackedVariable:
     source: str
     group: Group  # PARAM (trainable), BUFFER, OPTIM or DATA (random generator states)
     initialized: bool = False  # known to be (asked on the host until it is: statehash.py)
+    order: tuple[str, str] = ("", "")  # (dtype, shape): with the name, its place in the
+    # state hash (Note [Variables in the order of their names] in backend.py)
 
 
 #: Keras 3's SeedGenerator (every random layer's seed state) is made in this file.

@@ -1,5 +1,6 @@
-"""TensorFlow's state hash does not depend on the order the variables were made in
-(tensorflow/backend.py, Note [Variables in the order of their names])."""
+"""TensorFlow variables: the state hash does not depend on the order they were made in
+(tensorflow/backend.py, Note [Variables in the order of their names]), and nondet's own
+are made outside a library's variable creator scope (``TFBackend.own_variables``)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,40 @@ def test_the_state_of_variables_made_in_another_order_is_the_same(tmp_path: Path
                       for r in capture.steps])
     assert steps[0] == steps[1]
     assert len(steps[0]) >= 3
+
+
+LOADED_FIRST = """
+module = tf.saved_model.load(SAVED)  # the script's first TensorFlow call
+w = tf.Variable(tf.ones((4, 1)))
+opt = tf.keras.optimizers.SGD(0.1)
+for step in range(3):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(module.scale(tf.ones((2, 4))) @ w)
+    opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+"""
+
+
+def test_a_savedmodel_loaded_as_the_scripts_first_call_is_recorded(tmp_path: Path) -> None:
+    """TensorFlow round 11: nondet makes its own variables at the first op it sees; inside
+    the SavedModel loader's variable creator scope they failed ("Cannot convert the
+    argument `type_value`: None to a TensorFlow DType", exit 3) on the usual fine-tune of a
+    frozen SavedModel base."""
+    import tensorflow as tf
+
+    class Scale(tf.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.factor = tf.Variable(2.0)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+        def scale(self, x: tf.Tensor) -> tf.Tensor:
+            return x * self.factor
+
+    saved = tmp_path / "saved"
+    tf.saved_model.save(Scale(), str(saved))
+    from tests.frameworks.test_tf_capture import run_script
+
+    header = ("import os\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '2'\nimport tensorflow as tf\n"
+              f"SAVED = {str(saved)!r}\n")
+    capture, _ = run_script(tmp_path / "run", LOADED_FIRST, header=header)
+    assert len([r for r in capture.steps if int(r["step"]) >= 0]) == 3

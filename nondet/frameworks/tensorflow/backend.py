@@ -395,12 +395,26 @@ class TFBackend(StepLifecycle):
 
     @contextmanager
     def own_variables(self) -> Iterator[None]:
-        """Variables made in here are nondet's: not tracked as the script's state."""
+        """Variables made in here are nondet's: not tracked as the script's state, and made
+        by TensorFlow's own creator. nondet makes its first ones at the first op it sees,
+        which may run inside a library's variable creator scope: the SavedModel loader's
+        (``tf.saved_model.load`` as a script's first TensorFlow call) builds every variable
+        made there from a saved spec, and failed on nondet's (exit 3, TensorFlow round 11).
+        So the creator stack is set aside meanwhile (a private TensorFlow API: left alone
+        where it is missing)."""
         self.making_own_variables = True
+        graph = tf.compat.v1.get_default_graph()
+        try:
+            creators = graph._variable_creator_stack
+            graph._variable_creator_stack = []
+        except Exception:
+            creators = None
         try:
             yield
         finally:
             self.making_own_variables = False
+            if creators is not None:
+                graph._variable_creator_stack = creators
 
     @contextmanager
     def _paused(self) -> Iterator[None]:

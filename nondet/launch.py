@@ -62,6 +62,7 @@ class CapturedRun(RunStream):
         self.on_step = on_step
         self.on_end = on_end
         self.echo = echo
+        self._echo_closed = False  # nondet's stderr went away: the output goes to the log only
         self._stop_sent = False
         self._interrupted = False
         self._proc: subprocess.Popen[bytes] | None = None
@@ -353,10 +354,17 @@ class CapturedRun(RunStream):
                 self._write_failed(exc, self.log_path)
 
     def _echo(self, lines: bytes) -> None:
+        if self._echo_closed:
+            return
         prefix = f"[{self.plan.label}] ".encode()
-        for line in lines.splitlines(keepends=True):
-            sys.stderr.buffer.write(prefix + line)
-        sys.stderr.flush()
+        try:
+            for line in lines.splitlines(keepends=True):
+                sys.stderr.buffer.write(prefix + line)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            # nondet's stderr is gone (``nondet run -v ... 2>&1 | head``): the run's output
+            # is still drained into its log, or the run would block writing it
+            self._echo_closed = True
 
     def _pump_frames(self, fd: int) -> None:
         try:

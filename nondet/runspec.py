@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from nondet import environment, importpath, readback
+from nondet import environment, importpath, interventions, readback
 from nondet.errors import NondetError
 from nondet.printable import LINE_MAX, clip
 from nondet.session import CONFIG_ENV, ChildConfig
@@ -154,7 +154,11 @@ def child_config(target: Target, plan: Plan, seed: int) -> ChildConfig:
 def child_env(config: ChildConfig, extra_env: dict[str, str]) -> dict[str, str]:
     """A recorded run's environment: ours, the interventions, its config, a fixed
     PYTHONHASHSEED (unless the user set one) and nondet importable (``importpath``)."""
-    env = {**os.environ, **extra_env}
+    # nondet's own list of fixes for a run is set here only: one in the caller's environment
+    # (a leftover export, a recorded run's child invoking nondet) was applied silently, and
+    # a racing script was called deterministic (faults round 11)
+    env = {**{k: v for k, v in os.environ.items() if k != interventions.APPLY_ENV},
+           **extra_env}
     config.startup_env = importpath.startup_env(env)
     # The script's arguments travel as the run's own argv (``child_argv``), as they would
     # to ``python train.py``: in this one variable 4,000 file names (200 KB) exceeded the

@@ -169,3 +169,41 @@ def test_a_script_that_forbids_threads_while_it_trains_is_recorded(tmp_path: Pat
     done = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "train.py",
                    cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_fix_list_in_the_callers_environment_never_reaches_the_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Faults round 11: ``NONDET_APPLY=torch.deterministic nondet run race.py`` applied the
+    fix to both runs without a word, and a racing script was "deterministic" (exit 0,
+    ``nondet check`` PASS). Only nondet's own ``--apply`` and fix verification set it."""
+    from nondet import interventions, runspec
+    from nondet.session import ChildConfig
+
+    monkeypatch.setenv(interventions.APPLY_ENV, "torch.deterministic")
+    config = ChildConfig(label="a", seed=0, channel_fd=3, control_fd=4)
+    assert interventions.APPLY_ENV not in runspec.child_env(config, {})
+    ours = interventions.environment(["torch.one_thread"])
+    assert runspec.child_env(config, ours)[interventions.APPLY_ENV] == "torch.one_thread"
+
+
+@pytest.mark.e2e
+def test_a_closed_stderr_under_verbose_does_not_stall_the_runs(tmp_path: Path) -> None:
+    """Faults round 11: ``nondet run -v train.py 2>&1 | head`` stalled two minutes, then
+    "holds no training step" (exit 2): the run's output echo died on the closed pipe, and
+    nothing drained the run's stdout. It is drained into the run's log whatever happens."""
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(tiny_training(6).replace(
+        "for step in range(6):\n", "for step in range(6):\n"
+        "    for i in range(3000):\n        print('log line', step, i)\n"))
+    reader = subprocess.Popen(  # reads one line, then closes the pipe, as head does
+        [sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    done = subprocess.run([sys.executable, "-m", "nondet", "run", "-v", "--no-verify",
+                           "--json", "r.json", "--out", "out", "train.py"],
+                          cwd=tmp_path, stdout=reader.stdin, stderr=reader.stdin, timeout=120)
+    assert reader.stdin is not None
+    reader.stdin.close()
+    reader.wait(timeout=30)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert done.returncode == 0 and report["verdict"] == "deterministic", report

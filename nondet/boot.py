@@ -30,6 +30,7 @@ from nondet import (
     loop_end,
     orphan,
     own_group,
+    pids,
     pyhooks,
     readback,
     seeding,
@@ -231,7 +232,7 @@ def _rank_hello() -> dict[str, int]:
         except ValueError:
             return default
     return {"rank": number("RANK", 0), "world_size": number("WORLD_SIZE", 1),
-            "local_rank": number("LOCAL_RANK", 0), "pid": os.getpid()}
+            "local_rank": number("LOCAL_RANK", 0), "pid": pids.getpid()}
 
 
 def _forget_session() -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import fdguard
+from nondet import fdguard, pids
 
 #: Bound at import, before the script runs: a script that replaces ``json.dumps`` (a
 #: JSON policy, a monkeypatch for its own logging) must not change, or break, what nondet
@@ -129,7 +129,7 @@ class FrameWriter:
     def __init__(self, fd: int) -> None:
         self._fd = fd
         fdguard.claim(fd)
-        self._pid = os.getpid()
+        self._pid = pids.getpid()
         self._buffer = bytearray()
         self._broken = False  # the reader is gone (or the descriptor closed)
         self.parent_gone = False  # the reader is gone: EPIPE (the session stops the run)
@@ -139,7 +139,7 @@ class FrameWriter:
         self._flusher: threading.Thread | None = None
 
     def send(self, kind: bytes, payload: bytes) -> None:
-        if os.getpid() != self._pid:
+        if pids.getpid() != self._pid:
             return  # a forked copy (checked before the lock, which a fork may copy held)
         with self._lock:
             self._buffer += _HEADER.pack(kind, len(payload))
@@ -151,7 +151,7 @@ class FrameWriter:
         self.send(kind, _dumps(obj, default=str).encode())
 
     def flush(self) -> None:
-        if os.getpid() != self._pid:
+        if pids.getpid() != self._pid:
             return
         with self._lock:
             self._deadline = None
@@ -161,7 +161,7 @@ class FrameWriter:
         """Leave the buffer for a later ``flush``, but have it written within ``seconds``
         whatever the script does meanwhile (it may sleep or evaluate for minutes after its
         last step: the parent must see that step)."""
-        if os.getpid() != self._pid:
+        if pids.getpid() != self._pid:
             return
         with self._lock:
             if self._deadline is None:
@@ -226,7 +226,7 @@ class FrameWriter:
 
     def close(self) -> None:
         """Flush and close the descriptor (a run that ends; tests that play one)."""
-        if os.getpid() != self._pid:
+        if pids.getpid() != self._pid:
             return
         with self._lock:
             self._deadline = None

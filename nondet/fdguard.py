@@ -22,6 +22,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from nondet import pids
+
 # The script may close every inherited descriptor (``os.closerange(3, ...)``, daemon code) or
 # ``dup2`` over ours, and then open files of its own that get the same numbers. Writing a
 # frame or reading the control pipe through such a number would write into (or read from)
@@ -121,10 +123,10 @@ def watch(fds: Iterable[int], interval: float = WATCH_SECONDS) -> None:
     watched = [fd for fd in fds if fd in _REOPEN]
     if not watched:
         return
-    pid = os.getpid()
+    pid = pids.getpid()
 
     def loop() -> None:
-        while os.getpid() == pid:
+        while pids.getpid() == pid:
             time.sleep(interval)
             for fd in watched:
                 if fd in _CLAIMED:
@@ -140,14 +142,14 @@ def install(fds: Iterable[int]) -> None:
     kept = frozenset(fd for fd in fds if fd >= 0)
     if not kept:
         return
-    pid = os.getpid()
+    pid = pids.getpid()
     real_close: Callable[[int], None] = os.close
     real_closerange: Callable[[int, int], None] = os.closerange
 
     def guarded(fd: int) -> bool:
         # still the pipe nondet was given: a number the script has dup2'ed its own file
         # onto is the script's to close
-        if os.getpid() != pid:
+        if pids.getpid() != pid:
             return False
         if fd in kept and ours(fd):
             return True
@@ -160,7 +162,7 @@ def install(fds: Iterable[int]) -> None:
         real_close(fd)
 
     def closerange(fd_low: int, fd_high: int) -> None:
-        if os.getpid() != pid:
+        if pids.getpid() != pid:
             real_closerange(fd_low, fd_high)
             return
         start = fd_low

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 
-from nondet import own_group
+from nondet import own_group, pids
 
 CHECK_SECONDS = 1.0
 
@@ -26,12 +26,12 @@ CHECK_SECONDS = 1.0
 def watch(interval: float = CHECK_SECONDS) -> None:
     """Start the check in this process (a forked copy has no such thread: its parent is
     the run, whose end it follows as its own script would have it)."""
-    parent, root, group = os.getppid(), os.getpid(), os.getpgrp()
+    parent, root, group = pids.getppid(), pids.getpid(), os.getpgrp()
 
     def loop() -> None:
-        while os.getpid() == root:
+        while pids.getpid() == root:
             time.sleep(interval)
-            if os.getppid() != parent:
+            if pids.getppid() != parent:
                 for pid in [p for p in own_group.run_processes(root, group) if p != root]:
                     try:
                         os.kill(pid, signal.SIGKILL)

@@ -207,3 +207,21 @@ def test_a_closed_stderr_under_verbose_does_not_stall_the_runs(tmp_path: Path) -
     reader.wait(timeout=30)
     report = json.loads((tmp_path / "r.json").read_text())
     assert done.returncode == 0 and report["verdict"] == "deterministic", report
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mocked", ["os.getpid = lambda: 1", "os.getppid = lambda: 1"])
+def test_a_script_mocking_its_pids_is_recorded_to_its_end(tmp_path: Path, mocked: str) -> None:
+    """Faults round 11: after ``os.getppid = lambda: 1`` the run thought itself orphaned and
+    ended (killed, "the script failed"); after ``os.getpid = lambda: 1`` it thought itself
+    a fork and went silent: it hung at exit until the idle limit, and its later steps
+    were never compared (a race there was missed). nondet keeps the real functions."""
+    (tmp_path / "train.py").write_text("import os, time\n" + tiny_training(4).replace(
+        "opt.step()\n", f"opt.step()\n    if step == 1:\n        {mocked}\n"
+                        "    time.sleep(0.3)\n"))
+    done = run_cli("run", "-q", "--no-verify", "--json", "r.json", "--out",
+                   str(tmp_path / "out"), "train.py", cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [(r["steps"], r["complete"]) for r in report["runs"]] == [(4, True)] * 2, report
+    assert not report["notes"], report["notes"]

@@ -31,7 +31,10 @@ script whose plain runs differed 5 times in 10 was "deterministic" (or got a fix
 happened to hold), with no word on the line. And the threads it starts
 (``ThreadPoolExecutor``, ``threading.Thread``): ``python.threads``, the evidence for
 PY-THREAD-WORK (ops run in the script's threads are not recorded; a trial's threads drawing
-``torch.randperm`` from the global generator got the OpenCV recipe).
+``torch.randperm`` from the global generator got the OpenCV recipe). And its calls of the
+builtin ``hash()``: ``python.hash_calls``, a note like the set iterations' (a string's hash
+follows the same salt: token ids or a seed from ``hash(word)`` differed in every plain run
+of two trials' scripts, and nondet said "deterministic" with no word).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ COMPLETION_FACT = "python.completion_order"
 ADDRESS_FACT = "python.address_order"
 THREADS_FACT = "python.threads"
 HASH_SEED_FACT = "python.hash_seed_by_nondet"
+HASH_CALLS_FACT = "python.hash_calls"
 #: Calls that list a directory in the file system's order.
 _LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir", "walk"})
 #: Calls that hand results over in the order threads or processes finish them.
@@ -87,18 +91,19 @@ class Scan(NamedTuple):
     completions: Sites  # results taken as they complete
     addresses: Sites  # orderings by object identity
     threads: Sites  # threads the script starts (ThreadPoolExecutor, threading.Thread)
+    hashes: Sites  # calls of the builtin hash()
 
 
 def scan(source: str, filename: str = "<script>") -> Scan:
     """The places in ``source`` whose order the machine decides. Never raises."""
     if len(source) > MAX_SOURCE:
-        return Scan([], [], [], [], [])
+        return Scan([], [], [], [], [], [])
     try:
         tree = ast.parse(source, filename)
         finder = _Finder(_set_names(tree))
         finder.visit(tree)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return Scan([], [], [], [], [])
+        return Scan([], [], [], [], [], [])
     lines = source.splitlines()
 
     def shown(found: list[int]) -> list[tuple[int, str]]:
@@ -106,7 +111,7 @@ def scan(source: str, filename: str = "<script>") -> Scan:
                 for n in sorted(set(found))[:MAX_SITES]]
 
     return Scan(shown(finder.lines), shown(finder.listings), shown(finder.completions),
-                shown(finder.addresses), shown(finder.threads))
+                shown(finder.addresses), shown(finder.threads), shown(finder.hashes))
 
 
 def _set_names(tree: ast.AST) -> set[str]:
@@ -164,6 +169,7 @@ class _Finder(ast.NodeVisitor):
         self.completions: list[int] = []  # results taken in the order they finish
         self.addresses: list[int] = []  # orderings by object identity (key=id)
         self.threads: list[int] = []  # threads started (their ops are not recorded)
+        self.hashes: list[int] = []  # calls of the builtin hash() (a string's follows the salt)
         self.order_free: set[int] = set()  # ids of nodes handed straight to sorted() & co
 
     def _check(self, iterated: ast.AST, at: ast.AST) -> None:
@@ -199,6 +205,8 @@ class _Finder(ast.NodeVisitor):
             self.addresses.append(node.lineno)
         if name in _THREADS:
             self.threads.append(node.lineno)
+        if isinstance(func, ast.Name) and func.id == "hash" and node.args:
+            self.hashes.append(node.lineno)
         ordering = (isinstance(func, ast.Name) and func.id in _ORDERING_CALLS) or (
             isinstance(func, ast.Attribute) and func.attr == "join")
         if ordering:
@@ -243,7 +251,8 @@ def send(session: Any, script: str | None, seed: int) -> None:
                    for line, _ in sites]
             for fact, sites in ((FACT, found.sets), (LISTING_FACT, found.listings),
                                 (COMPLETION_FACT, found.completions),
-                                (ADDRESS_FACT, found.addresses), (THREADS_FACT, found.threads))
+                                (ADDRESS_FACT, found.addresses), (THREADS_FACT, found.threads),
+                                (HASH_CALLS_FACT, found.hashes))
             if sites}
         if facts:
             facts[HASH_SEED_FACT] = os.environ.get("PYTHONHASHSEED") == str(seed % 2**32)
@@ -271,6 +280,19 @@ def note(facts: dict[str, Any]) -> str | None:
             "(PYTHONHASHSEED) and which plain runs draw afresh at every start, so plain runs "
             "may differ where these repeated [PY-HASHSEED]; sorted(...) gives the set one "
             "order (PYTHONHASHSEED=random nondet run ... shows whether it matters)")
+
+
+def hash_note(facts: dict[str, Any]) -> str | None:
+    """The report's note for a capture's calls of ``hash()`` (None: none)."""
+    where = _where(facts, HASH_CALLS_FACT)
+    if facts.get(HASH_SEED_FACT) is not True or where is None:
+        return None
+    return (f"{where} calls hash(): the hash of a string or bytes follows Python's string "
+            "hash salt, which nondet fixed alike for both runs (PYTHONHASHSEED) and which "
+            "plain runs draw afresh at every start, so plain runs may differ where these "
+            "repeated if the value feeds training (token ids, a seed) [PY-HASHSEED]; use a "
+            "stable hash there (zlib.crc32(text.encode()), hashlib) "
+            "(PYTHONHASHSEED=random nondet run ... shows whether it matters)")
 
 
 def address_note(facts: dict[str, Any]) -> str | None:

@@ -223,3 +223,56 @@ def test_values_made_in_the_scripts_threads_get_the_thread_recipe(tmp_path: Path
     first = report["suggestions"][0]
     assert first["id"] == "PY-THREAD-WORK", [s["id"] for s in report["suggestions"]]
     assert any("train.py:9" in d for d in first["details"]), first
+
+
+def test_calls_of_the_builtin_hash_are_named() -> None:
+    source = '''import zlib
+ids = [hash(w) % 97 for w in words]
+seed = hash("exp-" + name) % 2**31
+stable = zlib.crc32(name.encode())
+layers.sort(key=hash)
+digest = obj.hash()
+'''
+    assert [line for line, _ in scan(source).hashes] == [2, 3]
+
+
+HASHED_TOKENS = """
+import torch
+torch.manual_seed(0)
+words = "the quick brown fox jumps over the lazy dog".split()
+ids = torch.tensor([hash(w) % 50 for w in words])  # follows the string hash salt
+table = torch.nn.Embedding(50, 4)
+opt = torch.optim.SGD(table.parameters(), lr=0.1)
+for _ in range(3):
+    loss = table(ids).pow(2).sum()
+    opt.zero_grad(); loss.backward(); opt.step()
+print(table.weight.sum().item())
+"""
+
+
+@pytest.mark.parametrize("user_seed", [None, "7"], ids=["nondet's", "the user's"])
+def test_a_hash_call_is_a_note_unless_the_user_fixed_the_hash_seed(
+        tmp_path: Path, user_seed: str | None) -> None:
+    """Trials (PyTorch round 14, TensorFlow round 11): token ids or a seed from
+    ``hash(word)`` differed in every plain run; nondet fixes the salt for both runs and
+    said "deterministic" with no word."""
+    script = tmp_path / "train.py"
+    script.write_text(HASHED_TOKENS)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    plain = {subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env={**env, "PYTHONHASHSEED": str(seed)}, check=True,
+                            timeout=300).stdout for seed in (1, 2, 3)}
+    assert len(plain) > 1  # the control: plain runs differ
+    if user_seed:
+        env["PYTHONHASHSEED"] = user_seed
+    result = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", "--no-verify",
+                             "--json", "r.json", str(script)], cwd=tmp_path,
+                            env={**env, "NO_COLOR": "1"}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    notes = json.loads((tmp_path / "r.json").read_text())["notes"]
+    named = [n for n in notes if "calls hash()" in n]
+    if user_seed:
+        assert not named, notes
+    else:
+        assert named and named[0].startswith("train.py:5 "), notes

@@ -153,7 +153,8 @@ class Watch:
             self._stop()
             self.exit = None
             frame = self._driving_frame()
-            if frame is None or sys.gettrace() is not None or self._library_driven(frame):
+            if (frame is None or sys.gettrace() is not None or frame.f_trace is not None
+                    or self._library_driven(frame)):
                 self.loop = None  # unknown loop (or the script traces itself): say nothing
                 return
             self.frame, self.loop, self.moved = frame, _loop_of(frame), False
@@ -252,7 +253,8 @@ class Watch:
 
     def _stop(self) -> None:
         if self.frame is not None:
-            self.frame.f_trace = None
+            if self.frame.f_trace == self._local:  # a tracer the script set since is its own
+                self.frame.f_trace = None
             self.frame = None  # never keep the script's frame (and its locals) alive
         if sys.gettrace() == self._global:
             sys.settrace(None)

@@ -225,3 +225,45 @@ def test_a_script_mocking_its_pids_is_recorded_to_its_end(tmp_path: Path, mocked
     report = json.loads((tmp_path / "r.json").read_text())
     assert [(r["steps"], r["complete"]) for r in report["runs"]] == [(4, True)] * 2, report
     assert not report["notes"], report["notes"]
+
+
+_OWN_TRACER = """
+import sys
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+events = {"line": 0}
+here = sys._getframe()
+def local(frame, event, arg):
+    if event == "line":
+        events["line"] += 1
+    return local
+def outer(frame, event, arg):
+    return None
+for step in range(6):
+    if step == 2:
+        here.f_trace = local; here.f_trace_lines = True; sys.settrace(outer)
+    opt.zero_grad(); loss = model(torch.ones(2, 8)).pow(2).mean(); loss.backward(); opt.step()
+sys.settrace(None)
+print("line events", events["line"])
+"""
+
+
+@pytest.mark.e2e
+def test_a_tracer_the_script_sets_on_its_loop_keeps_its_events(tmp_path: Path) -> None:
+    """Faults round 11: a script's own line tracer on its loop frame (a coverage tool, a
+    debugger started mid-run) saw 1 line event instead of 15: nondet's loop watch cleared
+    the frame's tracer at every step end, whoever had set it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(_OWN_TRACER)
+    plain = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120, check=True).stdout
+    assert "line events" in plain and "line events 0" not in plain
+    done = run_cli("run", "-q", "--no-verify", "--out", "out", "train.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for label in ("a", "b"):
+        log = (tmp_path / "out" / "latest" / f"run-{label}.log").read_text()
+        assert plain.strip() in log, log

@@ -11,7 +11,7 @@ class ExitCode(IntEnum):
     USAGE = 2  # bad arguments, unreadable file, missing framework, the script itself failed
     INTERNAL = 3  # a bug in nondet: a log with versions and traceback is written
     INTERRUPTED = 130  # Ctrl-C; captures written so far stay readable
-    TERMINATED = 143  # SIGTERM (CI cancel, `timeout`), SIGHUP; captures closed, marked interrupted
+    TERMINATED = 143  # SIGTERM (CI cancel, `timeout`), SIGHUP; captures closed, each marked
 
 
 EPILOG = (

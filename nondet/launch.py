@@ -272,6 +272,11 @@ class CapturedRun(RunStream):
 
     def _interrupt_script(self, forward: bool) -> int:
         assert self._proc is not None
+        # Told to stop as well: a run waiting for a word from nondet (its next turn, or to
+        # be let go after it ended on its own) would wait through every signal below. A
+        # script that ends cleanly on SIGTERM or SIGINT (finish the step, save, exit 0)
+        # was SIGKILLed 15 s later, waiting to be let go (faults round 11).
+        self.request_stop()
         # Ctrl-C in a terminal reached the child with nondet; a SIGINT sent to nondet alone
         # (``kill -INT``, a CI runner cancelling the job) did not. Without a terminal whose
         # foreground nondet is, nothing tells the two apart: a child still running after a

@@ -267,3 +267,54 @@ def test_a_tracer_the_script_sets_on_its_loop_keeps_its_events(tmp_path: Path) -
     for label in ("a", "b"):
         log = (tmp_path / "out" / "latest" / f"run-{label}.log").read_text()
         assert plain.strip() in log, log
+
+
+_GRACEFUL = """
+import pathlib, signal, sys, time
+import torch
+stop = [False]
+def on_signal(signum, frame):
+    stop[0] = True  # finish this step, save, exit 0: the preemption idiom
+signal.signal(signal.SIGTERM, on_signal)
+signal.signal(signal.SIGINT, on_signal)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(200):
+    if stop[0]:
+        print("stopped cleanly, checkpoint saved")
+        sys.exit(0)
+    loss = model(torch.ones(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    pathlib.Path("started").touch()
+    time.sleep(0.5)
+"""
+
+
+@pytest.mark.e2e
+def test_a_script_ending_cleanly_on_sigterm_is_not_killed(tmp_path: Path) -> None:
+    """Faults round 11: nondet, sent SIGTERM, passed it on; the script finished its step and
+    exited 0, then waited to be let go by nondet, which was waiting for it to end: it was
+    SIGKILLed 15 s later (exit code -9, its capture 'complete')."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import h5py
+
+    (tmp_path / "train.py").write_text(_GRACEFUL)
+    nondet = subprocess.Popen([sys.executable, "-m", "nondet", "run", "-q", "--no-verify",
+                               "--out", "out", "train.py"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3.0)  # a few steps in
+    nondet.send_signal(signal.SIGTERM)
+    _, err = nondet.communicate(timeout=120)
+    assert nondet.returncode == 143, err
+    for label in ("a", "b"):
+        with h5py.File(tmp_path / "out" / "latest" / f"run-{label}.h5", "r") as capture:
+            ended = (str(capture.attrs["status"]), int(capture.attrs["exit_code"]))
+        assert ended in (("complete", 0), ("stopped", 0), ("interrupted", 130)), ended

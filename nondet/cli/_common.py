@@ -63,7 +63,8 @@ def handle_errors() -> Iterator[None]:
         yield
     except Terminated as exc:
         err.print(f"nondet: terminated ({signal.Signals(exc.signum).name}); runs stopped, "
-                  "captures written so far closed and marked interrupted" + _kept(exc))
+                  "captures written so far closed, each marked with how its run ended"
+                  + _kept(exc))
         sys.exit(ExitCode.TERMINATED)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

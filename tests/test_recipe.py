@@ -220,3 +220,12 @@ def test_the_clock_is_read_at_lines_that_call_it() -> None:
     assert _READS_CLOCK.search("jitter = torch.full((4, 8), time.perf_counter_ns() % 1000)")
     assert _READS_CLOCK.search("stamp = datetime.now().timestamp()")
     assert not _READS_CLOCK.search("elapsed = end_time - start_time")
+
+
+def test_least_squares_on_the_cpu_gets_its_own_entry_with_a_switch_to_verify() -> None:
+    """PyTorch round 14: ``torch.linalg.lstsq`` (gelsy) got PT-UNKNOWN-OP, "a code change:
+    cannot be applied from outside", though the deterministic switch makes it repeat."""
+    first = recipe.suggest({"framework": "torch", "torch_version": "2.13.0", "kind": "op",
+                            "op": "aten.linalg_lstsq.default", "device": "cpu",
+                            "phase": "forward"})[0]
+    assert first.recipe.id == "PT-LSTSQ" and first.recipe.apply == ("torch.deterministic",)

@@ -21,8 +21,21 @@ _TF_CACHE_LOCK = re.compile(
     r"concurrent caching iterator running - cache lockfile already exists \('([^']*)'\)")
 
 
+#: A socket bound to a port already taken (torch.distributed's store, a server the script
+#: starts): the DDP tutorial's ``mp.spawn`` with a fixed ``MASTER_PORT`` in both runs at once.
+_PORT_IN_USE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+_PORT = re.compile(r"port:? (\d+)")
+
+
 def collision(log: str) -> str | None:
-    """The message for a run that failed on the twin run's file, or None."""
+    """The message for a run that failed on the twin run's file or port, or None."""
+    if _PORT_IN_USE.search(log):
+        port = _PORT.search(log)
+        which = f" ({port.group(1)})" if port else ""
+        return (f"a network port the script listens on{which} was in use: nondet runs the two "
+                "runs at once, and both bind the script's fixed port (MASTER_PORT, a server's "
+                "port). Run nondet with --schedule sequential (one run after the other), or "
+                "let each run take a free port")
     match = _TF_CACHE_LOCK.search(log)
     if match is None:
         return None

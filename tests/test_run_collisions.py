@@ -48,3 +48,22 @@ def test_any_other_failure_is_still_the_scripts(tmp_path: Path) -> None:
     log = "Traceback (most recent call last):\nValueError: bad shape\n"
     with pytest.raises(ScriptFailed, match="the script failed in run a"):
         check_result(_failed(tmp_path, log))
+
+
+# The end of run a's log in PyTorch round 14: the DDP tutorial's mp.spawn with a fixed
+# MASTER_PORT, both runs at once.
+PORT_LOG = """\
+  File "/tmp/s/mpspawn_ddp.py", line 20, in worker
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+torch.distributed.DistNetworkError: The server socket has failed to listen on any local \
+network address. port: 29814, useIpv6: false, code: -98, name: EADDRINUSE, message: address \
+already in use
+"""
+
+
+def test_a_port_the_twin_run_holds_is_named_with_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(NondetError) as raised:
+        check_result(_failed(tmp_path, PORT_LOG))
+    assert not isinstance(raised.value, ScriptFailed)
+    message = str(raised.value)
+    assert "(29814) was in use" in message and "--schedule sequential" in message

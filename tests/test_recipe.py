@@ -229,3 +229,16 @@ def test_least_squares_on_the_cpu_gets_its_own_entry_with_a_switch_to_verify() -
                             "op": "aten.linalg_lstsq.default", "device": "cpu",
                             "phase": "forward"})[0]
     assert first.recipe.id == "PT-LSTSQ" and first.recipe.apply == ("torch.deterministic",)
+
+
+@pytest.mark.parametrize(("fact", "expected"), [("numpy.unseeded_generator", "PY-NP-GENERATOR"),
+                                                ("python.unseeded_random", "PY-ENTROPY")])
+def test_an_unseeded_generator_drawn_in_a_python_op_is_the_cause(fact: str,
+                                                                 expected: str) -> None:
+    """TensorFlow round 11: ``np.random.default_rng()`` inside a ``tf.numpy_function`` of a
+    traced step got TF-CUSTOM-OP ("reductions in thread-completion order")."""
+    base = {"framework": "tensorflow", "tensorflow_version": "2.21.0", "kind": "op",
+            "op": "PyFunc", "device": "cpu", "phase": "forward"}
+    ids = [s.recipe.id for s in recipe.suggest({**base, fact: True}, limit=5)]
+    assert ids[0] == expected, ids
+    assert [s.recipe.id for s in recipe.suggest(base, limit=5)][0] == "TF-CUSTOM-OP"

@@ -113,9 +113,14 @@ def describe(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def shape(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The sizes as integers, or None if they are not (nested tensors)."""
+    """The sizes as integers, or None if they are not: nested tensors, and symbolic sizes
+    (``torch.export`` with a dynamic dimension: ``int()`` of a symbolic size would fix the
+    dimension to the example's, and the export failed under nondet)."""
     try:
-        return tuple(int(n) for n in t.shape)
+        sizes = t.shape
+        if not all(type(n) is int for n in sizes):
+            return None
+        return tuple(sizes)
     except _REFUSED:
         return None
 

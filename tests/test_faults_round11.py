@@ -318,3 +318,29 @@ def test_a_script_ending_cleanly_on_sigterm_is_not_killed(tmp_path: Path) -> Non
         with h5py.File(tmp_path / "out" / "latest" / f"run-{label}.h5", "r") as capture:
             ended = (str(capture.attrs["status"]), int(capture.attrs["exit_code"]))
         assert ended in (("complete", 0), ("stopped", 0), ("interrupted", 130)), ended
+
+
+_EXPORTED = """
+import torch
+from torch.export import Dim, export
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+batch = Dim("batch", min=2, max=1024)
+trained = export(model, (torch.randn(8, 12),), dynamic_shapes=({0: batch},)).module()
+opt = torch.optim.SGD(trained.parameters(), lr=0.05)
+for step in range(4):
+    x = torch.randn(16 + 8 * (step % 2), 12)
+    loss = trained(x).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+@pytest.mark.e2e
+def test_a_model_exported_with_a_dynamic_dimension_trains_under_nondet(tmp_path: Path) -> None:
+    """Trial (PyTorch round 14): ``torch.export`` with a dynamic batch dimension failed
+    under nondet only ("Constraints violated"): the op recorder read the fake tensors'
+    symbolic sizes as integers, which fixed the dimension. Fake tensors are not recorded."""
+    (tmp_path / "train.py").write_text(_EXPORTED)
+    done = run_cli("run", "-q", "--no-verify", "--out", str(tmp_path / "out"), "--ops", "all",
+                   "train.py", cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr

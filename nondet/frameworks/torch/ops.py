@@ -416,6 +416,9 @@ _PARAMETER = torch.nn.Parameter
 _BACKWARD = int(Phase.BACKWARD)
 _OP = Kind.OP
 
+_fake_mode = torch._C._get_dispatch_mode
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
 #: Op namespaces that compute nothing (profiler ranges): not recorded.
 _PASS_THROUGH = frozenset({"profiler"})
 
@@ -447,7 +450,10 @@ class CaptureMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self.recorder.active or func.namespace in _PASS_THROUGH or in_region():
+        if (not self.recorder.active or func.namespace in _PASS_THROUGH or in_region()
+                or _fake_mode(_FAKE) is not None):
+            # (fake tensors: ``torch.export`` or a compiler tracing shapes, not a computation;
+            # reading their sizes would specialize a dynamic dimension, and failed the export)
             return func(*args, **kwargs)
         recorder = self.recorder
         recorder.op_state = OP_PENDING

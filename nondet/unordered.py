@@ -272,26 +272,25 @@ def _where(facts: dict[str, Any], fact: str) -> str | None:
 
 def note(facts: dict[str, Any]) -> str | None:
     """The report's note for a capture's set iterations (None: none)."""
-    where = _where(facts, FACT)
-    if facts.get(HASH_SEED_FACT) is not True or where is None:
-        return None
-    return (f"{where} iterates a set: a set of strings iterates in an order that follows "
-            "Python's string hash salt, which nondet fixed alike for both runs "
-            "(PYTHONHASHSEED) and which plain runs draw afresh at every start, so plain runs "
-            "may differ where these repeated [PY-HASHSEED]; sorted(...) gives the set one "
-            "order (PYTHONHASHSEED=random nondet run ... shows whether it matters)")
+    return _salted(facts, FACT, "iterates a set: a set of strings iterates in an order that "
+                   "follows", "", "sorted(...) gives the set one order")
 
 
 def hash_note(facts: dict[str, Any]) -> str | None:
     """The report's note for a capture's calls of ``hash()`` (None: none)."""
-    where = _where(facts, HASH_CALLS_FACT)
+    return _salted(facts, HASH_CALLS_FACT, "calls hash(): the hash of a string or bytes "
+                   "follows", " if the value feeds training (token ids, a seed)",
+                   "use a stable hash there (zlib.crc32(text.encode()), hashlib)")
+
+
+def _salted(facts: dict[str, Any], fact: str, what: str, when: str, fix: str) -> str | None:
+    """A note for sites whose values follow the string hash salt, when nondet chose it."""
+    where = _where(facts, fact)
     if facts.get(HASH_SEED_FACT) is not True or where is None:
         return None
-    return (f"{where} calls hash(): the hash of a string or bytes follows Python's string "
-            "hash salt, which nondet fixed alike for both runs (PYTHONHASHSEED) and which "
-            "plain runs draw afresh at every start, so plain runs may differ where these "
-            "repeated if the value feeds training (token ids, a seed) [PY-HASHSEED]; use a "
-            "stable hash there (zlib.crc32(text.encode()), hashlib) "
+    return (f"{where} {what} Python's string hash salt, which nondet fixed alike for both "
+            "runs (PYTHONHASHSEED) and which plain runs draw afresh at every start, so plain "
+            f"runs may differ where these repeated{when} [PY-HASHSEED]; {fix} "
             "(PYTHONHASHSEED=random nondet run ... shows whether it matters)")
 
 

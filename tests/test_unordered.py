@@ -76,8 +76,19 @@ def test_plain_runs_of_the_script_differ(tmp_path: Path) -> None:
 @pytest.mark.parametrize("user_seed", [None, "7"], ids=["nondet's", "the user's"])
 def test_a_set_iteration_is_a_note_unless_the_user_fixed_the_hash_seed(
         tmp_path: Path, user_seed: str | None) -> None:
+    notes = _notes_under_hash_seed(tmp_path, FEATURES, user_seed)
+    named = [n for n in notes if "iterates a set" in n]
+    if user_seed:
+        assert not named, notes  # the user's own seed holds in plain runs too
+    else:
+        assert named and named[0].startswith("train.py:6 "), notes
+
+
+def _notes_under_hash_seed(tmp_path: Path, source: str, user_seed: str | None) -> list[str]:
+    """The report's notes of ``nondet run`` on ``source``, with the user's own
+    PYTHONHASHSEED or none."""
     script = tmp_path / "train.py"
-    script.write_text(FEATURES)
+    script.write_text(source)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     if user_seed:
         env["PYTHONHASHSEED"] = user_seed
@@ -86,12 +97,8 @@ def test_a_set_iteration_is_a_note_unless_the_user_fixed_the_hash_seed(
                             env={**env, "NO_COLOR": "1"}, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    notes = json.loads((tmp_path / "r.json").read_text())["notes"]
-    named = [n for n in notes if "iterates a set" in n]
-    if user_seed:
-        assert not named, notes  # the user's own seed holds in plain runs too
-    else:
-        assert named and named[0].startswith("train.py:6 "), notes
+    notes: list[str] = json.loads((tmp_path / "r.json").read_text())["notes"]
+    return notes
 
 
 def test_directory_listings_nothing_sorts_are_named() -> None:
@@ -263,14 +270,7 @@ def test_a_hash_call_is_a_note_unless_the_user_fixed_the_hash_seed(
                             env={**env, "PYTHONHASHSEED": str(seed)}, check=True,
                             timeout=300).stdout for seed in (1, 2, 3)}
     assert len(plain) > 1  # the control: plain runs differ
-    if user_seed:
-        env["PYTHONHASHSEED"] = user_seed
-    result = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", "--no-verify",
-                             "--json", "r.json", str(script)], cwd=tmp_path,
-                            env={**env, "NO_COLOR": "1"}, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    notes = json.loads((tmp_path / "r.json").read_text())["notes"]
+    notes = _notes_under_hash_seed(tmp_path, HASHED_TOKENS, user_seed)
     named = [n for n in notes if "calls hash()" in n]
     if user_seed:
         assert not named, notes

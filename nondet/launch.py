@@ -272,11 +272,6 @@ class CapturedRun(RunStream):
 
     def _interrupt_script(self, forward: bool) -> int:
         assert self._proc is not None
-        # Told to stop as well: a run waiting for a word from nondet (its next turn, or to
-        # be let go after it ended on its own) would wait through every signal below. A
-        # script that ends cleanly on SIGTERM or SIGINT (finish the step, save, exit 0)
-        # was SIGKILLed 15 s later, waiting to be let go (faults round 11).
-        self.request_stop()
         # Ctrl-C in a terminal reached the child with nondet; a SIGINT sent to nondet alone
         # (``kill -INT``, a CI runner cancelling the job) did not. Without a terminal whose
         # foreground nondet is, nothing tells the two apart: a child still running after a
@@ -291,7 +286,7 @@ class CapturedRun(RunStream):
             if sig is not None and self._proc.poll() is None:
                 self._proc.send_signal(sig)
             try:
-                return self._proc.wait(timeout=patience)
+                return self._wait_letting_go(patience)
             except subprocess.TimeoutExpired:
                 continue
             except (KeyboardInterrupt, Terminated):
@@ -300,6 +295,22 @@ class CapturedRun(RunStream):
             return self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             return -signal.SIGKILL  # not reaped (uninterruptible sleep): give up waiting
+
+    def _wait_letting_go(self, patience: float) -> int:
+        """Wait up to ``patience`` seconds for the child to exit. One that has sent its end
+        (the script ended, on its own or cleanly on the signal: finish the step, save,
+        exit 0) may wait for nondet's word to go (lockstep): it is told to stop, or it
+        would wait through every signal and be SIGKILLed (faults round 11)."""
+        assert self._proc is not None
+        deadline = time.monotonic() + patience
+        while True:
+            if self.end is not None:
+                self.request_stop()
+            try:
+                return self._proc.wait(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise
 
     def _finish_threads(self) -> None:
         if self._log is None or self._log.closed:

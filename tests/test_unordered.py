@@ -64,13 +64,17 @@ print(net.weight.sum().item())
 
 def test_plain_runs_of_the_script_differ(tmp_path: Path) -> None:
     """The control: the script really is nondeterministic on its own."""
+    assert len(_plain_outputs(tmp_path, FEATURES)) > 1
+
+
+def _plain_outputs(tmp_path: Path, source: str) -> set[str]:
+    """What three plain runs of ``source`` print, each under another string hash salt."""
     script = tmp_path / "train.py"
-    script.write_text(FEATURES)
+    script.write_text(source)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    outputs = {subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                              env={**env, "PYTHONHASHSEED": str(seed)}, check=True,
-                              timeout=300).stdout for seed in (1, 2, 3)}
-    assert len(outputs) > 1
+    return {subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           env={**env, "PYTHONHASHSEED": str(seed)}, check=True,
+                           timeout=300).stdout for seed in (1, 2, 3)}
 
 
 @pytest.mark.parametrize("user_seed", [None, "7"], ids=["nondet's", "the user's"])
@@ -263,13 +267,7 @@ def test_a_hash_call_is_a_note_unless_the_user_fixed_the_hash_seed(
     """Trials (PyTorch round 14, TensorFlow round 11): token ids or a seed from
     ``hash(word)`` differed in every plain run; nondet fixes the salt for both runs and
     said "deterministic" with no word."""
-    script = tmp_path / "train.py"
-    script.write_text(HASHED_TOKENS)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    plain = {subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            env={**env, "PYTHONHASHSEED": str(seed)}, check=True,
-                            timeout=300).stdout for seed in (1, 2, 3)}
-    assert len(plain) > 1  # the control: plain runs differ
+    assert len(_plain_outputs(tmp_path, HASHED_TOKENS)) > 1  # the control: plain runs differ
     notes = _notes_under_hash_seed(tmp_path, HASHED_TOKENS, user_seed)
     named = [n for n in notes if "calls hash()" in n]
     if user_seed:

@@ -406,6 +406,7 @@ def finding_facts(div: Divergence, capture: Capture,
     facts["entry.reads_clock"] = bool(
         div.kind == "entry" and div.source and _READS_CLOCK.search(capture.source_text(div.source)))
     facts["rng_op"] = div.rng_op
+    facts["state.changed_outside_ops"] = div.changed_outside
     facts["child_process"] = bool(div.process)  # found in a process the script started
     for key, value in capture.env.items():
         if key.endswith("_version"):

@@ -56,6 +56,12 @@ def training_differs(a: np.void, b: np.void) -> bool:
     return not any(int(a[name]) or int(b[name]) for name in TRAINED)
 
 
+def state_only(differing: tuple[str, ...]) -> bool:
+    """The step-row fields that differ are outside the training state (RNG state, probes):
+    changed by no op of that step the rows count, it is read by the step after."""
+    return bool(differing) and not set(differing) & set(TRAINING_STATE)
+
+
 def data_only(a: np.void, b: np.void, differing: tuple[str, ...]) -> bool:
     """The rows differ in their data alone, and that difference reached no training state
     (``training_differs``)."""

@@ -72,7 +72,7 @@ def from_step_rows(a: Capture, b: Capture, step_div: compare.StepDivergence,
     (``op_steps``: the steps both runs recorded op by op): the data that entered, the state
     changed after the step's last op (read at the next step), or the step-level difference."""
     return (_data_entry_divergence(a, b, step_div)
-            or _entered_next_step(a, b, step_div.step, op_steps)
+            or entered_next_step(a, b, step_div.step, op_steps)
             or _step_level_divergence(step_div, a, b))
 
 
@@ -124,7 +124,7 @@ def placed_entry(label: str) -> bool:
     return bool(label.partition(" @ ")[2])
 
 
-def _entered_next_step(a: Capture, b: Capture, step: int,
+def entered_next_step(a: Capture, b: Capture, step: int,
                        op_steps: list[int]) -> Divergence | None:
     """Every op recorded at ``step`` matched, yet its end state differs: the state changed
     after the step's last op, outside every op (another process writing shared memory, a
@@ -134,9 +134,10 @@ def _entered_next_step(a: Capture, b: Capture, step: int,
     div = localize(a, b, [step + 1])
     if div is None:
         return None
-    return with_notes(div, f"the state at the end of step {'init' if step == INIT_STEP else step} "
-                      "already differed, after every op that step ran matched: it was changed "
-                      "outside the ops nondet sees, and is read here")
+    return replace(with_notes(
+        div, f"the state at the end of step {'init' if step == INIT_STEP else step} already "
+        "differed, after every op that step ran matched: it was changed outside the ops "
+        "nondet sees, and is read here"), changed_outside=True)
 
 
 def _step_level_divergence(step_div: compare.StepDivergence, a: Capture,

@@ -43,12 +43,16 @@ def step_name(step: int) -> str:
     return "init" if step == INIT_STEP else str(step)
 
 
-def narrowing_window(step: int) -> tuple[str, list[int]]:
+def narrowing_window(step: int, read_next: bool = False) -> tuple[str, list[int]]:
     """(description, op steps) of the first narrowing attempt for a difference at ``step``:
-    that step and the one before."""
-    if step > INIT_STEP:
-        return f"steps {step_name(step - 1)} and {step}", [step - 1, step]
-    return "the init step", [step]
+    that step and the one before; with ``read_next`` (only state outside training differs
+    there, a generator a thread drew from after the step's last op) the step after too,
+    which reads it."""
+    scope, window = (f"steps {step_name(step - 1)} and {step}", [step - 1, step]) \
+        if step > INIT_STEP else ("the init step", [step])
+    if read_next:
+        return f"{scope} and the step after", [*window, step + 1]
+    return scope, window
 
 
 class LiveCompare:
@@ -119,7 +123,8 @@ class Early:
             return  # the first pair has the step's op records: nothing to re-run
         if self._named_by_rows(step, row_a, row_b):
             return  # the data entry is the finding: nothing to re-run (pipeline._explain)
-        _, window = narrowing_window(step)
+        _, window = narrowing_window(
+            step, read_next=compare.state_only(compare.rows_differ(row_a, row_b)))
         with self._lock:
             if self._closed or self._runs:
                 return

@@ -19,7 +19,7 @@ import numpy as np
 from nondet import compare
 from nondet.analysis import capture_notes, finding_facts
 from nondet.errors import ScriptFailed
-from nondet.finding import localize, measure_from_dumps, with_notes
+from nondet.finding import entered_next_step, localize, measure_from_dumps, with_notes
 from nondet.live import narrowing_window
 from nondet.records import INIT_STEP
 from nondet.report import Divergence
@@ -51,19 +51,25 @@ def measured(run_pair: RunPair, stage: Stage, div: Divergence, op_capture: Captu
     return _measure(run_pair, stage, div, op_capture)
 
 
-def narrow(run_pair: RunPair, stage: Stage, step: int, lockstep: bool,
+def narrow(run_pair: RunPair, stage: Stage, step: int, lockstep: bool, *,
+           read_next: bool = False,
            ) -> tuple[tuple[Divergence, Capture, Capture] | None, list[str]]:
     """Re-run both with op-level recording for ``step`` and the one before: the finding with
     the captures it is in (None if the re-runs did not part there), and every capture written.
+    With ``read_next`` (its end state differed in what no op of it changed: a thread drew
+    from the generator after its last op) the step after is recorded too: it reads that.
 
     A timing-dependent cause may strike at another step in the re-runs. If they part
     elsewhere (or not at all by ``step``), the second attempt captures every op and runs
-    until the runs first differ, wherever that is.
+    until the runs first differ, wherever that is (and one step on, when only their RNG
+    state differs there: ``UntilDifferent``).
     """
-    first = narrowing_window(step)  # the runs nondet.live may have started early
+    # as nondet.live may have started them
+    first_scope, first_window = narrowing_window(step, read_next)
+    last = step + 1 if read_next else step
     attempts: list[tuple[str, list[int] | None, Any]] = [
-        (*first, lambda k, _a, _b: k < step),
-        ("every step until the runs differ", None, until_different),
+        (first_scope, first_window, lambda k, _a, _b: k < last),
+        ("every step until the runs differ", None, UntilDifferent()),
     ]
     written: list[str] = []
     for number, (scope, window, judge) in enumerate(attempts, start=1):
@@ -71,7 +77,7 @@ def narrow(run_pair: RunPair, stage: Stage, step: int, lockstep: bool,
         stage(f"narrowing down: op-level recording of {scope}, in two new runs{again}")
         # In lockstep the judge stops both runs (held, so they can be asked for the outputs
         # they kept); one after the other, the first attempt's runs stop themselves.
-        stop_after = max(step, 0) if not lockstep and window is not None else None
+        stop_after = max(last, 0) if not lockstep and window is not None else None
         # labels name the files: the first try's captures are still open (run-a-ops.h5)
         suffix = "" if number == 1 else str(number)
         ra, rb = run_pair((Plan(f"a-ops{suffix}", window, stop_after=stop_after),
@@ -82,7 +88,8 @@ def narrow(run_pair: RunPair, stage: Stage, step: int, lockstep: bool,
         steps = window if window is not None else oa.op_steps()
         if parted is None or not steps or parted.step < steps[0]:
             continue  # these runs did not part inside the window
-        found = localize(oa, ob, [s for s in steps if s <= parted.step])
+        found = (localize(oa, ob, [s for s in steps if s <= parted.step])
+                 or entered_next_step(oa, ob, parted.step, steps))
         if found is not None:
             # what the backends noted about recording ops (e.g. XLA functions recorded as a
             # whole) is said only by these runs: the first pair's captures lack it
@@ -100,6 +107,25 @@ def until_different(step: int, row_a: np.void | None, row_b: np.void | None) -> 
     differing = compare.rows_differ(row_a, row_b)
     # data that reached no training state (a clock reading handed to torch) is no parting
     return not differing or compare.data_only(row_a, row_b, differing)
+
+
+class UntilDifferent:
+    """A judge for runs that record every op: run on while both runs' rows match, and one
+    step past the first step whose rows differ only in state no verdict follows (the RNG's,
+    drawn by a thread after the step's last op): the step after reads it
+    (``finding.entered_next_step``)."""
+
+    def __init__(self) -> None:
+        self._state_only_at: int | None = None
+
+    def __call__(self, step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
+        if until_different(step, row_a, row_b):
+            return True
+        if row_a is None or row_b is None or compare.training_differs(row_a, row_b):
+            return False
+        if self._state_only_at is None:
+            self._state_only_at = step
+        return step == self._state_only_at
 
 
 def _measure(run_pair: RunPair, stage: Stage, div: Divergence,

@@ -353,10 +353,18 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
     # A first pair's framework may also have declined step 0 of its op window (``_first``).
     covered = narrow.op_steps_of(a)
     run_pair = _pair_runner(target, options, progress)
+    # The end state of a step differed where no op of it did (every op of a recorded step
+    # matched; only the RNG state of another differs: a thread drew from the generator after
+    # the step's last op): the next step reads that state, so it is recorded too.
+    read_next = (not div.localized and step_div is not None and not step_div.structural
+                 and (covered is None or step_div.step + 1 not in covered)
+                 and (step_div.step in (covered or ()) or compare.state_only(step_div.fields)))
     if (not div.localized or unplaced_entry) and step_div is not None and (
-            step_div.step >= 1 or (covered is not None and step_div.step not in covered)):
+            step_div.step >= 1 or (covered is not None and step_div.step not in covered)
+            or read_next):
         narrowed, written = narrow.narrow(run_pair, progress.stage, step_div.step,
-                                          lockstep=options.schedule == "lockstep")
+                                          lockstep=options.schedule == "lockstep",
+                                          read_next=read_next)
         extra += written
         if narrowed is None:
             div = with_notes(

@@ -236,6 +236,59 @@ def test_values_made_in_the_scripts_threads_get_the_thread_recipe(tmp_path: Path
     assert any("train.py:9" in d for d in first["details"]), first
 
 
+THREAD_DRAWS_AFTER_STEP = """
+import os
+import threading
+
+import torch
+
+torch.manual_seed(0)
+x = torch.randn(256, 8)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+steps_done = [0]
+
+
+def draw_in_background(*_):
+    # after step {step}'s last op a thread takes 1 to 64 draws (the OS says how many)
+    if steps_done[0] == {step}:
+        worker = threading.Thread(target=lambda: torch.rand(1 + os.urandom(1)[0] % 64))
+        worker.start()
+        worker.join()
+    steps_done[0] += 1
+
+
+opt.register_step_post_hook(draw_in_background)
+for step in range(6):
+    idx = torch.randperm(256)[:32]
+    loss = model(x[idx]).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize("step", [0, 2], ids=["recorded step", "later step"])
+def test_a_thread_drawing_after_a_steps_last_op_is_found_where_the_next_step_reads(
+        tmp_path: Path, step: int) -> None:
+    """CI (stop 35): a thread drew from the global generator after the last op of step 0,
+    which the first pair recorded op by op: every op matched, only the RNG state differed,
+    and the report named no op and no cause. Now the step after is recorded too (at step 0
+    by the first narrowing try, later by the second one running a step past it) and its
+    random op is the finding, with the thread recipe first."""
+    script = tmp_path / "train.py"
+    script.write_text(THREAD_DRAWS_AFTER_STEP.replace("{step}", str(step)))
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", str(script),
+                     cwd=tmp_path, timeout=600)
+    assert result.returncode == 1, result.stdout + result.stderr
+    div = json.loads((tmp_path / "r.json").read_text())["first_divergence"]
+    suggestions = json.loads((tmp_path / "r.json").read_text())["suggestions"]
+    assert (div["kind"], div["op"], div["source"]) == (
+        "op", "aten.randperm.default", "train.py:25"), div
+    assert div["step"] > step, div  # read in a step after the one the thread drew in
+    assert [s["id"] for s in suggestions][:1] == ["PY-THREAD-WORK"], suggestions
+
+
 def test_calls_of_the_builtin_hash_are_named() -> None:
     source = '''import zlib
 ids = [hash(w) % 97 for w in words]

@@ -78,6 +78,9 @@ class Divergence:
     entry_kind: str | None = None
     device: str | None = None  # of the op's first output
     rng_op: bool = False
+    #: the state the op read was changed after every op of the step before matched (a
+    #: thread drew from the generator): ``finding.entered_next_step``
+    changed_outside: bool = False
     op_b: str | None = None  # structure: what run B executed instead
     reads_uninitialized: bool = False
     scalar_argument: bool = False

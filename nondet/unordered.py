@@ -50,6 +50,7 @@ ADDRESS_FACT = "python.address_order"
 THREADS_FACT = "python.threads"
 HASH_SEED_FACT = "python.hash_seed_by_nondet"
 HASH_CALLS_FACT = "python.hash_calls"
+CLOCK_FACT = "python.clock_reads"
 #: Calls that list a directory in the file system's order.
 _LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir", "walk"})
 #: Calls that hand results over in the order threads or processes finish them.
@@ -59,6 +60,10 @@ _KEYED = frozenset({"sorted", "sort", "min", "max", "nsmallest", "nlargest"})
 _IDENTITY_KEYS = frozenset({"id", "hash"})
 #: Calls that start threads of the script's own.
 _THREADS = frozenset({"ThreadPoolExecutor", "Thread"})
+#: Calls that read the clock, by their attribute or imported name (``time.time()`` only as
+#: ``time.time``: a bare ``time()`` is too common a name).
+_CLOCK_ATTRIBUTES = frozenset({"perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
+                               "time_ns", "process_time", "now", "utcnow", "today"})
 #: Sites named at most.
 MAX_SITES = 8
 #: Scripts larger than this are not read (a generated file): bytes.
@@ -92,18 +97,19 @@ class Scan(NamedTuple):
     addresses: Sites  # orderings by object identity
     threads: Sites  # threads the script starts (ThreadPoolExecutor, threading.Thread)
     hashes: Sites  # calls of the builtin hash()
+    clocks: Sites  # clock readings (time.time(), perf_counter(), datetime.now())
 
 
 def scan(source: str, filename: str = "<script>") -> Scan:
     """The places in ``source`` whose order the machine decides. Never raises."""
     if len(source) > MAX_SOURCE:
-        return Scan([], [], [], [], [], [])
+        return Scan([], [], [], [], [], [], [])
     try:
         tree = ast.parse(source, filename)
         finder = _Finder(_set_names(tree))
         finder.visit(tree)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return Scan([], [], [], [], [], [])
+        return Scan([], [], [], [], [], [], [])
     lines = source.splitlines()
 
     def shown(found: list[int]) -> list[tuple[int, str]]:
@@ -111,7 +117,8 @@ def scan(source: str, filename: str = "<script>") -> Scan:
                 for n in sorted(set(found))[:MAX_SITES]]
 
     return Scan(shown(finder.lines), shown(finder.listings), shown(finder.completions),
-                shown(finder.addresses), shown(finder.threads), shown(finder.hashes))
+                shown(finder.addresses), shown(finder.threads), shown(finder.hashes),
+                shown(finder.clocks))
 
 
 def _set_names(tree: ast.AST) -> set[str]:
@@ -170,6 +177,7 @@ class _Finder(ast.NodeVisitor):
         self.addresses: list[int] = []  # orderings by object identity (key=id)
         self.threads: list[int] = []  # threads started (their ops are not recorded)
         self.hashes: list[int] = []  # calls of the builtin hash() (a string's follows the salt)
+        self.clocks: list[int] = []  # clock readings: a value made from one differs per run
         self.order_free: set[int] = set()  # ids of nodes handed straight to sorted() & co
 
     def _check(self, iterated: ast.AST, at: ast.AST) -> None:
@@ -207,6 +215,8 @@ class _Finder(ast.NodeVisitor):
             self.threads.append(node.lineno)
         if isinstance(func, ast.Name) and func.id == "hash" and node.args:
             self.hashes.append(node.lineno)
+        if _reads_clock(func):
+            self.clocks.append(node.lineno)
         ordering = (isinstance(func, ast.Name) and func.id in _ORDERING_CALLS) or (
             isinstance(func, ast.Attribute) and func.attr == "join")
         if ordering:
@@ -222,6 +232,15 @@ class _Finder(ast.NodeVisitor):
             if isinstance(element, ast.Starred):
                 self._check(element.value, node)
         self.generic_visit(node)
+
+
+def _reads_clock(func: ast.AST) -> bool:
+    """``time.time``, ``time.perf_counter``, ``datetime.now`` and the like, or an imported
+    ``perf_counter``/``monotonic``/``time_ns``."""
+    if isinstance(func, ast.Attribute):
+        return func.attr in _CLOCK_ATTRIBUTES or (
+            func.attr == "time" and isinstance(func.value, ast.Name) and func.value.id == "time")
+    return isinstance(func, ast.Name) and func.id in _CLOCK_ATTRIBUTES - {"now", "today"}
 
 
 def _identity(key: ast.AST) -> bool:
@@ -252,7 +271,7 @@ def send(session: Any, script: str | None, seed: int) -> None:
             for fact, sites in ((FACT, found.sets), (LISTING_FACT, found.listings),
                                 (COMPLETION_FACT, found.completions),
                                 (ADDRESS_FACT, found.addresses), (THREADS_FACT, found.threads),
-                                (HASH_CALLS_FACT, found.hashes))
+                                (HASH_CALLS_FACT, found.hashes), (CLOCK_FACT, found.clocks))
             if sites}
         if facts:
             facts[HASH_SEED_FACT] = os.environ.get("PYTHONHASHSEED") == str(seed % 2**32)

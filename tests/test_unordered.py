@@ -156,6 +156,39 @@ def test_completion_order_is_the_cause_only_with_that_evidence(taken_as_complete
         assert "PY-COMPLETION-ORDER" not in ids
 
 
+def test_clock_readings_are_named() -> None:
+    source = '''import time, datetime
+from time import perf_counter, monotonic
+start = time.time()
+t0 = perf_counter()
+stamp = datetime.datetime.now()
+lr = 0.1 * (time.monotonic() % 1)
+elapsed = monotonic() - t0
+when = model.time()
+time.sleep(1)
+'''
+    assert [line for line, _ in scan(source).clocks] == [3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("other", ["none", "unseeded random"])
+def test_a_python_number_that_differs_gets_the_clock_recipe_when_the_script_reads_it(
+        other: str) -> None:
+    """Trials (rounds 8, 9, 14): a learning rate computed from elapsed seconds entered
+    ``opt.step()`` with another value and got the OpenCV recipe (PY-THIRDPARTY-RNG) first.
+    The script's clock readings are the evidence; an unseeded generator stays first."""
+    from nondet import recipe
+
+    facts = {"framework": "torch", "kind": "entry", "entry_kind": "python_value",
+             "python.clock_reads": True, "python.unseeded_random": other != "none"}
+    found = recipe.suggest(facts, sites={"python.clock_reads": ["train.py:13"]})
+    ids = [s.recipe.id for s in found]
+    if other == "none":
+        assert ids[0] == "PY-CLOCK-VALUE", ids
+        assert found[0].details == ["the script reads the clock at train.py:13"]
+    else:
+        assert ids[0] != "PY-CLOCK-VALUE" and "PY-CLOCK-VALUE" in ids, ids
+
+
 def test_orderings_by_object_identity_are_named() -> None:
     source = '''import heapq
 params = sorted(model.parameters(), key=id)

@@ -242,3 +242,15 @@ def test_an_unseeded_generator_drawn_in_a_python_op_is_the_cause(fact: str,
     ids = [s.recipe.id for s in recipe.suggest({**base, fact: True}, limit=5)]
     assert ids[0] == expected, ids
     assert next(s.recipe.id for s in recipe.suggest(base, limit=5)) == "TF-CUSTOM-OP"
+
+
+@pytest.mark.parametrize("fact, expected", [("numpy.unseeded_generator", "PY-NP-GENERATOR"),
+                                            ("python.unseeded_random", "PY-ENTROPY"),
+                                            (None, "CUSTOM-OP")])
+def test_a_custom_op_drawing_from_an_unseeded_generator_gets_the_generators_recipe(
+        fact: str | None, expected: str) -> None:
+    """PyTorch round 14: a ``torch.library.custom_op`` whose NumPy kernel drew from an
+    unseeded ``np.random.default_rng()`` got CUSTOM-OP ("reduce in thread-completion or
+    atomic order") first; the generator is why, and its fix is verified by a patch."""
+    facts = {"custom_op": True, "op": "trial.shrink.default", **({fact: True} if fact else {})}
+    assert _ids(**facts)[0] == expected, _ids(**facts)

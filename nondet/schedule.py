@@ -21,6 +21,7 @@ than its twin ever went quietly (a loop that never ends in one run only) is ende
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -314,10 +315,25 @@ def check_result(result: RunResult) -> RunResult:
             f"the script failed in run {result.label} ({how})"
             + (f": {last}" if last else "")
             + importpath.shadowed_hint(f"{result.error}\n{result.log_tail()}")
+            + _stdin_hint(f"{result.error}\n{result.log_tail()}")
             + f"; its output is in {result.log_path}",
             details=result.log_tail(),
         )
     return result
+
+
+#: The script's failure when it reads a line of input: each run's stdin is empty.
+_READ_INPUT = re.compile(r"^EOFError: EOF when reading a line", re.MULTILINE)
+
+
+def _stdin_hint(failure: str) -> str:
+    """Why a run found no input: nondet gives both runs an empty stdin (one input cannot be
+    read twice, and a prompt would wait for good); "" for other failures."""
+    if not _READ_INPUT.search(failure):
+        return ""
+    return ("; nondet runs the script with an empty stdin (both runs must see the same input, "
+            "and neither may wait for a prompt): pass the input as an argument, a file or an "
+            "environment variable")
 
 
 class InternalChildError(Exception):

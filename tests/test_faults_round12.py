@@ -1,0 +1,29 @@
+"""Faults, twelfth round (FINDINGS.md), and the items left from the eleventh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import run_cli
+
+
+def test_a_script_that_reads_a_line_of_input_is_told_its_stdin_is_empty(
+        tmp_path: Path) -> None:
+    """Left by faults round 11: a script asking for a value with ``input()`` failed with
+    "EOFError: EOF when reading a line" and nothing said that nondet gives each run an
+    empty stdin (the user had piped a value in)."""
+    script = tmp_path / "train.py"
+    script.write_text('lr = float(input("lr? "))\n')
+    result = run_cli("run", str(script), cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    error = next(line for line in result.stderr.splitlines() if line.startswith("nondet: error"))
+    assert "EOFError" in error and "empty stdin" in error, error
+    assert "Traceback" not in error
+
+
+def test_other_failures_do_not_mention_stdin(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text('raise EOFError("end of my data file")\n')
+    result = run_cli("run", str(script), cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "stdin" not in result.stderr, result.stderr

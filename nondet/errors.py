@@ -22,6 +22,11 @@ class ScriptFailed(NondetError):
     """The user's script exited with an error in one or both runs."""
 
 
+class CaptureNotWritten(NondetError):
+    """A run's capture could not be written (a full disk, a file-size limit) and the runs
+    were stopped: the re-runs after a finding keep the finding and say so."""
+
+
 class Terminated(BaseException):
     """nondet got SIGTERM (CI cancel, ``timeout``, ``docker stop``) or SIGHUP (its terminal
     closed): end like Ctrl-C (exit 143), but the children did not

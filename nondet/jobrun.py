@@ -17,7 +17,7 @@ from pathlib import Path
 
 from nondet import channel, interventions
 from nondet.distributed import STALL_AFTER, Job, JobResult
-from nondet.errors import NondetError, ScriptFailed
+from nondet.errors import CaptureNotWritten, NondetError, ScriptFailed
 from nondet.runspec import Plan, Target, log_tail
 from nondet.schedule import InternalChildError, exception_line
 
@@ -40,7 +40,7 @@ def check_job(job: JobResult) -> JobResult:
     """The job if every rank ended well, else the error naming the run and the rank."""
     for result in job.ranks:
         if result.write_error:
-            raise NondetError(result.write_error + "; the runs were stopped")
+            raise CaptureNotWritten(result.write_error + "; the runs were stopped")
     for result in job.ranks:
         if result.hook_error:
             raise InternalChildError(result.hook_error)

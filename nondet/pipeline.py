@@ -46,7 +46,7 @@ from nondet.analysis import (
     summary_of_capture,
     with_suggestions,
 )
-from nondet.errors import NondetError
+from nondet.errors import CaptureNotWritten, NondetError
 from nondet.finding import concat, with_notes
 from nondet.launch import CapturedRun
 from nondet.live import Early, LiveCompare
@@ -316,14 +316,17 @@ def explain(target: Target, options: Options, progress: ProgressSink, result_a: 
 
         steps = PipelineSteps(target, options, progress)
         div = found.first_divergence
-        suggestions, written = steps.verify((), options.out_dir, suggestions, (a, b),
-                                            INIT_STEP if div.step is None else div.step)
-        extra += written
-        first = sources.Source(div, suggestions)
-        every, combined, written = sources.every_source(
-            first, (a, b), steps, options.out_dir, options.budget, progress.stage,
-            whole_script=result_a.status == result_b.status == "complete")
-        extra += written
+        try:
+            suggestions, written = steps.verify((), options.out_dir, suggestions, (a, b),
+                                                INIT_STEP if div.step is None else div.step)
+            extra += written
+            first = sources.Source(div, suggestions)
+            every, combined, written = sources.every_source(
+                first, (a, b), steps, options.out_dir, options.budget, progress.stage,
+                whole_script=result_a.status == result_b.status == "complete")
+            extra += written
+        except CaptureNotWritten as exc:  # the finding stands; its fixes were not proved
+            found = replace(found, notes=[*found.notes, f"the fixes were not verified: {exc}"])
     report = found.report(runs=[_summary(r) for r in (result_a, result_b)],
                           captures=[str(a.path), str(b.path), *extra],
                           command=target.describe(), suggestions=suggestions,
@@ -362,9 +365,14 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
     if (not div.localized or unplaced_entry) and step_div is not None and (
             step_div.step >= 1 or (covered is not None and step_div.step not in covered)
             or read_next):
-        narrowed, written = narrow.narrow(run_pair, progress.stage, step_div.step,
-                                          lockstep=options.schedule == "lockstep",
-                                          read_next=read_next)
+        try:
+            narrowed, written = narrow.narrow(run_pair, progress.stage, step_div.step,
+                                              lockstep=options.schedule == "lockstep",
+                                              read_next=read_next)
+        except CaptureNotWritten as exc:  # the first pair's finding stands: say why alone
+            return (*with_suggestions(replace(found, first_divergence=with_notes(
+                div, f"the op-level re-runs were stopped ({exc}): this is what the first "
+                "two runs' records say; free space and run again to find the op")), a), [])
         extra += written
         if narrowed is None:
             div = with_notes(
@@ -375,8 +383,11 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
             div, op_capture, op_capture_b = narrowed
 
     if div.localized and div.kind in ("op", "entry") and div.op_index is not None:
-        div, written = narrow.measured(run_pair, progress.stage, div, op_capture,
-                                       op_capture_b)
+        try:
+            div, written = narrow.measured(run_pair, progress.stage, div, op_capture,
+                                           op_capture_b)
+        except CaptureNotWritten as exc:
+            div, written = with_notes(div, f"sizes not measured: {exc}"), []
         extra += written
     if (div.step is None or div.step <= 0) and not (div.kind == "op" and div.explained):
         _check_same_start(a, b)  # after the narrowing: a race found there is the finding

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from nondet import channel, errors, idle, importpath, run_collisions, runspec
-from nondet.errors import NondetError, ScriptFailed, Terminated
+from nondet.errors import CaptureNotWritten, NondetError, ScriptFailed, Terminated
 from nondet.printable import LINE_MAX, clip
 from nondet.runspec import Plan, RunResult
 from nondet.turns import MAX_GRANT, TURN_SECONDS, Turns
@@ -289,7 +289,7 @@ def _interrupt_all(runs: list[Run], forward: bool) -> None:
 def check_result(result: RunResult) -> RunResult:
     """The result if the run ended well (complete or stopped), else the error to show."""
     if result.write_error:
-        raise NondetError(result.write_error + "; the runs were stopped")
+        raise CaptureNotWritten(result.write_error + "; the runs were stopped")
     if result.hook_error:
         raise InternalChildError(result.hook_error)
     if result.unsupported:

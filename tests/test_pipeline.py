@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -337,3 +337,39 @@ def test_environment_drift_from_the_baseline_is_refused_then_named(
     assert report.environment_drift == [{"key": "torch_version", "a": "2.13.0", "b": "2.14.0"}]
     assert div.notes[-1] == ("possibly caused by the environment drift: torch_version "
                              "(baseline 2.13.0, now 2.14.0)")
+
+
+@dataclass
+class FullDiskSchedule(FakeSchedule):
+    """Runs whose label ends with one of ``full_for`` find no room for their capture."""
+
+    full_for: tuple[str, ...] = ()
+
+    def _run(self, plan: Plan) -> RunResult:
+        result = super()._run(plan)
+        if plan.label.endswith(self.full_for):
+            return replace(result, status="stopped",
+                           write_error=f"no space left on /out while writing {result.path}")
+        return result
+
+
+@pytest.mark.parametrize("full_for", [("-ops",), ("-dump",)], ids=["narrowing", "measuring"])
+def test_a_full_disk_after_the_first_pair_keeps_its_finding(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full_for: tuple[str, ...]) -> None:
+    """Faults round 11: the re-runs after the first pair found a difference, on a disk with
+    no room for them, ended "no space left" (exit 2) and the difference the first two runs
+    had shown was lost. The report keeps what was found, and says what stopped."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    monkeypatch.chdir(tmp_path)
+    fake = FullDiskSchedule(tmp_path, Script(differ_at=3), full_for=full_for)
+    monkeypatch.setattr(pipeline, "_schedule", lambda *_args: fake)
+    opts = pipeline.Options(out_dir=tmp_path / ".nondet", verify=False)
+    report = _bounded(lambda: pipeline.diagnose(Target("train.py", None), opts, Progress()))
+    div = report.first_divergence
+    assert report.exit_code == ExitCode.NONDETERMINISTIC and div is not None
+    assert div.step == 3, div
+    said = " ".join(div.notes)
+    assert "no space left on /out" in said, div.notes
+    if full_for == ("-dump",):  # narrowed to its op; only its sizes were not measured
+        assert (div.op, div.source) == ("aten.index_put.default", "train.py:4")
+        assert "sizes not measured" in said

@@ -40,6 +40,9 @@ def save(capture_path: Path, destination: Path) -> int:
     """
     if destination.exists() and _same_file(capture_path, destination):
         return destination.stat().st_size
+    # a symbolic link (baselines kept in one place, linked from each project) is followed:
+    # its target is the baseline renewed, the link stays
+    destination = Path(os.path.realpath(destination)) if destination.is_symlink() else destination
     temporary = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)

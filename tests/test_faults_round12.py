@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tests.conftest import run_cli
@@ -27,3 +28,21 @@ def test_other_failures_do_not_mention_stdin(tmp_path: Path) -> None:
     result = run_cli("run", str(script), cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "stdin" not in result.stderr, result.stderr
+
+
+def test_update_baseline_through_a_symbolic_link_renews_its_target(tmp_path: Path) -> None:
+    """Left by faults round 11: a baseline kept in one place and linked from the project
+    was replaced by a file on ``--update-baseline``; the link stays, its target is renewed."""
+    from nondet import baseline
+
+    capture = tmp_path / "run.h5"
+    capture.write_bytes(b"new capture bytes")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "base.h5").write_bytes(b"old")
+    link = tmp_path / "base.h5"
+    link.symlink_to(shared / "base.h5")
+    size = baseline.save(capture, link)
+    assert link.is_symlink() and os.readlink(link) == str(shared / "base.h5")
+    assert (shared / "base.h5").read_bytes() == b"new capture bytes" and size == 17
+    assert sorted(p.name for p in shared.iterdir()) == ["base.h5"]  # no temporary left

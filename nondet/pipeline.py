@@ -245,6 +245,12 @@ def against_baseline(target: Target, options: Options, progress: ProgressSink,
         raise NondetError(f"the baseline {path} ran the script with other arguments: "
                           f"{other_args}; update it with --update-baseline, or compare anyway "
                           "with --allow-script-change")
+    stored_seed = base.attrs.get("seed")
+    if isinstance(stored_seed, int) and stored_seed != options.seed:
+        # every value drawn differs from the first step: the comparison would say nothing
+        raise NondetError(f"the baseline {path} was written with --seed {stored_seed}, and "
+                          f"this check runs with --seed {options.seed}: pass --seed "
+                          f"{stored_seed}, or update the baseline with --update-baseline")
     progress.stage(f"run: {target.describe()}, compared with the baseline {path}")
     result = _run_single(target, Plan("a", [], _first_plan(options)[1]), options, progress)
     current = open_capture(result.path)

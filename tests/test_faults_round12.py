@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
+
+STEPS = str(REPO / "tests" / "data" / "scripts" / "steps.py")
 
 
 def test_a_script_that_reads_a_line_of_input_is_told_its_stdin_is_empty(
@@ -46,3 +48,19 @@ def test_update_baseline_through_a_symbolic_link_renews_its_target(tmp_path: Pat
     assert link.is_symlink() and os.readlink(link) == str(shared / "base.h5")
     assert (shared / "base.h5").read_bytes() == b"new capture bytes" and size == 17
     assert sorted(p.name for p in shared.iterdir()) == ["base.h5"]  # no temporary left
+
+
+def test_a_check_with_another_seed_than_its_baseline_says_so(tmp_path: Path) -> None:
+    """Left by faults round 11: ``--seed 1`` against a baseline written with the default
+    seed was refused as environment drift in ``PYTHONHASHSEED`` (or, allowed, a FAIL at
+    step 0): the seeds differ, and the line says which to pass."""
+    stored = tmp_path / "base.h5"
+    written = run_cli("check", "--update-baseline", "--baseline", str(stored), STEPS,
+                      "--steps", "3", cwd=tmp_path)
+    assert written.returncode == 0, written.stderr
+    result = run_cli("check", "--seed", "1", "--baseline", str(stored), STEPS, "--steps", "3",
+                     cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert "written with --seed 0" in line and "runs with --seed 1" in line, line
+    assert "PYTHONHASHSEED" not in result.stderr

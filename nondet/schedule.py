@@ -355,12 +355,27 @@ def _exception_line(log_tail: str) -> str:
     return exception_line(log_tail)
 
 
+#: An exception group's traceback (boxed: "  | " before each line) and its exception line.
+_GROUP_HEADER = re.compile(r"^  \+ Exception Group Traceback \(most recent call last\):$",
+                           re.MULTILINE)
+_GROUP_LINE = re.compile(r"^  \| ((?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*Group: .*)$", re.MULTILINE)
+_LEAF_LINE = re.compile(r"^ +\| ((?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?<!Group)(?::.*)?)$",
+                        re.MULTILINE)
+
+
 def exception_line(text: str) -> str:
     """The line a traceback names its exception on (``ValueError: ...``): the first
     unindented line after its last frame. A message of several lines (Keras's "Exception
     encountered when calling ...", TensorFlow's ``[[{{node ...}}]]`` context) ends with
     lines that say nothing alone (``• kwargs=<class 'inspect._empty'>``). Without a frame
     (a traceback cut short), the last line."""
+    group = _GROUP_HEADER.search(text)
+    if group is not None:  # an exception group's: the group's own line, not its last box
+        named = _GROUP_LINE.search(text, group.end())
+        if named is not None:
+            leaf = _LEAF_LINE.search(text, named.end())  # the first that is no group
+            first = f" (the first: {leaf.group(1).strip()})" if leaf is not None else ""
+            return named.group(1).strip() + first
     lines = text.strip().split("\n")
     frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
     if frames:

@@ -64,3 +64,21 @@ def test_a_check_with_another_seed_than_its_baseline_says_so(tmp_path: Path) -> 
     line = result.stderr.strip().splitlines()[-1]
     assert "written with --seed 0" in line and "runs with --seed 1" in line, line
     assert "PYTHONHASHSEED" not in result.stderr
+
+
+def test_an_exception_groups_failure_is_named_by_the_group_and_its_first_exception(
+        ) -> None:
+    """Left by faults round 11: a script ending in an ``ExceptionGroup`` was reported as
+    "the script failed ...: +------------------------------------" (the box's last line)."""
+    import subprocess
+    import sys
+
+    from nondet.schedule import exception_line
+
+    source = ("def f():\n    raise ValueError('a')\n"
+              "try:\n    f()\nexcept ValueError as e:\n    first = e\n"
+              "raise ExceptionGroup('many', [first, ExceptionGroup('inner', [KeyError('c')])])\n")
+    traceback = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
+                               timeout=60).stderr
+    assert exception_line(traceback) == \
+        "ExceptionGroup: many (2 sub-exceptions) (the first: ValueError: a)", traceback

@@ -132,6 +132,25 @@ def parted(steps_a: np.ndarray, steps_b: np.ndarray,
     return div if data_unsettled(steps_a, steps_b, count_extra_steps) else None
 
 
+def parted_in_training(steps_a: np.ndarray, steps_b: np.ndarray,
+                       count_extra_steps: bool = True) -> StepDivergence | None:
+    """``parted``, except runs whose rows differ only in state no verdict follows (RNG
+    state, probes) while their training state repeated at every step, and for at least
+    ``CONTAINED_AFTER`` steps after the first such difference:
+    a Keras random layer's seed advanced as far as prefetching ran, and nothing that
+    trains read it. What fix verification asks: with the fix, does training repeat?"""
+    div = parted(steps_a, steps_b, count_extra_steps)
+    if div is None or div.structural or not state_only(div.fields):
+        return div
+    by_step_a = {int(r["step"]): r for r in steps_a}
+    by_step_b = {int(r["step"]): r for r in steps_b}
+    common = sorted(set(by_step_a) & set(by_step_b))
+    if any(training_differs(by_step_a[s], by_step_b[s]) for s in common):
+        return div
+    after = [s for s in common if s > div.step]
+    return None if len(after) >= CONTAINED_AFTER else div
+
+
 @dataclass
 class OpDivergence:
     """The first op-level finding in a window of steps."""

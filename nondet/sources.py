@@ -115,7 +115,7 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
             a, b = (open_capture(p) for p in steps.run_on(
                 applied, folder, None if budget.steps is None else budget.steps - 1))
             written += [str(a.path), str(b.path)]
-        parted = compare.parted(a.steps, b.steps)
+        parted = compare.parted_in_training(a.steps, b.steps)
         compared = _training_steps(a, b)
         if parted is None:
             combined = _combined(sources, applied)

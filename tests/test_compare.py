@@ -228,3 +228,29 @@ def test_data_that_differs_at_the_end_of_a_cut_comparison_is_unsettled() -> None
     # followed by enough steps with the same training state: settled
     a, b = _clocked(9, [4])
     assert not compare.data_unsettled(a, b, count_extra_steps=False)
+
+
+def _rng_rows(rng_b_from: int, params_b_from: int | None, steps: int = 8) -> tuple[
+        np.ndarray, np.ndarray]:
+    a = step_rows(*({"step": s, "params_fp": 10 + s, "rng_fp": 100 + s} for s in range(steps)))
+    b = step_rows(*({"step": s,
+                     "params_fp": 10 + s + (1 if params_b_from is not None
+                                            and s >= params_b_from else 0),
+                     "rng_fp": 100 + s + (1 if s >= rng_b_from else 0)} for s in range(steps)))
+    return a, b
+
+
+def test_runs_whose_training_repeated_with_only_their_rng_state_apart_repeat_for_a_fix(
+        ) -> None:
+    """TensorFlow round 11: a verified tf.data fix "parted again at step 2 (another source)"
+    where only the Keras augmentation layers' RNG state differed and training repeated."""
+    a, b = _rng_rows(rng_b_from=2, params_b_from=None)
+    assert compare.parted(a, b) is not None  # the narrowing still sees where it differs
+    assert compare.parted_in_training(a, b) is None
+
+
+def test_an_rng_difference_that_reaches_training_or_is_too_late_to_tell_parts() -> None:
+    a, b = _rng_rows(rng_b_from=2, params_b_from=3)
+    assert compare.parted_in_training(a, b).step == 2
+    a, b = _rng_rows(rng_b_from=6, params_b_from=None)  # one step left to see it reach
+    assert compare.parted_in_training(a, b).step == 6

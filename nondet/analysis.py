@@ -407,6 +407,9 @@ def finding_facts(div: Divergence, capture: Capture,
         div.kind == "entry" and div.source and _READS_CLOCK.search(capture.source_text(div.source)))
     facts["rng_op"] = div.rng_op
     facts["state.changed_outside_ops"] = div.changed_outside
+    facts["localized"] = div.localized  # False: only the step is known, not the op
+    # Keras ran several steps per traced call: their op records are the first step's
+    facts["tf.steps_per_execution"] = bool(capture.facts.get("capture_note.steps_per_execution"))
     facts["child_process"] = bool(div.process)  # found in a process the script started
     for key, value in capture.env.items():
         if key.endswith("_version"):

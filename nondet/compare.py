@@ -133,10 +133,12 @@ def parted(steps_a: np.ndarray, steps_b: np.ndarray,
 
 
 def parted_in_training(steps_a: np.ndarray, steps_b: np.ndarray,
-                       count_extra_steps: bool = True) -> StepDivergence | None:
+                       count_extra_steps: bool = True, last: int | None = None,
+                       ) -> StepDivergence | None:
     """``parted``, except runs whose rows differ only in state no verdict follows (RNG
     state, probes) while their training state repeated at every step, and for at least
-    ``CONTAINED_AFTER`` steps after the first such difference:
+    ``CONTAINED_AFTER`` steps after the first such difference or up to step ``last`` (the
+    last step a fix is verified over):
     a Keras random layer's seed advanced as far as prefetching ran, and nothing that
     trains read it. What fix verification asks: with the fix, does training repeat?"""
     div = parted(steps_a, steps_b, count_extra_steps)
@@ -148,7 +150,8 @@ def parted_in_training(steps_a: np.ndarray, steps_b: np.ndarray,
     if any(training_differs(by_step_a[s], by_step_b[s]) for s in common):
         return div
     after = [s for s in common if s > div.step]
-    return None if len(after) >= CONTAINED_AFTER else div
+    reached = last is not None and bool(common) and common[-1] >= last
+    return None if len(after) >= CONTAINED_AFTER or reached else div
 
 
 @dataclass

@@ -109,6 +109,14 @@ def until_different(step: int, row_a: np.void | None, row_b: np.void | None) -> 
     return not differing or compare.data_only(row_a, row_b, differing)
 
 
+def until_training_differs(step: int, row_a: np.void | None, row_b: np.void | None) -> bool:
+    """A judge: run on while both runs' training state matches (past RNG state that
+    differs: ``compare.parted_in_training`` then decides whether it reached training)."""
+    if row_a is None or row_b is None:
+        return False
+    return not compare.training_differs(row_a, row_b)
+
+
 class UntilDifferent:
     """A judge for runs that record every op: run on while both runs' rows match, and one
     step past the first step whose rows differ only in state no verdict follows (the RNG's,

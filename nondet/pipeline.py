@@ -380,7 +380,12 @@ def _explain(target: Target, options: Options, progress: ProgressSink, a: Captur
                 div, f"the op-level re-runs were stopped ({exc}): this is what the first "
                 "two runs' records say; free space and run again to find the op")), a), [])
         extra += written
-        if narrowed is None:
+        if narrowed is None and a.facts.get("capture_note.steps_per_execution"):
+            div = with_notes(
+                div, f"the op-level re-runs did not place the difference at step "
+                f"{step_div.step}: it entered inside a traced call of several steps "
+                "(steps_per_execution > 1), whose op records are its first step's")
+        elif narrowed is None:
             div = with_notes(
                 div, f"the difference at step {step_div.step} did not recur in the op-level "
                 "re-runs: it is rare or timing-dependent; try `nondet run --ops all` to capture "

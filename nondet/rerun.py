@@ -47,7 +47,7 @@ class PipelineSteps:
         def run_fixed(plans: tuple[Plan, Plan], ids: tuple[str, ...],
                       ) -> tuple[RunResult, RunResult]:
             return pipeline._run_pair(self.target, plans, self._with(apply + ids, folder),
-                             self.progress, judge=narrow.until_different)
+                             self.progress, judge=narrow.until_training_differs)
 
         return verify.verify(suggestions, pair, run_fixed, self.progress.stage,
                              narrow.op_steps_of(pair[0]), finding_step,

@@ -232,7 +232,7 @@ def _try(fix_id: str, number: str, last: int, op_steps: list[int] | None,
         return Outcome(False, 0, None, error=str(exc).split("; its output is in")[0])
     ca, cb = open_capture(ra.path), open_capture(rb.path)
     captures = (str(ca.path), str(cb.path))
-    parted = compare.parted_in_training(ca.steps, cb.steps)
+    parted = compare.parted_in_training(ca.steps, cb.steps, last=last)
     common = _last_common_step(ca.steps, cb.steps)
     # Repeating means: every step up to the last one the first pair compared, bitwise.
     repeated = parted is None and common is not None and common >= last

@@ -254,3 +254,14 @@ def test_an_rng_difference_that_reaches_training_or_is_too_late_to_tell_parts() 
     assert compare.parted_in_training(a, b).step == 2
     a, b = _rng_rows(rng_b_from=6, params_b_from=None)  # one step left to see it reach
     assert compare.parted_in_training(a, b).step == 6
+
+
+def test_an_rng_difference_that_did_not_reach_training_by_the_last_verified_step_repeats(
+        ) -> None:
+    """The fix's runs compare up to the last step the first pair had (4 here): an RNG
+    difference at step 2 that training never read by then repeats over those steps."""
+    a, b = _rng_rows(rng_b_from=2, params_b_from=None, steps=5)
+    assert compare.parted_in_training(a, b).step == 2  # 2 steps after it: cannot tell
+    assert compare.parted_in_training(a, b, last=4) is None
+    a, b = _rng_rows(rng_b_from=2, params_b_from=4, steps=5)
+    assert compare.parted_in_training(a, b, last=4).step == 2

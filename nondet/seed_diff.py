@@ -265,7 +265,8 @@ def unseeded_script_notes(capture: Capture) -> list[str]:
     (``unordered``: nondet fixed PYTHONHASHSEED for both runs)."""
     # the script's set iterations (the string hash salt: unordered.py), whatever the framework
     hashed = [n for n in [unordered.note(capture.facts), unordered.hash_note(capture.facts),
-                          unordered.address_note(capture.facts)] if n]
+                          unordered.address_note(capture.facts),
+                          unordered.timer_note(capture.facts)] if n]
     return _seeding_notes(capture) + hashed
 
 

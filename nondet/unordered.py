@@ -51,6 +51,7 @@ THREADS_FACT = "python.threads"
 HASH_SEED_FACT = "python.hash_seed_by_nondet"
 HASH_CALLS_FACT = "python.hash_calls"
 CLOCK_FACT = "python.clock_reads"
+TIMERS_FACT = "python.timers"
 #: Calls that list a directory in the file system's order.
 _LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir", "walk"})
 #: Calls that hand results over in the order threads or processes finish them.
@@ -60,6 +61,9 @@ _KEYED = frozenset({"sorted", "sort", "min", "max", "nsmallest", "nlargest"})
 _IDENTITY_KEYS = frozenset({"id", "hash"})
 #: Calls that start threads of the script's own.
 _THREADS = frozenset({"ThreadPoolExecutor", "Thread"})
+#: Calls that act after a wall-clock delay, by module (``threading.Timer``,
+#: ``signal.alarm``): ``timeit.Timer`` and torch's benchmark ``Timer`` only measure.
+_TIMERS = {"threading": frozenset({"Timer"}), "signal": frozenset({"alarm", "setitimer"})}
 #: Calls that read the clock, by their attribute or imported name (``time.time()`` only as
 #: ``time.time``: a bare ``time()`` is too common a name).
 _CLOCK_ATTRIBUTES = frozenset({"perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
@@ -98,18 +102,19 @@ class Scan(NamedTuple):
     threads: Sites  # threads the script starts (ThreadPoolExecutor, threading.Thread)
     hashes: Sites  # calls of the builtin hash()
     clocks: Sites  # clock readings (time.time(), perf_counter(), datetime.now())
+    timers: Sites  # actions after a wall-clock delay (threading.Timer, signal.alarm)
 
 
 def scan(source: str, filename: str = "<script>") -> Scan:
     """The places in ``source`` whose order the machine decides. Never raises."""
     if len(source) > MAX_SOURCE:
-        return Scan([], [], [], [], [], [], [])
+        return Scan([], [], [], [], [], [], [], [])
     try:
         tree = ast.parse(source, filename)
         finder = _Finder(_set_names(tree))
         finder.visit(tree)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return Scan([], [], [], [], [], [], [])
+        return Scan([], [], [], [], [], [], [], [])
     lines = source.splitlines()
 
     def shown(found: list[int]) -> list[tuple[int, str]]:
@@ -118,7 +123,7 @@ def scan(source: str, filename: str = "<script>") -> Scan:
 
     return Scan(shown(finder.lines), shown(finder.listings), shown(finder.completions),
                 shown(finder.addresses), shown(finder.threads), shown(finder.hashes),
-                shown(finder.clocks))
+                shown(finder.clocks), shown(finder.timers))
 
 
 def _set_names(tree: ast.AST) -> set[str]:
@@ -178,6 +183,8 @@ class _Finder(ast.NodeVisitor):
         self.threads: list[int] = []  # threads started (their ops are not recorded)
         self.hashes: list[int] = []  # calls of the builtin hash() (a string's follows the salt)
         self.clocks: list[int] = []  # clock readings: a value made from one differs per run
+        self.timers: list[int] = []  # actions after a wall-clock delay
+        self.timer_names: set[str] = set()  # imported by name: from threading import Timer
         self.order_free: set[int] = set()  # ids of nodes handed straight to sorted() & co
 
     def _check(self, iterated: ast.AST, at: ast.AST) -> None:
@@ -217,6 +224,8 @@ class _Finder(ast.NodeVisitor):
             self.hashes.append(node.lineno)
         if _reads_clock(func):
             self.clocks.append(node.lineno)
+        if _starts_timer(func, self.timer_names):
+            self.timers.append(node.lineno)
         ordering = (isinstance(func, ast.Name) and func.id in _ORDERING_CALLS) or (
             isinstance(func, ast.Attribute) and func.attr == "join")
         if ordering:
@@ -227,11 +236,24 @@ class _Finder(ast.NodeVisitor):
                 self._check(arg.value, node)
         self.generic_visit(node)
 
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        for alias in node.names:
+            if alias.name in _TIMERS.get(node.module or "", ()):
+                self.timer_names.add(alias.asname or alias.name)
+
     def visit_List(self, node: ast.List) -> None:
         for element in node.elts:
             if isinstance(element, ast.Starred):
                 self._check(element.value, node)
         self.generic_visit(node)
+
+
+def _starts_timer(func: ast.AST, imported: set[str]) -> bool:
+    """``threading.Timer(...)``, ``signal.alarm(...)``, ``signal.setitimer(...)``, or one
+    of them imported by name."""
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return func.attr in _TIMERS.get(func.value.id, ())
+    return isinstance(func, ast.Name) and func.id in imported
 
 
 def _reads_clock(func: ast.AST) -> bool:
@@ -271,7 +293,8 @@ def send(session: Any, script: str | None, seed: int) -> None:
             for fact, sites in ((FACT, found.sets), (LISTING_FACT, found.listings),
                                 (COMPLETION_FACT, found.completions),
                                 (ADDRESS_FACT, found.addresses), (THREADS_FACT, found.threads),
-                                (HASH_CALLS_FACT, found.hashes), (CLOCK_FACT, found.clocks))
+                                (HASH_CALLS_FACT, found.hashes), (CLOCK_FACT, found.clocks),
+                                (TIMERS_FACT, found.timers))
             if sites}
         if facts:
             facts[HASH_SEED_FACT] = os.environ.get("PYTHONHASHSEED") == str(seed % 2**32)
@@ -311,6 +334,18 @@ def _salted(facts: dict[str, Any], fact: str, what: str, when: str, fix: str) ->
             "runs (PYTHONHASHSEED) and which plain runs draw afresh at every start, so plain "
             f"runs may differ where these repeated{when} [PY-HASHSEED]; {fix} "
             "(PYTHONHASHSEED=random nondet run ... shows whether it matters)")
+
+
+def timer_note(facts: dict[str, Any]) -> str | None:
+    """The report's note for a capture's timers (None: none): what a timer does lands at
+    another step in each plain run, while nondet's two runs, paced alike, agree."""
+    where = _where(facts, TIMERS_FACT)
+    if where is None:
+        return None
+    return (f"{where} starts a timer (threading.Timer, signal.alarm or setitimer): what it "
+            "does happens after a wall-clock delay, so at another training step in each plain "
+            "run, while nondet's two runs, paced alike, may agree; if it changes training (a "
+            "learning rate, a flag), trigger it by the step count instead")
 
 
 def address_note(facts: dict[str, Any]) -> str | None:

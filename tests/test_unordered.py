@@ -233,13 +233,19 @@ def test_a_wall_clock_timer_that_changes_training_is_named_whatever_the_verdict(
     """PyTorch round 14: a ``threading.Timer`` lowering the learning rate after 0.3 s
     landed at another step in 4 of 7 plain runs; nondet's lockstep runs, paced alike,
     agreed, and the verdict said "bitwise identical" with no word of it."""
+    notes = _notes_whatever_the_verdict(tmp_path, TIMER_LR)
+    assert any("train.py:14 starts a timer" in n for n in notes), notes
+
+
+def _notes_whatever_the_verdict(tmp_path: Path, source: str) -> list[str]:
+    """The report's notes of ``nondet run`` on ``source`` as train.py (exit 0 or 1)."""
     script = tmp_path / "train.py"
-    script.write_text(TIMER_LR)
+    script.write_text(source)
     result = run_cli("run", "-q", "--no-verify", "--json", "r.json", str(script),
                      cwd=tmp_path, timeout=600)
     assert result.returncode in (0, 1), result.stdout + result.stderr
-    notes = json.loads((tmp_path / "r.json").read_text())["notes"]
-    assert any("train.py:14 starts a timer" in n for n in notes), notes
+    notes: list[str] = json.loads((tmp_path / "r.json").read_text())["notes"]
+    return notes
 
 
 def test_orderings_by_object_identity_are_named() -> None:
@@ -271,12 +277,7 @@ for _ in range(2):
 def test_an_ordering_by_identity_is_a_note_whatever_the_verdict(tmp_path: Path) -> None:
     """Trial (round 12): parameters sorted by ``id`` took another order in half the plain
     runs, while nondet's two runs agreed: "deterministic", no word on the line."""
-    script = tmp_path / "train.py"
-    script.write_text(ID_ORDERED)
-    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", str(script),
-                     cwd=tmp_path, timeout=300)
-    assert result.returncode in (0, 1), result.stdout + result.stderr
-    notes = json.loads((tmp_path / "r.json").read_text())["notes"]
+    notes = _notes_whatever_the_verdict(tmp_path, ID_ORDERED)
     named = [n for n in notes if "orders objects by id() or hash()" in n]
     assert named and named[0].startswith("train.py:5 "), notes
 

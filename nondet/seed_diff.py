@@ -240,6 +240,15 @@ UNSEEDED_TF_NOTE = (
 #: The calls that seed Python's ``random``, where Keras 3 draws its default seeds from.
 PYTHON_SEEDS = frozenset({"random.seed", "keras.utils.set_random_seed"})
 
+#: UNSEEDED_TF_NOTE for a script that seeds Python's random: Keras 3's layers repeat on
+#: their own then, and only TensorFlow's unseeded ops would not (TensorFlow round 11).
+PYTHON_SEEDED_TF_NOTE = (
+    "the script seeds Python's random, from which Keras 3 takes the default seeds of its "
+    "layers, but not TensorFlow (no tf.random.set_seed or keras.utils.set_random_seed "
+    "call): TensorFlow's own random ops and tf.data shuffles made without seed= draw new "
+    "values in every plain run, while nondet seeded both runs alike (--seed); if the "
+    "script uses any, call keras.utils.set_random_seed(0) at its start")
+
 KERAS_PYTHON_SEED_NOTE = (
     "the script seeds TensorFlow (tf.random.set_seed) but not Python's random, from which "
     "Keras 3 draws the seed of every layer, initializer and random op made without seed=: "
@@ -281,7 +290,7 @@ def _seeding_notes(capture: Capture) -> list[str]:
         return python
     apis = {api for api, _, _ in calls}
     if not apis & TF_GLOBAL_SEEDS:
-        return [UNSEEDED_TF_NOTE, *python]
+        return [PYTHON_SEEDED_TF_NOTE if apis & PYTHON_SEEDS else UNSEEDED_TF_NOTE, *python]
     if capture.facts.get(KERAS_DEFAULT_SEED) is True and not apis & PYTHON_SEEDS:
         return [KERAS_PYTHON_SEED_NOTE, *python]
     return early_draws.notes_for(capture.facts, calls)

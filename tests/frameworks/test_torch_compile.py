@@ -18,7 +18,8 @@ pytest.importorskip("torch")
 
 from nondet.launch import CapturedRun, Plan, Target
 from nondet.records import Flag, Kind, Phase
-from tests.conftest import REPO
+from nondet.store import open_capture
+from tests.conftest import REPO, run_cli
 
 # Inductor's CPU backend writes and compiles C++: without a compiler torch.compile fails.
 _CXX = next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
@@ -177,3 +178,62 @@ def test_steps_ending_inside_a_compiled_function_are_recorded(tmp_path: Path, na
     from nondet.store import open_capture
 
     assert open_capture(result.path).n_steps == 4
+
+
+HIGHER_ORDER_OPS = {
+    # torch.cond compiles its branches whole; modules called in them, outside any model
+    "cond": """
+        import torch
+        torch.manual_seed(0)
+        a, b, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        opt = torch.optim.Adam([*a.parameters(), *b.parameters(), *head.parameters()], 1e-2)
+        for step in range(4):
+            x = torch.randn(16, 8) + (0.3 if step % 2 else -0.3)
+            h = torch.cond(x.mean() > 0, lambda x: torch.tanh(a(x)), lambda x: b(x), (x,))
+            loss = head(h).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+    """,
+    # activation checkpointing inside a fullgraph compile: the blocks run in the body of
+    # the checkpoint's higher-order op
+    "checkpoint": """
+        import torch
+        from torch.utils.checkpoint import checkpoint
+        torch.manual_seed(0)
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+            def forward(self, x):
+                for block in self.blocks:
+                    x = checkpoint(block, x, use_reentrant=False)
+                return x.sum(1)
+        net = Net()
+        compiled = torch.compile(net, fullgraph=True, backend="aot_eager")
+        opt = torch.optim.SGD(net.parameters(), 0.1)
+        for step in range(3):
+            loss = compiled(torch.randn(8, 16)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+    """,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HIGHER_ORDER_OPS))
+def test_modules_inside_a_higher_order_ops_body_run_and_repeat(tmp_path: Path,
+                                                               name: str) -> None:
+    """PyTorch round 14: modules called in ``torch.cond``'s branches, or under checkpoint in
+    a fullgraph compile, failed under nondet only ("the script failed ... Attempted to
+    mutate TracedRoots"): Dynamo refuses any side effect in a higher-order op's body, and
+    nondet's module hook had one. The cond is recorded as one op."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(HIGHER_ORDER_OPS[name]))
+    result = run_cli("run", "-q", "--no-verify", "--ops", "all", "--json", "r.json",
+                     str(script), cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["op_records_compared"] > 0
+    if name == "cond":
+        capture = open_capture(report["captures"][0] if Path(report["captures"][0]).is_absolute()
+                               else tmp_path / report["captures"][0])
+        names = {capture.string(int(r["name"])) for s in capture.op_steps()
+                 for r in capture.ops(s)}
+        assert "cond" in names, sorted(names)

@@ -251,10 +251,12 @@ class TorchBackend(StepLifecycle):
             if torch.compiler.is_compiling():
                 # Dynamo is tracing this hook into the user's graph: only what it can
                 # replay at run time, and nothing that breaks the graph (Note [A root module
-                # called in compiled code] in nocompile.py).
-                if not self.module_stack:
+                # called in compiled code] in nocompile.py). A module inside the root
+                # changes nothing: in the body of a higher-order op (torch.cond's branches,
+                # checkpoint under fullgraph) Dynamo refuses every side effect.
+                if not self.module_stack and not _in_hop_compile():
                     setattr(self.traced_roots, f"m{id(module)}", module)
-                self.module_stack.append(-1)  # replayed, with its pop, after the graph
+                    self.module_stack.append(-1)  # replayed, with its pop, after the graph
                 return
             if not self.module_stack and not cuda.capturing():
                 self._root_call(module)
@@ -267,12 +269,20 @@ class TorchBackend(StepLifecycle):
             self.module_stack.append(mid)
 
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() and not self._traced_root(module):
+            return  # its pre-hook pushed nothing (above)
         if self.module_stack and not self.disabled and not self.paused:
             self.module_stack.pop()
             if self.forward_in_backward_at == len(self.module_stack):
                 self.forward_in_backward_at = None
             if not self.module_stack and not torch.compiler.is_compiling():
                 self._root_done()
+
+    def _traced_root(self, module: torch.nn.Module) -> bool:
+        """While Dynamo traces: ``module`` is the root whose pre-hook pushed the
+        placeholder (read only: Note [A root module called in compiled code])."""
+        return self.module_stack == [-1] and not _in_hop_compile() and \
+            getattr(self.traced_roots, f"m{id(module)}", None) is module
 
     def _adopt_traced_roots(self) -> None:
         """Roots called inside compiled code, registered from an eager hook (Note [A root
@@ -593,3 +603,13 @@ class TorchBackend(StepLifecycle):
     def disable(self) -> None:
         super().disable()
         self.recorder.window = self.recorder.active = False
+
+
+def _in_hop_compile() -> bool:
+    """Dynamo traces a higher-order op's body on its own (``torch.cond`` called eagerly):
+    the roots it calls are registered by the eager hooks around it, not from inside."""
+    try:
+        from torch._higher_order_ops.utils import _in_hop_compile as in_hop
+    except ImportError:  # another torch: as before
+        return False
+    return bool(in_hop())

@@ -42,7 +42,11 @@ numbers: not the user's program). So a hook traced by Dynamo (``torch.compiler.i
 a constant while tracing) does only what Dynamo can replay at run time without a guard that
 changes: it pushes and pops a placeholder on the module stack, and stores the root as an
 attribute of ``TracedRoots``; the next eager hook (a backward, an optimizer step) registers
-it. The draw watch's module hook does nothing while traced and is removed as soon as its mode
+it. A module inside the root pushes nothing, and a root in the body of a higher-order op
+that Dynamo compiles on its own (``torch.cond`` called eagerly) registers nothing: Dynamo
+refuses every side effect in such a body (checkpoint under fullgraph, cond's branches), and
+``torch.cond`` reaches the capture mode whole, recorded as one op. The draw watch's module
+hook does nothing while traced and is removed as soon as its mode
 leaves the stack (a removal later, eagerly, would change a hook dict Dynamo guards: a
 recompile). Checked: the same graphs, calls and numbers as a plain run.
 """

@@ -437,6 +437,9 @@ class CaptureMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
     gets the op's result, the op run once, never twice (in-place ops).
     """
 
+    #: torch.cond, torch.while_loop and the like reach __torch_dispatch__ whole
+    supports_higher_order_operators = True
+
     def __init__(self, recorder: OpRecorder) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.recorder = recorder

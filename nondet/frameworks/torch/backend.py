@@ -45,6 +45,7 @@ from nondet.frameworks.torch import (
     compiled,
     cuda,
     draws,
+    exporting,
     kernels,
     nocompile,
     owners,
@@ -159,7 +160,6 @@ class TorchBackend(StepLifecycle):
 
     # -- hooks -------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
-        from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim_module
 
         # Note [nondet's frames and Dynamo] in nocompile.py
@@ -170,8 +170,8 @@ class TorchBackend(StepLifecycle):
         for hook in (self._optimizer_pre, self._optimizer_post, self._root_call,
                      self._root_done):
             nocompile.opaque(hook)
-        nn_module.register_module_forward_pre_hook(self._module_pre)
-        nn_module.register_module_forward_hook(self._module_post, always_call=True)
+        self._register_module_hooks()
+        exporting.install(self.module_hooks_set_aside)
         optim_module.register_optimizer_step_pre_hook(self._optimizer_pre)
         optim_module.register_optimizer_step_post_hook(self._optimizer_post)
         self.entries.install()
@@ -243,6 +243,28 @@ class TorchBackend(StepLifecycle):
 
         nocompile.passing(grad)
         torch.autograd.grad = grad
+
+    def _register_module_hooks(self) -> None:
+        from torch.nn.modules import module as nn_module
+
+        self._module_hooks = (
+            nn_module.register_module_forward_pre_hook(self._module_pre),
+            nn_module.register_module_forward_hook(self._module_post, always_call=True))
+
+    @contextmanager
+    def module_hooks_set_aside(self) -> Iterator[None]:
+        """nondet's global module hooks removed, then registered again, and nothing
+        recorded meanwhile: a strict ``torch.export`` refuses any global module hook, and
+        the ops it traces with are not the script's computation (exporting.py)."""
+        was_paused, was_active = self.paused, self.recorder.active
+        self.paused, self.recorder.active = True, False
+        for handle in self._module_hooks:
+            handle.remove()
+        try:
+            yield
+        finally:
+            self._register_module_hooks()
+            self.paused, self.recorder.active = was_paused, was_active and not self.disabled
 
     def _module_pre(self, module: torch.nn.Module, args: Any) -> None:
         if self.disabled or self.paused:

@@ -420,10 +420,12 @@ def finding_facts(div: Divergence, capture: Capture,
     for kind in ("numpy.unseeded_generator", "python.unseeded_random",
                  "python.set_iteration", "python.unsorted_listing", "python.completion_order",
                  "python.threads", "python.clock_reads",
-                 "library.unseeded_generator", "tf.image.stateful_random",
+                 "tf.image.stateful_random",
                  "tf.data.list_files_shuffled", "tf.distribute.strategy",
                  "tf.distribute.parameter_server"):
         facts[kind] = bool(capture.facts.get(kind))
+    # only the library generators that may have fed something (seed_diff.library_generators)
+    facts["library.unseeded_generator"] = bool(seed_diff.library_generators(capture.facts)[0])
     for d in env_differences or ():
         facts[f"env_differs.{d['key'].removeprefix('env.')}"] = True
     # the user's own PYTHONHASHSEED=random (kept, as asked): str hashes salted in every run

@@ -58,6 +58,7 @@ class GeneratorUse:
         self._session = session
         self._tracked: list[_Tracked] = []
         self._use: dict[str, dict[str, Any]] = {}
+        self._sent = 0  # records sent: a generator followed and never moved has one too
         self.failed = False
 
     def track(self, obj: Any, text: str) -> None:
@@ -86,7 +87,8 @@ class GeneratorUse:
                     changed = True
                 if drawn and not entry["drawn"]:
                     entry["drawn"] = changed = True
-            if changed:
+            if changed or self._sent != len(self._use):
                 self._session.send_facts({USE_FACT: self._use})
+                self._sent = len(self._use)
         except Exception:
             self.failed = True  # the list of generators is then shown unranked

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nondet import early_draws, unordered
+from nondet import channel, early_draws, unordered
 from nondet.clock import CLOCK_FACT
 from nondet.generator_use import USE_FACT
 from nondet.pyhooks import KERAS_DEFAULT_SEED, LIBRARY_UNSEEDED
@@ -171,20 +171,36 @@ def _shown(value: str) -> str:
 def library_generators(facts: dict[str, Any]) -> tuple[list[str], int]:
     """The unseeded generators libraries made (``pyhooks``) that may matter, those drawn
     from in the run first; and how many were left out: made and let go without a single
-    draw (``generator_use``), they cannot have fed anything."""
+    draw (``generator_use``), they cannot have fed anything; and, in a run with no worker
+    processes to draw from them unseen, those whose state never moved (module-level ones a
+    library makes at import: sympy's, more_itertools')."""
     sites = facts.get(LIBRARY_UNSEEDED)
     if not isinstance(sites, list):
         return [], 0
     use = facts.get(USE_FACT)
     use = use if isinstance(use, dict) else {}
+    unseen_draws = _workers_may_draw(facts)
     kept: list[str] = []
     for text in (str(s) for s in sites):
         record = use.get(text)
-        if isinstance(record, dict) and _let_go_undrawn(record):
+        if isinstance(record, dict) and (_let_go_undrawn(record) or (
+                not unseen_draws and not _ever_drawn(record))):
             continue
         kept.append(text)
     drawn = [t for t in kept if isinstance(use.get(t), dict) and _ever_drawn(use[t])]
     return [*drawn, *(t for t in kept if t not in drawn)], len(sites) - len(kept)
+
+
+def _workers_may_draw(facts: dict[str, Any]) -> bool:
+    """Whether processes the script started could draw from a library generator where this
+    run's follower does not see it (DataLoader workers, pools, children): "never moved
+    here" then proves nothing."""
+    for key, value in facts.items():
+        if key.startswith("dataloader#") and isinstance(value, dict) \
+                and (value.get("loader.num_workers") or 0) > 0:
+            return True
+    return any(key.startswith((channel.CHILD_PARAMS_PREFIX, channel.POOL_FACT))
+               for key in facts)
 
 
 def _let_go_undrawn(record: dict[str, Any]) -> bool:

@@ -218,6 +218,27 @@ def test_library_generators_let_go_without_a_draw_are_left_out(session: FakeSess
     assert compose.rng is not None
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_library_generators_that_never_moved_count_only_where_workers_may_draw(
+        session: FakeSession, tmp_path: Path, workers: int) -> None:
+    """PyTorch round 15: generators sympy and more_itertools make at import (module level,
+    never drawn) came first as PY-LIB-GENERATOR for a clock value the script passed to a
+    library. Alive and never moved in the main process, they fed nothing; with DataLoader
+    workers they may have been drawn where nondet's follower does not look."""
+    lib = _library(tmp_path, """
+        import random
+        RNG = random.Random()  # module level, at import, never drawn
+    """)
+    assert lib.RNG is not None
+    for listener in session.step_listeners:
+        listener(0)  # a step ends: the generator's state is read
+    facts = dict(session.facts)
+    if workers:
+        facts["dataloader#0"] = {"loader.num_workers": workers}
+    kept, _ = seed_diff.library_generators(facts)
+    assert len(kept) == (1 if workers else 0), kept
+
+
 def test_calls_by_frameworks_and_nondet_are_not_recorded(session: FakeSession) -> None:
     for package in ("torch.utils.data.sampler", "nondet.boot"):
         exec("import random; random.seed(3); import numpy; numpy.random.default_rng()",

@@ -49,7 +49,7 @@ from nondet.frameworks.tensorflow.loops import LOOP_OPS, PARALLEL_DRAWS_NOTE, pa
 from nondet.frameworks.tensorflow.loops import NOTE_KEY as LOOPS_NOTE_KEY
 from nondet.frameworks.tensorflow.reads import READ
 from nondet.frameworks.tensorflow.stage_lines import StageLines, traced_user_line
-from nondet.frameworks.tensorflow.traced import GraphRecorder, TFHost
+from nondet.frameworks.tensorflow.traced import GraphRecorder, TFHost, others_callbacks_off
 from nondet.records import OP_DTYPE, Kind, Phase
 
 __all__ = ["TFHost", "TFOpRecorder"]
@@ -83,45 +83,52 @@ class TFOpRecorder(GraphRecorder):
 
     # -- the callback ----------------------------------------------------------------------
     def _callback(self, op_type: str, inputs: Any, attrs: Any, outputs: Any,
-                  op_name: str | None = None, graph: Any = None) -> list[Any] | None:
-        """TensorFlow's op callback; a list returned while tracing replaces the outputs."""
-        if getattr(self._local, "busy", False) or self.backend.disabled:
-            return None
+                  op_name: str | None = None, graph: Any = None) -> Any:
+        """TensorFlow's op callback; a list returned while tracing replaces the outputs.
+
+        Every other return hands ``outputs`` on unchanged: TensorFlow gives each callback
+        what the one before returned, so a None would reach the script's own callbacks
+        (``tf.debugging.enable_check_numerics``, ``enable_dump_debug_info``) as the op's
+        outputs, and they failed on it (TensorFlow round 12)."""
+        if getattr(self._local, "busy", False) or self.backend.disabled or outputs is None:
+            return outputs
         op_type = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
         # busy was False (checked above); the plain flag, not _quiet(): this runs for every op
         self._local.busy = True
         try:
-            if self._vars is None and graph is None:
-                # An eager op has run, so the runtime is up: make nondet's variables now
-                # rather than in the middle of a trace (made there, they missed that
-                # trace's first data write).
-                self.vars  # noqa: B018
-            if graph is not None:
-                if op_type in LOOP_OPS:
-                    self._note_parallel_draws(op_type, attrs)
-                if self.instrument and not self.full and recordable_graph(graph):
-                    self.backend.tracing()
-                    return self._trace(op_type, inputs, outputs, op_name or op_type, graph)
-                self.stage_lines.note_op(op_type, outputs, graph)
-                self.firsts.untraced_op(op_type, inputs, graph)
-                return None
-            if self.firsts.known and not op_type.startswith(FUNCTION_CALLS):
-                self.firsts.eager_op(op_type, inputs)  # it may write a variable
-            if op_type.startswith(FUNCTION_CALLS):
-                self.backend.after_function()
-            elif op_type.endswith("Dataset") or "DatasetV" in op_type:
-                self._note_dataset(op_type, inputs, attrs)
-            elif not self.backend.evaluating:
-                if self.step_order.clean and self.backend.started:
-                    # (init is always recorded op by op: its records name its entries)
-                    self._eager_in_clean_step(op_type, inputs, outputs)
-                if self.active:
-                    self._eager(op_type, inputs, outputs)
+            with others_callbacks_off():  # what nondet traces from here is its own
+                if self._vars is None and graph is None:
+                    # An eager op has run, so the runtime is up: make nondet's variables now
+                    # rather than in the middle of a trace (made there, they missed that
+                    # trace's first data write).
+                    self.vars  # noqa: B018
+                if graph is not None:
+                    if op_type in LOOP_OPS:
+                        self._note_parallel_draws(op_type, attrs)
+                    if self.instrument and not self.full and recordable_graph(graph):
+                        self.backend.tracing()
+                        replaced = self._trace(op_type, inputs, outputs, op_name or op_type, graph)
+                        return outputs if replaced is None else replaced
+                    self.stage_lines.note_op(op_type, outputs, graph)
+                    self.firsts.untraced_op(op_type, inputs, graph)
+                    return outputs
+                if self.firsts.known and not op_type.startswith(FUNCTION_CALLS):
+                    self.firsts.eager_op(op_type, inputs)  # it may write a variable
+                if op_type.startswith(FUNCTION_CALLS):
+                    self.backend.after_function()
+                elif op_type.endswith("Dataset") or "DatasetV" in op_type:
+                    self._note_dataset(op_type, inputs, attrs)
+                elif not self.backend.evaluating:
+                    if self.step_order.clean and self.backend.started:
+                        # (init is always recorded op by op: its records name its entries)
+                        self._eager_in_clean_step(op_type, inputs, outputs)
+                    if self.active:
+                        self._eager(op_type, inputs, outputs)
         except Exception:
             self.backend.hook_failed()  # the script goes on, uncaptured; the report says why
         finally:
             self._local.busy = False
-        return None
+        return outputs
 
 
     def _note_parallel_draws(self, op_type: str, attrs: Any) -> None:

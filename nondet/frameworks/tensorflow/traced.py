@@ -57,6 +57,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import context
 from tensorflow.python.ops import gen_functional_ops
 
 from nondet.fingerprint import MASK64, name_code
@@ -92,6 +93,20 @@ from nondet.frameworks.tensorflow.loops import loop_producer
 from nondet.frameworks.tensorflow.reads import READ, RepeatReads
 from nondet.frameworks.tensorflow.state import TrackedVariable
 from nondet.records import INIT_STEP, NODE_SEP, Kind, Phase
+
+
+@contextmanager
+def others_callbacks_off() -> Iterator[None]:
+    """The graph ops nondet traces in here are not handed to any op callback (TensorFlow's
+    ``invoking_op_callbacks``, thread-local): the script's own (``enable_check_numerics``)
+    put a NaN check on nondet's hash words, read as floats (TensorFlow round 12)."""
+    runtime = context.context()
+    was = runtime.invoking_op_callbacks
+    runtime.invoking_op_callbacks = True
+    try:
+        yield
+    finally:
+        runtime.invoking_op_callbacks = was
 
 
 class TFHost(RecorderHost, Protocol):
@@ -168,11 +183,13 @@ class GraphRecorder:
 
     @contextmanager
     def quiet(self) -> Iterator[None]:
-        """Ops made in here are nondet's own: the callback leaves them alone."""
+        """Ops made in here are nondet's own: the callback leaves them alone, and so do the
+        script's own op callbacks (``others_callbacks_off``)."""
         was = getattr(self._local, "busy", False)
         self._local.busy = True
         try:
-            yield
+            with others_callbacks_off():
+                yield
         finally:
             self._local.busy = was
 

@@ -408,6 +408,9 @@ def finding_facts(div: Divergence, capture: Capture,
     facts["rng_op"] = div.rng_op
     facts["state.changed_outside_ops"] = div.changed_outside
     facts["localized"] = div.localized  # False: only the step is known, not the op
+    # the script seeds torch itself: "seed it" is no fix for a random op that drew otherwise
+    facts["torch.seeded_by_script"] = any(
+        api in seed_diff.TORCH_SEEDS for api, _, _ in seed_diff.seed_calls(capture))
     # Keras ran several steps per traced call: their op records are the first step's
     facts["tf.steps_per_execution"] = bool(capture.facts.get("capture_note.steps_per_execution"))
     facts["child_process"] = bool(div.process)  # found in a process the script started

@@ -60,7 +60,7 @@ _COMPLETIONS = frozenset({"as_completed", "imap_unordered"})
 _KEYED = frozenset({"sorted", "sort", "min", "max", "nsmallest", "nlargest"})
 _IDENTITY_KEYS = frozenset({"id", "hash"})
 #: Calls that start threads of the script's own.
-_THREADS = frozenset({"ThreadPoolExecutor", "Thread"})
+_THREADS = frozenset({"ThreadPoolExecutor", "Thread", "ProcessPoolExecutor", "Pool"})
 #: Calls that act after a wall-clock delay, by module (``threading.Timer``,
 #: ``signal.alarm``): ``timeit.Timer`` and torch's benchmark ``Timer`` only measure.
 _TIMERS = {"threading": frozenset({"Timer"}), "signal": frozenset({"alarm", "setitimer"})}

@@ -269,3 +269,32 @@ def test_an_unplaced_difference_under_steps_per_execution_says_to_compile_with_o
     assert (ids[0] == "TF-STEPS-PER-EXECUTION") is (not localized), ids
     if not localized:
         assert "steps_per_execution=1" in found[0].fix
+
+
+@pytest.mark.parametrize("evidence, expected", [
+    ({"python.threads": True}, "PY-THREAD-WORK"),
+    ({"python.clock_reads": True}, "PY-CLOCK-VALUE"),
+    ({}, "PT-RNG"),
+])
+def test_a_random_op_in_a_script_that_seeds_torch_names_what_drew_in_between(
+        evidence: dict[str, bool], expected: str) -> None:
+    """PyTorch round 15: an actor thread sampling from the global generator while the learner
+    trained with dropout, and a validation run every 0.05 s of wall time drawing from it,
+    both got PT-RNG first, whose fix (torch.manual_seed) the scripts already had."""
+    ids = _ids(op="aten.bernoulli_.float", device="cpu", rng_op=True,
+               **{"torch.seeded_by_script": True, **evidence})
+    assert ids[0] == expected, ids
+
+
+@pytest.mark.parametrize("kind, facts, expected", [
+    # TensorFlow round 12: Keras fit's batches enter as tf_data
+    ("entry", {"entry_kind": "tf_data", "python.completion_order": True},
+     "PY-COMPLETION-ORDER"),
+    # a callback stopping training after a time budget: one run went on for more steps
+    ("structure", {"python.clock_reads": True}, "PY-CLOCK-VALUE"),
+])
+def test_tensorflow_findings_get_the_scripts_own_evidence(kind: str, facts: dict[str, object],
+                                                          expected: str) -> None:
+    found = recipe.suggest({"framework": "tensorflow", "tensorflow_version": "2.21.0",
+                            "kind": kind, **facts}, limit=10)
+    assert found[0].recipe.id == expected, [s.recipe.id for s in found]

@@ -414,3 +414,15 @@ def test_a_hash_call_is_a_note_unless_the_user_fixed_the_hash_seed(
         assert not named, notes
     else:
         assert named and named[0].startswith("train.py:5 "), notes
+
+
+def test_worker_pools_count_as_the_scripts_threads() -> None:
+    """PyTorch round 15: ProcessPoolExecutor workers drawing from their copies of the global
+    ``random`` got the OpenCV recipe; the pool is the evidence PY-THREAD-WORK asks for."""
+    source = '''from concurrent.futures import ProcessPoolExecutor
+import multiprocessing as mp
+with ProcessPoolExecutor(2) as ex:
+    batches = list(ex.map(make, range(8)))
+pool = mp.Pool(2)
+'''
+    assert [line for line, _ in scan(source).threads] == [3, 5]

@@ -82,3 +82,54 @@ def test_an_exception_groups_failure_is_named_by_the_group_and_its_first_excepti
                                timeout=60).stderr
     assert exception_line(traceback) == \
         "ExceptionGroup: many (2 sub-exceptions) (the first: ValueError: a)", traceback
+
+
+ECHO_OFF = """import termios
+with open("/dev/tty") as tty:  # as getpass does, and one run of two restored it too late
+    attrs = termios.tcgetattr(tty)
+    attrs[3] &= ~termios.ECHO
+    termios.tcsetattr(tty, termios.TCSANOW, attrs)
+"""
+
+
+def test_the_terminal_is_left_as_nondet_found_it(tmp_path: Path) -> None:
+    """Faults round 12: both runs prompting with getpass on nondet's terminal left the
+    user's shell with echo off after nondet exited (plain python restores it)."""
+    import pty
+    import select
+    import sys
+    import termios
+    import time
+
+    from tests.conftest import tiny_training
+
+    script = tmp_path / "train.py"
+    script.write_text(ECHO_OFF + tiny_training())
+    pid, master = pty.fork()
+    if pid == 0:  # the child: nondet on the pty as its controlling terminal
+        os.chdir(tmp_path)
+        os.execv(sys.executable, [sys.executable, "-m", "nondet", "run", "-q",
+                                  "--no-verify", str(script)])
+    output, deadline = b"", time.monotonic() + 300
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the child closed the pty
+                break
+            if not chunk:
+                break
+            output += chunk
+        finished, status = os.waitpid(pid, os.WNOHANG)
+        if finished:
+            break
+    else:
+        os.kill(pid, 9)
+        raise AssertionError(f"nondet still runs after 300 s: {output!r}")
+    if not finished:
+        _, status = os.waitpid(pid, 0)
+    echo = termios.tcgetattr(master)[3] & termios.ECHO
+    os.close(master)
+    assert os.waitstatus_to_exitcode(status) == 0, output
+    assert echo, output  # the terminal echoes again, as before nondet ran

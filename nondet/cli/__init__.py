@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from nondet import __version__, inherited
+from nondet import __version__, inherited, terminal
 from nondet.cli._common import App, ReaderMayGo, handle_errors
 from nondet.cli._options import require_cwd
 from nondet.errors import NondetError
@@ -82,7 +82,7 @@ def _main() -> None:
         sys.stdout = ReaderMayGo(sys.stdout)
     if not isinstance(sys.stderr, ReaderMayGo):  # `... 2>&1 | head -1`: progress lines
         sys.stderr = ReaderMayGo(sys.stderr)
-    with handle_errors():
+    with handle_errors(), terminal.settings_kept():  # a script's prompt may leave echo off
         if not _only_help(sys.argv[1:]):
             require_cwd()  # every command resolves paths against it (diff, show and report too)
         code = cli.main(standalone_mode=False)

@@ -422,7 +422,7 @@ def finding_facts(div: Divergence, capture: Capture,
         facts.update(capture.facts.get(f"dataloader#{index}", {}))
     for kind in ("numpy.unseeded_generator", "python.unseeded_random",
                  "python.set_iteration", "python.unsorted_listing", "python.completion_order",
-                 "python.threads", "python.clock_reads",
+                 "python.threads", "python.clock_reads", "python.thread_count_computed",
                  "tf.image.stateful_random",
                  "tf.data.list_files_shuffled", "tf.distribute.strategy",
                  "tf.distribute.parameter_server"):

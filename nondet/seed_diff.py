@@ -291,7 +291,8 @@ def unseeded_script_notes(capture: Capture) -> list[str]:
     # the script's set iterations (the string hash salt: unordered.py), whatever the framework
     hashed = [n for n in [unordered.note(capture.facts), unordered.hash_note(capture.facts),
                           unordered.address_note(capture.facts),
-                          unordered.timer_note(capture.facts)] if n]
+                          unordered.timer_note(capture.facts),
+                          unordered.thread_count_note(capture.facts)] if n]
     return _seeding_notes(capture) + hashed
 
 

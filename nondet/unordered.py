@@ -52,6 +52,7 @@ HASH_SEED_FACT = "python.hash_seed_by_nondet"
 HASH_CALLS_FACT = "python.hash_calls"
 CLOCK_FACT = "python.clock_reads"
 TIMERS_FACT = "python.timers"
+THREAD_COUNT_FACT = "python.thread_count_computed"
 #: Calls that list a directory in the file system's order.
 _LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir", "walk"})
 #: Calls that hand results over in the order threads or processes finish them.
@@ -64,6 +65,10 @@ _THREADS = frozenset({"ThreadPoolExecutor", "Thread", "ProcessPoolExecutor", "Po
 #: Calls that act after a wall-clock delay, by module (``threading.Timer``,
 #: ``signal.alarm``): ``timeit.Timer`` and torch's benchmark ``Timer`` only measure.
 _TIMERS = {"threading": frozenset({"Timer"}), "signal": frozenset({"alarm", "setitimer"})}
+#: Calls that set a framework's thread count (torch's, TensorFlow's).
+_THREAD_COUNTS = frozenset({"set_num_threads", "set_num_interop_threads",
+                            "set_intra_op_parallelism_threads",
+                            "set_inter_op_parallelism_threads"})
 #: Calls that read the clock, by their attribute or imported name (``time.time()`` only as
 #: ``time.time``: a bare ``time()`` is too common a name).
 _CLOCK_ATTRIBUTES = frozenset({"perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
@@ -103,18 +108,19 @@ class Scan(NamedTuple):
     hashes: Sites  # calls of the builtin hash()
     clocks: Sites  # clock readings (time.time(), perf_counter(), datetime.now())
     timers: Sites  # actions after a wall-clock delay (threading.Timer, signal.alarm)
+    thread_counts: Sites  # a framework's thread count set from a computed value
 
 
 def scan(source: str, filename: str = "<script>") -> Scan:
     """The places in ``source`` whose order the machine decides. Never raises."""
     if len(source) > MAX_SOURCE:
-        return Scan([], [], [], [], [], [], [], [])
+        return Scan([], [], [], [], [], [], [], [], [])
     try:
         tree = ast.parse(source, filename)
         finder = _Finder(_set_names(tree))
         finder.visit(tree)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return Scan([], [], [], [], [], [], [], [])
+        return Scan([], [], [], [], [], [], [], [], [])
     lines = source.splitlines()
 
     def shown(found: list[int]) -> list[tuple[int, str]]:
@@ -123,7 +129,7 @@ def scan(source: str, filename: str = "<script>") -> Scan:
 
     return Scan(shown(finder.lines), shown(finder.listings), shown(finder.completions),
                 shown(finder.addresses), shown(finder.threads), shown(finder.hashes),
-                shown(finder.clocks), shown(finder.timers))
+                shown(finder.clocks), shown(finder.timers), shown(finder.thread_counts))
 
 
 def _set_names(tree: ast.AST) -> set[str]:
@@ -185,6 +191,7 @@ class _Finder(ast.NodeVisitor):
         self.clocks: list[int] = []  # clock readings: a value made from one differs per run
         self.timers: list[int] = []  # actions after a wall-clock delay
         self.timer_names: set[str] = set()  # imported by name: from threading import Timer
+        self.thread_counts: list[int] = []  # thread counts set from a computed value
         self.order_free: set[int] = set()  # ids of nodes handed straight to sorted() & co
 
     def _check(self, iterated: ast.AST, at: ast.AST) -> None:
@@ -226,6 +233,8 @@ class _Finder(ast.NodeVisitor):
             self.clocks.append(node.lineno)
         if _starts_timer(func, self.timer_names):
             self.timers.append(node.lineno)
+        if name in _THREAD_COUNTS and node.args and not isinstance(node.args[0], ast.Constant):
+            self.thread_counts.append(node.lineno)
         ordering = (isinstance(func, ast.Name) and func.id in _ORDERING_CALLS) or (
             isinstance(func, ast.Attribute) and func.attr == "join")
         if ordering:
@@ -294,7 +303,8 @@ def send(session: Any, script: str | None, seed: int) -> None:
                                 (COMPLETION_FACT, found.completions),
                                 (ADDRESS_FACT, found.addresses), (THREADS_FACT, found.threads),
                                 (HASH_CALLS_FACT, found.hashes), (CLOCK_FACT, found.clocks),
-                                (TIMERS_FACT, found.timers))
+                                (TIMERS_FACT, found.timers),
+                                (THREAD_COUNT_FACT, found.thread_counts))
             if sites}
         if facts:
             facts[HASH_SEED_FACT] = os.environ.get("PYTHONHASHSEED") == str(seed % 2**32)
@@ -334,6 +344,18 @@ def _salted(facts: dict[str, Any], fact: str, what: str, when: str, fix: str) ->
             "runs (PYTHONHASHSEED) and which plain runs draw afresh at every start, so plain "
             f"runs may differ where these repeated{when} [PY-HASHSEED]; {fix} "
             "(PYTHONHASHSEED=random nondet run ... shows whether it matters)")
+
+
+def thread_count_note(facts: dict[str, Any]) -> str | None:
+    """The report's note for thread counts the script computes (None: none)."""
+    where = _where(facts, THREAD_COUNT_FACT)
+    if where is None:
+        return None
+    return (f"{where} sets the framework's thread count from a computed value (the machine's "
+            "cores, its load, the process id): a sum split over another number of threads "
+            "adds in another order, so plain runs on another machine or under another load "
+            "can differ where nondet's two runs, side by side, got the same count; give it "
+            "a constant")
 
 
 def timer_note(facts: dict[str, Any]) -> str | None:

@@ -426,3 +426,28 @@ with ProcessPoolExecutor(2) as ex:
 pool = mp.Pool(2)
 '''
     assert [line for line, _ in scan(source).threads] == [3, 5]
+
+
+def test_thread_counts_set_from_a_computed_value_are_named() -> None:
+    """PyTorch round 15: ``torch.set_num_threads(1 + os.getpid() % 2)`` and a count from the
+    machine's load: plain runs differed, and nothing named the line."""
+    source = '''import os, psutil, torch
+import tensorflow as tf
+torch.set_num_threads(1 + os.getpid() % 2)
+torch.set_num_threads(4)
+torch.set_num_interop_threads(2 if psutil.cpu_percent(0.2) > 50 else 4)
+tf.config.threading.set_intra_op_parallelism_threads(os.cpu_count())
+'''
+    assert [line for line, _ in scan(source).thread_counts] == [3, 5, 6]
+
+
+def test_a_thread_count_that_differed_between_the_runs_names_the_scripts_line() -> None:
+    from nondet import recipe
+
+    facts = {"framework": "torch", "kind": "op", "op": "aten.native_layer_norm_backward.default",
+             "device": "cpu",
+             "python.thread_count_computed": True, "env_differs.torch.num_threads": True}
+    found = recipe.suggest(facts, sites={"python.thread_count_computed": ["train.py:6"]})
+    assert found[0].recipe.id == "PT-THREAD-COUNT-COMPUTED", [s.recipe.id for s in found]
+    assert "PT-CPU-THREADS" in [s.recipe.id for s in found]  # named after it
+    assert found[0].details == ["the script sets the thread count at train.py:6"]

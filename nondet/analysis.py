@@ -420,7 +420,7 @@ def finding_facts(div: Divergence, capture: Capture,
     if div.entry_kind == "dataloader" and div.op:
         index = div.op.rsplit("#", 1)[-1]
         facts.update(capture.facts.get(f"dataloader#{index}", {}))
-    for kind in ("numpy.unseeded_generator", "python.unseeded_random",
+    for kind in ("numpy.unseeded_generator", "python.unseeded_random", "python.system_random",
                  "python.set_iteration", "python.unsorted_listing", "python.completion_order",
                  "python.threads", "python.clock_reads", "python.thread_count_computed",
                  "tf.image.stateful_random",

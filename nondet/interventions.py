@@ -92,6 +92,9 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
     Intervention("python.seed_unseeded_random", "patch",
                  "random.Random() and random.seed() without a seed get one (the run's seed + "
                  "their call number)"),
+    Intervention("python.seed_system_random", "patch",
+                 "random.SystemRandom() draws from a random.Random seeded with the run's "
+                 "seed + its call number, not from the OS"),
 )}
 
 
@@ -279,6 +282,33 @@ def _numpy_seed_unseeded_generators(seed: int) -> None:
     setattr(np.random, "seed", reseed)  # noqa: B010 - typed stubs refuse it
 
 
+def _python_seed_system_random(seed: int) -> None:
+    import random
+
+    calls = [0]
+
+    def own(self: Any) -> random.Random:
+        made: random.Random | None = self.__dict__.get("_nondet_seeded")
+        if made is None:
+            calls[0] += 1  # a stream per instance, as for random.Random()
+            made = self.__dict__["_nondet_seeded"] = random.Random(seed * 1_000_003 + calls[0])
+        return made
+
+    def draw(self: Any) -> float:
+        return own(self).random()
+
+    def bits(self: Any, k: int) -> int:
+        return own(self).getrandbits(k)
+
+    def some_bytes(self: Any, n: int) -> bytes:
+        return own(self).randbytes(n)
+
+    # every other method (randint, choice, shuffle, uniform, ...) draws through these
+    setattr(random.SystemRandom, "random", draw)  # noqa: B010 - typed stubs refuse it
+    setattr(random.SystemRandom, "getrandbits", bits)  # noqa: B010
+    setattr(random.SystemRandom, "randbytes", some_bytes)  # noqa: B010
+
+
 def _python_seed_unseeded_random(seed: int) -> None:
     import random
 
@@ -389,6 +419,7 @@ _CHILD: dict[str, Callable[[int], None]] = {
     "tf.data_deterministic": _tf_data_deterministic,
     "numpy.seed_unseeded_generators": _numpy_seed_unseeded_generators,
     "python.seed_unseeded_random": _python_seed_unseeded_random,
+    "python.seed_system_random": _python_seed_system_random,
     "tf.generator_from_seed": _tf_generator_from_seed,
     "tf.image_stateless": _tf_image_stateless,
     "tf.sequential_loops": _tf_sequential_loops,

@@ -29,6 +29,8 @@ from nondet.session import Session
 
 #: Fact listing unseeded generators made inside libraries ("lib frame, from user frame").
 LIBRARY_UNSEEDED = "library.unseeded_generator"
+#: Lines that make a ``random.SystemRandom()`` (the OS's entropy; no seed reaches it).
+SYSTEM_RANDOM = "python.system_random"
 #: Fact: Keras 3 drew a default seed from Python's ``random`` (a layer, initializer or random
 #: op made without ``seed=``), which only ``random.seed`` / ``keras.utils.set_random_seed`` fix.
 KERAS_DEFAULT_SEED = "keras.default_seed_from_python"
@@ -114,8 +116,9 @@ def install(session: Session) -> None:
         text = None
         if not log.nested():
             caller = sys._getframe(1)
-            if x is None:
-                text = note("python.unseeded_random", caller)
+            if x is None:  # SystemRandom reads the OS and ignores seeds: its own cause
+                text = note(SYSTEM_RANDOM if isinstance(self, random.SystemRandom)
+                            else "python.unseeded_random", caller)
             elif type(self) is not random.SystemRandom:
                 if seeding.PINNED is not None:  # the pin_seeds fix reaches instances too
                     (x,), _ = log.pinned((x,), {}, caller)

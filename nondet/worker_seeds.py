@@ -97,7 +97,7 @@ def note(log: SeedLog, path: str, api: str, value: Any, frame: FrameType,
 
 #: Lines that name where a worker made an unseeded generator (``api``: the pyhooks fact)
 #: rather than a seeding call; ``collect`` returns their sites under that fact.
-UNSEEDED_KINDS = ("numpy.unseeded_generator", "python.unseeded_random")
+UNSEEDED_KINDS = ("numpy.unseeded_generator", "python.unseeded_random", "python.system_random")
 
 
 def collect(session: Session, first_seq: int, prefix: str) -> dict[str, Any]:

@@ -133,3 +133,34 @@ def test_the_terminal_is_left_as_nondet_found_it(tmp_path: Path) -> None:
     os.close(master)
     assert os.waitstatus_to_exitcode(status) == 0, output
     assert echo, output  # the terminal echoes again, as before nondet ran
+
+
+SYSTEM_RANDOM = """import random
+import torch
+
+augment = random.SystemRandom()  # line 4: the OS's entropy
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(64, 8)
+for step in range(4):
+    idx = torch.tensor(augment.sample(range(64), 16))
+    loss = model(x[idx]).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_a_system_random_is_its_own_cause_and_its_fix_is_verified(tmp_path: Path) -> None:
+    """PyTorch round 15: ``random.SystemRandom()`` in a collate_fn got PY-ENTROPY, whose
+    seeding patch "did not help" (SystemRandom ignores seeds), and its site read
+    "random.Random()/random.seed() without a seed"."""
+    import json
+
+    script = tmp_path / "train.py"
+    script.write_text(SYSTEM_RANDOM)
+    result = run_cli("run", "-q", "--json", "r.json", str(script), cwd=tmp_path, timeout=600)
+    assert result.returncode == 1, result.stdout + result.stderr
+    first = json.loads((tmp_path / "r.json").read_text())["suggestions"][0]
+    assert first["id"] == "PY-SYSTEM-RANDOM", first
+    assert first["verified"] is True, first
+    assert "random.SystemRandom() at train.py:4" in first["details"], first

@@ -164,3 +164,12 @@ def test_a_system_random_is_its_own_cause_and_its_fix_is_verified(tmp_path: Path
     assert first["id"] == "PY-SYSTEM-RANDOM", first
     assert first["verified"] is True, first
     assert "random.SystemRandom() at train.py:4" in first["details"], first
+
+
+def test_a_loss_difference_fits_its_column_in_the_growth_table() -> None:
+    """Faults round 12: |Δ loss| values like 0.00146484375 were printed with 9 significant
+    digits and pushed the bar column out of line."""
+    from nondet.report.text import _num
+
+    assert _num(0.00146484375, 4) == "0.001465" and len(_num(9999.87654321, 4)) <= 11
+    assert _num(0.00146484375) == "0.00146484375"  # losses keep every digit they have

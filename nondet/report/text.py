@@ -310,7 +310,7 @@ def _growth(report: Report) -> list[str]:
                           "largest |Δ| (log)     differs in")]
     for g in rows[start:start + GROWTH_ROWS]:
         out.append(_row("", escape(
-            f"{g.step:<6} {_num(g.loss_a):<16} {_num(g.loss_b):<16} {_num(g.loss_abs_diff):<11} "
+            f"{g.step:<6} {_num(g.loss_a):<16} {_num(g.loss_b):<16} {_num(g.loss_abs_diff, 4):<11} "
             f"{_magnitude(g):<21} {', '.join(g.differing) or '-'}")))
     return out
 
@@ -329,18 +329,20 @@ def _magnitude(g: GrowthRow) -> str:
     if value == 0:
         return "> 0" if inexact else "·"
     blocks = max(1, min(8, math.ceil((math.log10(value) + 16) / 2)))
-    return f"{'█' * blocks:<8} {'≥' if inexact else ''}{_num(value)}"
+    return f"{'█' * blocks:<8} {'≥' if inexact else ''}{_num(value, 4)}"
 
 
 def _row(label: str, text: str) -> str:
     return f"  {label:<{_LABEL}}{text}"
 
 
-def _num(value: float | None) -> str:
+def _num(value: float | None, digits: int = 9) -> str:
+    """A number for a table cell: ``digits`` significant digits (differences take 4, to
+    fit their column: faults round 12), a power of ten outside 1e-3 to 1e4."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if value == 0:
         return "0"
     if abs(value) >= 1e4 or abs(value) < 1e-3:
         return f"{value:.3e}"
-    return f"{value:.9g}"
+    return f"{value:.{digits}g}"

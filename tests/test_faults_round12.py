@@ -173,3 +173,11 @@ def test_a_loss_difference_fits_its_column_in_the_growth_table() -> None:
 
     assert _num(0.00146484375, 4) == "0.001465" and len(_num(9999.87654321, 4)) <= 11
     assert _num(0.00146484375) == "0.00146484375"  # losses keep every digit they have
+
+
+def test_runs_has_an_upper_bound(tmp_path: Path) -> None:
+    """Faults round 12: ``--runs 1000000`` was accepted and started a million runs."""
+    (tmp_path / "train.py").write_text("pass\n")
+    result = run_cli("run", "--runs", "1000000", "train.py", cwd=tmp_path, timeout=60)
+    assert result.returncode == 2 and "--runs" in result.stderr, result.stderr
+    assert not (tmp_path / ".nondet").exists()

@@ -100,11 +100,11 @@ def target_options(command: F) -> F:
                           "runs differ (re-runs); `all` for every step (rare nondeterminism)."),
         click.option("--max-steps", type=click.IntRange(min=1), metavar="N",
                      help="Stop each run after N training steps."),
-        click.option("--runs", type=click.IntRange(min=2), default=2, show_default=True,
-                     metavar="N",
+        click.option("--runs", type=click.IntRange(min=2, max=MAX_RUNS), default=2,
+                     show_default=True, metavar="N",
                      help="Run N times (one after the other), show how each ended and how many "
                           "distinct outcomes there were, and explain the first run that "
-                          "differs from the first."),
+                          f"differs from the first (at most {MAX_RUNS})."),
         click.option("--schedule", type=click.Choice(["auto", "lockstep", "sequential"]),
                      default="auto", show_default=True,
                      help="How two runs share the machine: `lockstep` runs both at once, "
@@ -135,6 +135,8 @@ def _remember_nproc(ctx: click.Context, _param: click.Parameter,
 #: --verify-pairs beyond this is a typo more often than a plan: each pair is two whole runs
 #: per fix tried, and the re-checks are not bounded by --verify-budget.
 MAX_VERIFY_PAIRS = 20
+#: --runs: a count past this is a typo, not a plan (each run is a whole run of the script).
+MAX_RUNS = 1000
 
 
 def _a_number(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:

@@ -423,6 +423,7 @@ def finding_facts(div: Divergence, capture: Capture,
     for kind in ("numpy.unseeded_generator", "python.unseeded_random", "python.system_random",
                  "python.set_iteration", "python.unsorted_listing", "python.completion_order",
                  "python.threads", "python.clock_reads", "python.thread_count_computed",
+                 "torch.jit_fork",
                  "tf.image.stateful_random",
                  "tf.data.list_files_shuffled", "tf.distribute.strategy",
                  "tf.distribute.parameter_server"):

@@ -54,6 +54,8 @@ TABLE: dict[str, Intervention] = {i.id: i for i in (
     Intervention("torch.deterministic_warn_only", "switch",
                  "torch.use_deterministic_algorithms(True, warn_only=True)"),
     Intervention("torch.one_thread", "switch", "torch.set_num_threads(1)"),
+    Intervention("torch.one_interop_thread", "patch",
+                 "torch.set_num_interop_threads(1), the script's own calls of it left out"),
     Intervention("torch.cudnn_deterministic", "switch",
                  "torch.backends.cudnn.benchmark = False; "
                  "torch.backends.cudnn.deterministic = True"),
@@ -163,6 +165,18 @@ def _torch_one_thread(_seed: int) -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+def _torch_one_interop_thread(_seed: int) -> None:
+    import torch
+
+    torch.set_num_interop_threads(1)  # before any inter-op work: the child's first call
+
+    def kept_at_one(_count: int) -> None:
+        """The script's own call (it may only come once, and before parallel work: after
+        nondet's it would fail) leaves the count at one."""
+
+    setattr(torch, "set_num_interop_threads", kept_at_one)  # noqa: B010 - typed stubs refuse it
 
 
 def _torch_cudnn_deterministic(_seed: int) -> None:
@@ -411,6 +425,7 @@ _CHILD: dict[str, Callable[[int], None]] = {
     "torch.deterministic": _torch_deterministic,
     "torch.deterministic_warn_only": _torch_deterministic_warn_only,
     "torch.one_thread": _torch_one_thread,
+    "torch.one_interop_thread": _torch_one_interop_thread,
     "torch.cudnn_deterministic": _torch_cudnn_deterministic,
     "tf.op_determinism": _tf_op_determinism,
     "tf.one_thread": _tf_one_thread,

@@ -53,6 +53,7 @@ HASH_CALLS_FACT = "python.hash_calls"
 CLOCK_FACT = "python.clock_reads"
 TIMERS_FACT = "python.timers"
 THREAD_COUNT_FACT = "python.thread_count_computed"
+FORK_FACT = "torch.jit_fork"
 #: Calls that list a directory in the file system's order.
 _LISTINGS = frozenset({"listdir", "scandir", "glob", "iglob", "rglob", "iterdir", "walk"})
 #: Calls that hand results over in the order threads or processes finish them.
@@ -109,18 +110,19 @@ class Scan(NamedTuple):
     clocks: Sites  # clock readings (time.time(), perf_counter(), datetime.now())
     timers: Sites  # actions after a wall-clock delay (threading.Timer, signal.alarm)
     thread_counts: Sites  # a framework's thread count set from a computed value
+    forks: Sites  # torch.jit.fork: work handed to torch's inter-op threads
 
 
 def scan(source: str, filename: str = "<script>") -> Scan:
     """The places in ``source`` whose order the machine decides. Never raises."""
     if len(source) > MAX_SOURCE:
-        return Scan([], [], [], [], [], [], [], [], [])
+        return Scan([], [], [], [], [], [], [], [], [], [])
     try:
         tree = ast.parse(source, filename)
         finder = _Finder(_set_names(tree))
         finder.visit(tree)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return Scan([], [], [], [], [], [], [], [], [])
+        return Scan([], [], [], [], [], [], [], [], [], [])
     lines = source.splitlines()
 
     def shown(found: list[int]) -> list[tuple[int, str]]:
@@ -129,7 +131,8 @@ def scan(source: str, filename: str = "<script>") -> Scan:
 
     return Scan(shown(finder.lines), shown(finder.listings), shown(finder.completions),
                 shown(finder.addresses), shown(finder.threads), shown(finder.hashes),
-                shown(finder.clocks), shown(finder.timers), shown(finder.thread_counts))
+                shown(finder.clocks), shown(finder.timers), shown(finder.thread_counts),
+                shown(finder.forks))
 
 
 def _set_names(tree: ast.AST) -> set[str]:
@@ -192,6 +195,7 @@ class _Finder(ast.NodeVisitor):
         self.timers: list[int] = []  # actions after a wall-clock delay
         self.timer_names: set[str] = set()  # imported by name: from threading import Timer
         self.thread_counts: list[int] = []  # thread counts set from a computed value
+        self.forks: list[int] = []  # torch.jit.fork calls
         self.order_free: set[int] = set()  # ids of nodes handed straight to sorted() & co
 
     def _check(self, iterated: ast.AST, at: ast.AST) -> None:
@@ -235,6 +239,9 @@ class _Finder(ast.NodeVisitor):
             self.timers.append(node.lineno)
         if name in _THREAD_COUNTS and node.args and not isinstance(node.args[0], ast.Constant):
             self.thread_counts.append(node.lineno)
+        if name in ("fork", "_fork") and isinstance(func, ast.Attribute) \
+                and isinstance(func.value, ast.Attribute) and func.value.attr == "jit":
+            self.forks.append(node.lineno)
         ordering = (isinstance(func, ast.Name) and func.id in _ORDERING_CALLS) or (
             isinstance(func, ast.Attribute) and func.attr == "join")
         if ordering:
@@ -304,7 +311,8 @@ def send(session: Any, script: str | None, seed: int) -> None:
                                 (ADDRESS_FACT, found.addresses), (THREADS_FACT, found.threads),
                                 (HASH_CALLS_FACT, found.hashes), (CLOCK_FACT, found.clocks),
                                 (TIMERS_FACT, found.timers),
-                                (THREAD_COUNT_FACT, found.thread_counts))
+                                (THREAD_COUNT_FACT, found.thread_counts),
+                                (FORK_FACT, found.forks))
             if sites}
         if facts:
             facts[HASH_SEED_FACT] = os.environ.get("PYTHONHASHSEED") == str(seed % 2**32)

@@ -393,3 +393,21 @@ def test_numpys_global_generator_reseeded_without_a_seed_gets_one() -> None:
     assert first[2] == str(np.random.random())  # a given seed is kept
     plain = [_probe_child(_NP_SEED_PROBE, "")[1] for _ in range(2)]
     assert plain[0] != plain[1]  # without it: fresh entropy each time
+
+
+_INTEROP = """
+import torch
+from nondet import interventions
+interventions.apply_requested(0)
+torch.set_num_interop_threads(2)  # the script's own call: after nondet's it would fail
+print(torch.get_num_interop_threads())
+"""
+
+
+def test_one_interop_thread_holds_against_the_scripts_own_call() -> None:
+    """PyTorch round 15: a TorchScript ensemble forking its heads (torch.jit.fork) set
+    two inter-op threads itself; the fix nondet tried failed the script (the count may be
+    set once), so nothing verified set_num_interop_threads(1)."""
+    pytest.importorskip("torch")
+    assert _probe_child(_INTEROP, "torch.one_interop_thread") == ["1"]
+    assert _probe_child(_INTEROP, "") == ["2"]

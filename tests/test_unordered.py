@@ -451,3 +451,17 @@ def test_a_thread_count_that_differed_between_the_runs_names_the_scripts_line() 
     assert found[0].recipe.id == "PT-THREAD-COUNT-COMPUTED", [s.recipe.id for s in found]
     assert "PT-CPU-THREADS" in [s.recipe.id for s in found]  # named after it
     assert found[0].details == ["the script sets the thread count at train.py:6"]
+
+
+def test_forks_to_torchs_inter_op_threads_are_named_and_get_their_recipe() -> None:
+    from nondet import recipe
+
+    source = '''import torch
+futures = [torch.jit.fork(head, x) for head in heads]
+other = torch.jit._fork(head, x)
+pid = os.fork()
+'''
+    assert [line for line, _ in scan(source).forks] == [2, 3]
+    found = recipe.suggest({"framework": "torch", "kind": "structure", "torch.jit_fork": True})
+    assert found[0].recipe.id == "PT-JIT-FORK" and found[0].recipe.apply == (
+        "torch.one_interop_thread",), [s.recipe.id for s in found]

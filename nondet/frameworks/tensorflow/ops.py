@@ -49,7 +49,12 @@ from nondet.frameworks.tensorflow.loops import LOOP_OPS, PARALLEL_DRAWS_NOTE, pa
 from nondet.frameworks.tensorflow.loops import NOTE_KEY as LOOPS_NOTE_KEY
 from nondet.frameworks.tensorflow.reads import READ
 from nondet.frameworks.tensorflow.stage_lines import StageLines, traced_user_line
-from nondet.frameworks.tensorflow.traced import GraphRecorder, TFHost, others_callbacks_off
+from nondet.frameworks.tensorflow.traced import (
+    GraphRecorder,
+    TFHost,
+    handed_on,
+    others_callbacks_off,
+)
 from nondet.records import OP_DTYPE, Kind, Phase
 
 __all__ = ["TFHost", "TFOpRecorder"]
@@ -86,12 +91,9 @@ class TFOpRecorder(GraphRecorder):
                   op_name: str | None = None, graph: Any = None) -> Any:
         """TensorFlow's op callback; a list returned while tracing replaces the outputs.
 
-        Every other return hands ``outputs`` on unchanged: TensorFlow gives each callback
-        what the one before returned, so a None would reach the script's own callbacks
-        (``tf.debugging.enable_check_numerics``, ``enable_dump_debug_info``) as the op's
-        outputs, and they failed on it (TensorFlow round 12)."""
+        Every other return leaves them as they are (``handed_on``)."""
         if getattr(self._local, "busy", False) or self.backend.disabled or outputs is None:
-            return outputs
+            return handed_on(outputs)
         op_type = op_type.decode() if isinstance(op_type, bytes) else str(op_type)
         # busy was False (checked above); the plain flag, not _quiet(): this runs for every op
         self._local.busy = True
@@ -108,10 +110,10 @@ class TFOpRecorder(GraphRecorder):
                     if self.instrument and not self.full and recordable_graph(graph):
                         self.backend.tracing()
                         replaced = self._trace(op_type, inputs, outputs, op_name or op_type, graph)
-                        return outputs if replaced is None else replaced
+                        return handed_on(outputs) if replaced is None else replaced
                     self.stage_lines.note_op(op_type, outputs, graph)
                     self.firsts.untraced_op(op_type, inputs, graph)
-                    return outputs
+                    return handed_on(outputs)
                 if self.firsts.known and not op_type.startswith(FUNCTION_CALLS):
                     self.firsts.eager_op(op_type, inputs)  # it may write a variable
                 if op_type.startswith(FUNCTION_CALLS):
@@ -128,7 +130,7 @@ class TFOpRecorder(GraphRecorder):
             self.backend.hook_failed()  # the script goes on, uncaptured; the report says why
         finally:
             self._local.busy = False
-        return outputs
+        return handed_on(outputs)
 
 
     def _note_parallel_draws(self, op_type: str, attrs: Any) -> None:

@@ -237,7 +237,7 @@ class _Finder(ast.NodeVisitor):
             self.clocks.append(node.lineno)
         if _starts_timer(func, self.timer_names):
             self.timers.append(node.lineno)
-        if name in _THREAD_COUNTS and node.args and not isinstance(node.args[0], ast.Constant):
+        if name in _THREAD_COUNTS and node.args and _computed(node.args[0]):
             self.thread_counts.append(node.lineno)
         if name in ("fork", "_fork") and isinstance(func, ast.Attribute) \
                 and isinstance(func.value, ast.Attribute) and func.value.attr == "jit":
@@ -262,6 +262,27 @@ class _Finder(ast.NodeVisitor):
             if isinstance(element, ast.Starred):
                 self._check(element.value, node)
         self.generic_visit(node)
+
+
+#: Calls that only convert a value: ``int(os.environ["THREADS"])`` is as fixed as its input.
+_CONVERSIONS = frozenset({"int", "float", "str", "bool", "abs", "round"})
+
+
+def _computed(value: ast.AST) -> bool:
+    """A thread count the machine decides: the argument calls something (``os.cpu_count()``,
+    ``os.getpid()``, ``psutil.cpu_percent()``), not a constant, a variable, an environment
+    variable or a command-line option (``args.threads``: the same in every plain run)."""
+    return any(isinstance(node, ast.Call) and not _reads_fixed(node.func)
+               for node in ast.walk(value))
+
+
+def _reads_fixed(func: ast.AST) -> bool:
+    """A conversion, or a read of the environment (``os.environ.get``, ``os.getenv``)."""
+    if isinstance(func, ast.Name):
+        return func.id in _CONVERSIONS or func.id == "getenv"
+    return isinstance(func, ast.Attribute) and (func.attr == "getenv" or (
+        func.attr == "get" and isinstance(func.value, ast.Attribute)
+        and func.value.attr == "environ"))
 
 
 def _starts_timer(func: ast.AST, imported: set[str]) -> bool:

@@ -437,6 +437,8 @@ torch.set_num_threads(1 + os.getpid() % 2)
 torch.set_num_threads(4)
 torch.set_num_interop_threads(2 if psutil.cpu_percent(0.2) > 50 else 4)
 tf.config.threading.set_intra_op_parallelism_threads(os.cpu_count())
+torch.set_num_threads(args.threads)  # a command-line option: fixed for every run
+torch.set_num_threads(int(os.environ.get("THREADS", "2")))
 '''
     assert [line for line, _ in scan(source).thread_counts] == [3, 5, 6]
 

@@ -46,6 +46,6 @@ def _restore(fd: int, saved: Any) -> None:
     try:
         if os.tcgetpgrp(fd) != os.getpgrp() or termios.tcgetattr(fd) == saved:
             return
-        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+        termios.tcsetattr(fd, termios.TCSANOW, saved)  # no wait for output to drain
     except (OSError, termios.error):
         pass  # the terminal went away: nothing to put back

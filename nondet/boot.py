@@ -149,8 +149,11 @@ def main() -> int:
     seeding.collect_workers(session)  # seeding calls of forked DataLoader workers
     status = frameworks.finish_all(session, status)
     session.finish(status, code, error)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed or replaced by the script
+            pass
     return code
 
 
@@ -206,7 +209,11 @@ def _uncaught(exc: BaseException) -> str:
             return text
         except BaseException:  # a hook that fails: Python reports the original too
             pass
-    sys.stderr.write(text)
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # closed (or None): the run still says why
+        pass
     return text
 
 

@@ -49,7 +49,10 @@ def _exit_code(exc: SystemExit) -> int:
         return 0
     if isinstance(exc.code, int):
         return exc.code & 0xFF if -2**63 <= exc.code < 2**63 else 255
-    print(exc.code, file=sys.stderr)
+    try:
+        print(exc.code, file=sys.stderr)  # as Python does with sys.exit("message")
+    except (OSError, ValueError, AttributeError):  # a stderr the script closed
+        pass
     return 1
 
 

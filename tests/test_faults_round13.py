@@ -33,3 +33,19 @@ def test_a_script_that_set_stderr_to_none_is_named_by_its_exception(tmp_path: Pa
     assert result.returncode == 2, result.stdout + result.stderr
     error = next(line for line in result.stderr.splitlines() if line.startswith("nondet: error"))
     assert "KeyError: 'missing_column'" in error, error
+
+
+def test_a_script_that_closed_stderr_and_exits_with_a_message_fails_with_it(
+        tmp_path: Path) -> None:
+    """``sys.exit("message")`` after closing stderr: Python prints the message (nowhere)
+    and exits 1; nondet's print raised in the run instead, which ended without saying how
+    (its last rows unsent) and showed Python's "lost sys.stderr" dump as the script's."""
+    script = tmp_path / "train.py"
+    script.write_text(tiny_training() + "import sys\nsys.stderr.close()\n"
+                      "sys.exit('no checkpoint found')\n")
+    result = run_cli("run", str(script), cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    error = next(line for line in result.stderr.splitlines() if line.startswith("nondet: error"))
+    assert "exit code 1" in error and "nondet's" not in error, error
+    assert "closed file" not in result.stderr and "lost sys.stderr" not in result.stderr, \
+        result.stderr

@@ -166,3 +166,42 @@ def test_an_optimizer_whose_step_steps_another_makes_one_step_with_its_result(
 def test_a_wrapper_torch_never_hooks_still_makes_one_step_per_update(tmp_path: Path) -> None:
     # only the inner optimizer's step runs the hooks: the step ends when it returns
     assert capture(tmp_path, _nested(NEVER_HOOKED)).n_steps == 3
+
+
+IN_BACKWARD = """
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizers = {p: torch.optim.Adam([p], foreach=False) for p in model.parameters()}
+
+    def optimizer_hook(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    one = torch.optim.Adam(model.parameters(), foreach=False)  # the same update at once
+    if HOOKED:
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(optimizer_hook)
+    for i in range(5):
+        loss = model(torch.ones(3, 4) * (i + 1)).pow(2).mean()
+        loss.backward()
+        if not HOOKED:
+            one.step()
+            one.zero_grad()
+    """
+
+
+def test_optimizer_steps_inside_the_backward_make_one_step_per_backward(
+        tmp_path: Path) -> None:
+    """PyTorch's tutorial "fusing the optimizer step into the backward pass": one optimizer
+    per parameter, stepped from ``register_post_accumulate_grad_hook`` as its gradient is
+    ready. Each of those steps ended a training step (20 for 5 iterations of a model with
+    4 parameters). A step now ends when the backward that ran them returns, with the
+    parameters the same loop reaches with one Adam stepped after the backward."""
+    (tmp_path / "hooked").mkdir()
+    (tmp_path / "after").mkdir()
+    hooked = capture(tmp_path / "hooked", IN_BACKWARD.replace("HOOKED", "True"))
+    after = capture(tmp_path / "after", IN_BACKWARD.replace("HOOKED", "False"))
+    assert hooked.n_steps == after.n_steps == 5
+    for field in ("params_fp", "loss_fp"):
+        assert _step_fields(hooked, field) == _step_fields(after, field), field

@@ -114,6 +114,10 @@ class TorchBackend(StepLifecycle):
         self.paused = False  # while nondet itself runs torch ops
         self.optimizer_made = False  # boundaries then come from optimizer steps
         self.update_pending = False  # hand-written update: step ends at the next forward
+        self.backward_calls = 0  # the script's backward calls now running (nested too)
+        # an optimizer stepped inside the running backward: the step ends when it returns
+        # (Note [Optimizer steps inside a backward])
+        self.stepped_in_backward = False
         self.verified_step: int | None = None  # last step whose parameters were re-checked
         self.module_stack: list[int] = []  # string ids of module paths
         # The module stack's depth where forward code began inside a backward (a reentrant
@@ -220,9 +224,11 @@ class TorchBackend(StepLifecycle):
                 return original_backward(tensors, *args, **kwargs)
             with self.guarded():
                 self._before_backward(tensors)
+            self.backward_calls += 1
             try:
                 return original_backward(tensors, *args, **kwargs)
             finally:
+                self.backward_calls -= 1
                 with self.guarded():
                     self._after_backward()
 
@@ -380,6 +386,9 @@ class TorchBackend(StepLifecycle):
         loop_end.pause()
         if self.disabled or self.paused or cuda.capturing():  # Note [CUDA graphs]
             return
+        if self._in_backward():
+            self.stepped_in_backward = True
+            return
         self.phase = Phase.OPTIMIZER
         # the step's gradients are those the outermost optimizer got, not what a wrapper
         # made of them for its inner one (LARS rescales them)
@@ -392,10 +401,21 @@ class TorchBackend(StepLifecycle):
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.disabled or self.paused or self.explicit or cuda.capturing():
             return
-        if _inside_another_step():
-            return  # the step ends when the outermost optimizer's step has returned
+        if _inside_another_step() or self._in_backward():
+            return  # the step ends when the outermost optimizer's step (or backward) returns
         with self.guarded():
             self.boundary()
+
+    def _in_backward(self) -> bool:
+        """Note [Optimizer steps inside a backward]
+        PyTorch's recipe for saving memory steps one optimizer per parameter from a hook
+        the backward runs as each gradient is ready (``register_post_accumulate_grad_hook``,
+        torch.distributed's ``_apply_optimizer_in_backward``). Every such step ended a
+        training step: "40 steps" for 10 iterations of a 4-parameter model, each one
+        hashing the whole state, and step numbers the user could not map to iterations.
+        An optimizer step run by the autograd engine inside the script's backward call ends
+        nothing: the step ends when that backward returns (``_after_backward``)."""
+        return self.backward_calls > 0 and _autograd_node() is not None
 
     def _before_backward(self, tensors: Any) -> None:
         loop_end.pause()
@@ -430,6 +450,9 @@ class TorchBackend(StepLifecycle):
         if not self.optimizer_made and not self.explicit:
             self.grads = self._grad_snapshot()
             self.update_pending = True
+        if self.stepped_in_backward and not self.backward_calls and not self.explicit:
+            self.stepped_in_backward = False
+            self.boundary()
 
     def before_batch(self) -> None:
         """A DataLoader batch is about to be drawn (entries.py)."""

@@ -325,10 +325,12 @@ def _recording_random_state(log: seeding.SeedLog, note: Any, use: GeneratorUse) 
 
 
 def _noting_seed_sequence(log: seeding.SeedLog, note: Any) -> type:
-    """``np.random.SeedSequence`` that notes where it is made without entropy: libraries
-    build their generators from one (gymnasium's ``seeding.np_random(None)``, which every
-    action space's ``sample()`` draws from until ``space.seed(n)``). Its seeded uses are
-    not seeding calls of the script's (numpy's own ``default_rng(n)`` makes one in C)."""
+    """``np.random.SeedSequence`` that notes where it is made without entropy and records
+    the seed it is made with: libraries build their generators from one in Python
+    (gymnasium's ``seeding.np_random(seed)``, behind ``env.reset(seed=...)`` and every
+    action space's ``sample()``). A clock value given to ``env.reset(seed=...)`` got the
+    OpenCV recipe, the seed never seen. (numpy's own ``default_rng(n)`` makes its
+    sequence in C, unseen here: that call is recorded as itself.)"""
     import numpy as np
 
     base = np.random.SeedSequence
@@ -338,8 +340,14 @@ def _noting_seed_sequence(log: seeding.SeedLog, note: Any) -> type:
         __slots__ = ()  # the C layout of SeedSequence (standin module docstring)
 
         def __init__(self, entropy: Any = None, **kwargs: Any) -> None:
-            if entropy is None and not log.nested():
-                note("numpy.unseeded_generator", sys._getframe(1))
+            if not log.nested():
+                caller = sys._getframe(1)
+                if entropy is None:
+                    note("numpy.unseeded_generator", caller)
+                else:
+                    if seeding.PINNED is not None:  # as random.Random(x)
+                        (entropy,), _ = log.pinned((entropy,), {}, caller)
+                    log.record("np.random.SeedSequence", entropy, caller)
             super().__init__(entropy, **kwargs)
 
     return standin.finish(SeedSequence, base)

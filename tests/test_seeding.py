@@ -666,3 +666,29 @@ def test_the_same_seeds_in_another_order_are_no_seed_finding(tmp_path: Path) -> 
     b = {"seed#0": _seed_fact(["2", "0", "7"], site="train.py:8", api="random.Random")}
     found = _report(tmp_path, a, b, b_params=4).first_divergence
     assert (found.kind, found.source) == ("seed", "train.py:8")
+
+
+def test_a_seed_sequence_made_with_a_seed_is_a_seeding_call(session: FakeSession) -> None:
+    """PyTorch round 16: ``env.reset(seed=int(time.time()))``; gymnasium's
+    ``seeding.np_random(seed)`` makes ``Generator(PCG64(SeedSequence(seed)))`` in Python,
+    no ``default_rng``: the clock seed was never seen and the observation that entered
+    with it got the OpenCV recipe. The seed is recorded at the script's line, gymnasium
+    named as the library that made the call."""
+    gym_seeding = pytest.importorskip("gymnasium.utils.seeding")
+    np.random.SeedSequence(16)  # seed-sequence-here
+    gym_seeding.np_random(17)  # gymnasium-seeds-here
+    sites = session.seeds()
+    assert sites[0] == ("np.random.SeedSequence", _line_of("seed-sequence-here"), "", ["16"])
+    api, site, library, values = sites[1]
+    assert (api, site, values) == ("np.random.SeedSequence", _line_of("gymnasium-seeds-here"),
+                                   ["17"]) and "gymnasium" in library, sites
+    assert not session.meta
+
+
+def test_pinned_seeds_reach_a_seed_sequence(session: FakeSession,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # the pin_seeds fix verifies a clock seed handed to gymnasium (PY-SEED-VARIES)
+    want = np.random.Generator(np.random.PCG64(np.random.SeedSequence(700))).random()
+    monkeypatch.setattr(seeding, "PINNED", 700)
+    got = np.random.Generator(np.random.PCG64(np.random.SeedSequence(1796005507))).random()
+    assert got == want

@@ -33,4 +33,5 @@ def probe(tensor: Any, name: str) -> None:
 
     session = session_module.current()
     if session is not None:
-        session.probe(tensor, name)
+        # a name that is not text (a number, bytes) is shown as its str(), never refused
+        session.probe(tensor, name if isinstance(name, str) else str(name))

@@ -74,11 +74,20 @@ class CallSite:
     package: str  # top-level package of ``library`` ("" for the user's own calls)
 
 
+#: Longer integer seeds are shown by digest: Python's str() of an int over 4300 digits
+#: raises (``random.seed(10**5000)`` made nondet exit 3).
+_LONGEST_SEED_BITS = 4096
+
+
 def seed_value(value: Any) -> str:
     """A seed as comparable text: numbers as themselves, other seeds fingerprinted, objects
     of unknown types by type name only (never by ``repr``, which may hold an address)."""
     if isinstance(value, bool | int | np.integer):
-        return str(int(value))
+        number = int(value)
+        if number.bit_length() > _LONGEST_SEED_BITS:  # str() refuses over 4300 digits
+            raw = number.to_bytes((number.bit_length() + 8) // 8, "little", signed=True)
+            return f"int:{_digest(raw)}"
+        return str(number)
     if isinstance(value, float | np.floating):
         return repr(float(value))
     if isinstance(value, str):
@@ -89,9 +98,14 @@ def seed_value(value: Any) -> str:
         raw = f"{value.dtype.str}{value.shape}".encode() + np.ascontiguousarray(value).tobytes()
         return f"array:{_digest(raw)}"
     if isinstance(value, list | tuple) and all(isinstance(v, int | np.integer) for v in value):
-        return f"ints:{_digest(repr([int(v) for v in value]).encode())}"
+        numbers = [int(v) for v in value]
+        if any(n.bit_length() > _LONGEST_SEED_BITS for n in numbers):
+            return f"ints:{_digest(' '.join(seed_value(n) for n in numbers).encode())}"
+        return f"ints:{_digest(repr(numbers).encode())}"
     if isinstance(value, np.random.SeedSequence):
-        return f"SeedSequence:{_digest(repr((value.entropy, value.spawn_key)).encode())}"
+        entropy = value.entropy
+        text = seed_value(entropy) if isinstance(entropy, int) else repr(entropy)
+        return f"SeedSequence:{_digest(repr((text, value.spawn_key)).encode())}"
     if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
         # a 0-d tensor: its number (item() of a 0-d tensor is cheap and cannot change it)
         try:

@@ -49,3 +49,24 @@ def test_a_script_that_closed_stderr_and_exits_with_a_message_fails_with_it(
     assert "exit code 1" in error and "nondet's" not in error, error
     assert "closed file" not in result.stderr and "lost sys.stderr" not in result.stderr, \
         result.stderr
+
+
+def test_a_columns_value_that_is_no_width_is_ignored(tmp_path: Path) -> None:
+    """Faults round 13: ``COLUMNS=abc`` ended every command with exit 3 before anything ran;
+    ``COLUMNS=0`` with piped output printed nothing at all."""
+    for columns in ("abc", "0", "-5", "80x"):
+        result = run_cli("fixes", cwd=tmp_path, env={"COLUMNS": columns}, timeout=120)
+        assert result.returncode == 0, (columns, result.stderr)
+        assert "torch.deterministic" in result.stdout, (columns, result.stdout[:300])
+
+
+def test_odd_values_a_script_hands_to_nondet_and_its_seeding_calls(tmp_path: Path) -> None:
+    """Faults round 13, exit 3 for values a script passes: a seed over 4300 digits (Python's
+    str() of it raises), a probe named by a number."""
+    script = tmp_path / "train.py"
+    script.write_text("import random\nimport numpy as np\nimport nondet\n"
+                      "random.seed(10**5000)\nnp.random.default_rng(10**5000)\n"
+                      + tiny_training() + "    nondet.probe(loss, 123)\n")
+    result = run_cli("run", "--no-verify", str(script), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "deterministic" in result.stdout, result.stdout

@@ -40,14 +40,34 @@ class SafeConsole(Console):
                         for o in objects), **kwargs)
 
 
+def _width(tty: bool, piped: int | None) -> int | None:
+    """A console's width: None lets rich read the terminal or COLUMNS; piped output gets
+    ``piped`` (None: rich's own default) unless COLUMNS says. A COLUMNS that is no
+    sensible width is ignored: COLUMNS=0 printed nothing at all, COLUMNS=abc ended every
+    command with exit 3."""
+    columns = os.environ.get("COLUMNS")
+    sensible = columns is not None and columns.strip().isdigit() and int(columns) >= 20
+    if sensible:
+        return None if tty else int(columns)  # type: ignore[arg-type]
+    if columns is None:
+        return None if tty else piped
+    if tty:  # rich would read the COLUMNS given: ask the terminal itself
+        try:
+            return max(20, os.get_terminal_size().columns)
+        except OSError:
+            return 80
+    return piped if piped is not None else 80
+
+
 class App:
     """Shared state of one invocation (consoles; stdout for results, stderr for progress)."""
 
     def __init__(self) -> None:
         # Piped output gets a roomy fixed width (rich would use 80) unless COLUMNS says.
-        width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 120)
-        self.out = SafeConsole(highlight=False, soft_wrap=True, width=width)
-        self.err = SafeConsole(stderr=True, highlight=False, soft_wrap=True)
+        self.out = SafeConsole(highlight=False, soft_wrap=True,
+                               width=_width(sys.stdout.isatty(), piped=120))
+        self.err = SafeConsole(stderr=True, highlight=False, soft_wrap=True,
+                               width=_width(sys.stderr.isatty(), piped=None))
 
 
 @contextmanager

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import fdguard, pids
+from nondet import fdguard, own_threads, pids
 
 #: Bound at import, before the script runs: a script that replaces ``json.dumps`` (a
 #: JSON policy, a monkeypatch for its own logging) must not change, or break, what nondet
@@ -136,7 +136,7 @@ class FrameWriter:
         self._lock = threading.Lock()  # the flusher thread (flush_later) writes too
         self._deadline: float | None = None
         self._wake = threading.Event()
-        self._flusher: threading.Thread | None = None
+        self._flusher = False  # its thread started
 
     def send(self, kind: bytes, payload: bytes) -> None:
         if pids.getpid() != self._pid:
@@ -166,11 +166,9 @@ class FrameWriter:
         with self._lock:
             if self._deadline is None:
                 self._deadline = time.monotonic() + seconds
-                if self._flusher is None:
-                    try:
-                        flusher = threading.Thread(target=self._flush_when_due,
-                                                   name="nondet-flush", daemon=True)
-                        flusher.start()
+                if not self._flusher:
+                    try:  # Note [Threads the script cannot see] in own_threads.py
+                        own_threads.start(self._flush_when_due)
                     except Exception:
                         # The script forbids threads (it replaced ``Thread.start``) or
                         # cannot start one (a thread limit): written now instead, as
@@ -178,7 +176,7 @@ class FrameWriter:
                         self._deadline = None
                         self._write()
                         return
-                    self._flusher = flusher
+                    self._flusher = True
                 self._wake.set()
 
     def _flush_when_due(self) -> None:

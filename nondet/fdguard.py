@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from nondet import pids
+from nondet import own_threads, pids
 
 # The script may close every inherited descriptor (``os.closerange(3, ...)``, daemon code) or
 # ``dup2`` over ours, and then open files of its own that get the same numbers. Writing a
@@ -132,7 +132,7 @@ def watch(fds: Iterable[int], interval: float = WATCH_SECONDS) -> None:
                 if fd in _CLAIMED:
                     live(fd)
 
-    threading.Thread(target=loop, name="nondet-fdwatch", daemon=True).start()
+    own_threads.start(loop)  # Note [Threads the script cannot see] in own_threads.py
 
 
 def install(fds: Iterable[int]) -> None:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
-from nondet import own_group, pids
+from nondet import own_group, own_threads, pids
 
 CHECK_SECONDS = 1.0
 
@@ -39,4 +38,4 @@ def watch(interval: float = CHECK_SECONDS) -> None:
                         pass  # ended meanwhile, or not ours to signal
                 os.kill(root, signal.SIGKILL)
 
-    threading.Thread(target=loop, name="nondet-orphan", daemon=True).start()
+    own_threads.start(loop)  # Note [Threads the script cannot see] in own_threads.py

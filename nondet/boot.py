@@ -128,8 +128,12 @@ def main() -> int:
         else:
             script = os.path.abspath(str(config.script))
             sys.argv = [script, *config.args]
-            importpath.as_plain_python(config.startup_env, importpath.script_entry(script))
-            runpy.run_path(script, run_name="__main__")
+            entry = importpath.script_entry(script)
+            importpath.as_plain_python(config.startup_env, entry)
+            if entry is None:  # a directory or zip file run by its __main__.py
+                runpy.run_path(script, run_name="__main__")
+            else:
+                _run_as_main(script)
         loop_end.send(session)  # ended on its own: how its step loop ended, if known
     except StopRun:
         status = "stopped"
@@ -158,6 +162,30 @@ def main() -> int:
         except (OSError, ValueError, AttributeError):  # closed or replaced by the script
             pass
     return code
+
+
+def _run_as_main(script: str) -> None:
+    """Run a script file as ``python script.py`` does: in a module named ``__main__`` that
+    stays ``sys.modules["__main__"]`` for the rest of the process, with the builtins module
+    as its ``__builtins__``. ``runpy.run_path`` puts nondet's module back when the script's
+    module code returns: an ``atexit`` function or a thread still running then could not
+    pickle a class the script defined (``torch.save(model)`` left a truncated file while
+    nondet said "deterministic"), and ``setattr(__builtins__, ...)`` met a dict."""
+    import builtins
+    import importlib.machinery
+    import io
+    import types
+
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=script, __cached__=None, __package__=None, __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", script),
+        __builtins__=builtins)
+    with io.open_code(script) as file:
+        source = file.read()
+    code = compile(source, script, "exec", dont_inherit=True)
+    sys.modules["__main__"] = module
+    exec(code, module.__dict__)
 
 
 def _python_shutdown(status: str, code: int) -> tuple[str, int]:

@@ -70,3 +70,26 @@ def test_odd_values_a_script_hands_to_nondet_and_its_seeding_calls(tmp_path: Pat
     result = run_cli("run", "--no-verify", str(script), cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "deterministic" in result.stdout, result.stdout
+
+
+def test_the_scripts_module_stays_main_for_its_exit_functions(tmp_path: Path) -> None:
+    """Faults round 13: ``runpy`` put nondet's module back as ``__main__`` when the script's
+    code returned, so an ``atexit`` function pickling a class the script defined failed
+    (``torch.save(model)`` left a truncated checkpoint; nondet said "deterministic"), and
+    ``__builtins__`` was a dict where ``python train.py`` has the module."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import atexit, pickle\n"
+        "class Config:\n"
+        "    lr = 0.1\n"
+        "setattr(__builtins__, 'DEBUG_FLAG', True)\n"
+        + tiny_training() +
+        "def save():\n"
+        "    with open('config.pkl', 'wb') as f:\n"
+        "        pickle.dump(Config(), f)\n"
+        "atexit.register(save)\n")
+    result = run_cli("run", "--no-verify", str(script), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "config.pkl").stat().st_size > 20
+    logs = list((tmp_path / ".nondet").glob("*/run-a.log"))
+    assert logs and "Error" not in logs[0].read_text(), logs

@@ -93,3 +93,19 @@ def test_the_scripts_module_stays_main_for_its_exit_functions(tmp_path: Path) ->
     assert (tmp_path / "config.pkl").stat().st_size > 20
     logs = list((tmp_path / ".nondet").glob("*/run-a.log"))
     assert logs and "Error" not in logs[0].read_text(), logs
+
+
+def test_hdf5_driver_in_the_environment_is_the_scripts_not_nondets(tmp_path: Path) -> None:
+    """Faults round 13: ``HDF5_DRIVER=family`` (meant for the user's own HDF5 files) made
+    nondet's capture ``run-a-000000.h5`` and exit 3; ``diff`` then called good captures
+    damaged. Captures are plain files whatever the variable says."""
+    script = tmp_path / "train.py"
+    script.write_text(tiny_training())
+    env = {"HDF5_DRIVER": "family"}
+    result = run_cli("run", "--no-verify", str(script), cwd=tmp_path, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    captures = sorted(c for c in (tmp_path / ".nondet").glob("*/run-*.h5")
+                      if c.parent.name != "latest")  # (run-a-000000.h5 with the driver's)
+    assert [c.name for c in captures] == ["run-a.h5", "run-b.h5"], captures
+    again = run_cli("diff", *map(str, captures), cwd=tmp_path, timeout=120, env=env)
+    assert again.returncode == 0, again.stdout + again.stderr

@@ -254,7 +254,7 @@ def _open(path: Path) -> Capture:
     h5py = _h5py()
     unclosed = False
     try:
-        f = h5py.File(path, "r")
+        f = h5py.File(path, "r", driver="sec2")  # Note [HDF5_DRIVER] in writer.py
     except (OSError, ValueError) as exc:
         # HDF5 took the lock, so no writer is left: read what its last flush left
         f = open_unclosed(path) if "already open for write" in str(exc) else None

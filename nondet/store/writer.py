@@ -80,7 +80,11 @@ class CaptureWriter:
         self._stored_at = time.monotonic()
         path.parent.mkdir(parents=True, exist_ok=True)
         # The 1.10 object format: checksummed metadata (Note [Damage detection]).
-        self._file = h5py.File(path, "w", libver=("v110", "v110"))
+        # Note [HDF5_DRIVER]: the HDF5 library takes its default file driver from the
+        # environment variable HDF5_DRIVER, meant for the user's own files (the script
+        # keeps it): with "family" nondet wrote run-a-000000.h5 and exited 3, with an
+        # unknown name HDF5 crashed it; a capture is one plain POSIX file.
+        self._file = h5py.File(path, "w", libver=("v110", "v110"), driver="sec2")
         # Set before the first close attempt: a close that failed half-way (a write refused:
         # RLIMIT_FSIZE) leaves the id "valid", and touching that file again crashes HDF5.
         self._closing = False

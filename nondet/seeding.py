@@ -103,9 +103,10 @@ def seed_value(value: Any) -> str:
             return f"ints:{_digest(' '.join(seed_value(n) for n in numbers).encode())}"
         return f"ints:{_digest(repr(numbers).encode())}"
     if isinstance(value, np.random.SeedSequence):
-        entropy = value.entropy
-        text = seed_value(entropy) if isinstance(entropy, int) else repr(entropy)
-        return f"SeedSequence:{_digest(repr((text, value.spawn_key)).encode())}"
+        entropy: Any = value.entropy
+        if isinstance(entropy, int) and entropy.bit_length() > _LONGEST_SEED_BITS:
+            entropy = seed_value(entropy)  # repr() refuses it too
+        return f"SeedSequence:{_digest(repr((entropy, value.spawn_key)).encode())}"
     if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
         # a 0-d tensor: its number (item() of a 0-d tensor is cheap and cannot change it)
         try:

@@ -65,6 +65,7 @@ class CapturedRun(RunStream):
         self._echo_closed = False  # nondet's stderr went away: the output goes to the log only
         self._stop_sent = False
         self._interrupted = False
+        self._cancelled = False  # nondet itself is ending (Ctrl-C, SIGTERM): see cancel()
         self._proc: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
         self._result_cache: RunResult | None = None
@@ -123,8 +124,9 @@ class CapturedRun(RunStream):
                              store_every=STORE_SECONDS)
 
     def request_stop(self) -> None:
-        """Ask the child to stop at its next step boundary (idempotent)."""
-        if self._stop_sent:
+        """Ask the child to stop at its next step boundary (idempotent). Not while nondet
+        is being cancelled and the child has not ended: its signal says how it ended."""
+        if self._stop_sent or (self._cancelled and self.end is None):
             return
         self._stop_sent = True
         self.send_control(channel.STOP)
@@ -248,6 +250,13 @@ class CapturedRun(RunStream):
             raise
         self._finish_threads()
         return self._result(code)
+
+    def cancel(self) -> None:
+        """nondet is ending (Ctrl-C, SIGTERM): from now on the run is not told to stop at a
+        step boundary, it is interrupted. Its twin, interrupted a moment earlier, ended, and
+        turn-taking stopped this one (a step only one run has) before its own signal came:
+        a cancelled job's capture said ``stopped``, as if nondet had ended it on purpose."""
+        self._cancelled = True
 
     def interrupt(self, forward: bool = False) -> RunResult:
         """End the child: give it time to end cleanly, then SIGTERM, then SIGKILL.

@@ -70,6 +70,8 @@ class Run(Protocol):
 
     def wait(self, timeout: float | None = None) -> RunResult: ...
 
+    def cancel(self) -> None: ...
+
     def interrupt(self, forward: bool = False) -> RunResult: ...
 
     def end_if_idle(self) -> bool: ...
@@ -272,6 +274,8 @@ class Lockstep(_SingleRuns):
 
 def _interrupt_all(runs: list[Run], forward: bool) -> None:
     """End every run at once (each gets its grace in parallel: `docker stop` waits 10 s)."""
+    for run in runs:  # all of them before any is signalled
+        run.cancel()
     threads = [threading.Thread(target=run.interrupt, kwargs={"forward": forward}, daemon=True)
                for run in runs]
     for thread in threads:

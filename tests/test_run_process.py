@@ -59,3 +59,38 @@ def test_a_script_that_replaces_nondets_pipe_is_still_recorded(tmp_path: Path) -
     result = run.wait()
     assert result.unsupported == "" and run.end is not None, result
     assert (tmp_path / "own.log").read_bytes() == b""  # no frame went into the script's file
+
+
+def test_a_run_cancelled_with_nondet_ends_interrupted_though_its_twin_had_it_stopped(
+        tmp_path: Path) -> None:
+    # SIGTERM to nondet: each run is interrupted from its own thread. Run a ended first and
+    # turn-taking, seeing a step only one run had, told b to stop; b, its signal still on
+    # the way (a loaded machine), stopped at a step boundary and its capture said "stopped"
+    # (ended on purpose, complete) for a cancelled job (a flaky test_faults case in CI).
+    # Here b's thread is late on purpose and a's interrupt asks b to stop, as turns did.
+    from nondet.schedule import _interrupt_all
+    from nondet.store import open_capture
+
+    steps = str(Path(__file__).parent / "data" / "scripts" / "steps.py")
+    target = Target(steps, None, ("--steps", "400", "--sleep", "0.05"))
+    a, b = (CapturedRun(target, Plan(label, []), 0, tmp_path) for label in "ab")
+    for run in (a, b):
+        run.start()
+    deadline = time.monotonic() + 120
+    while "step 1 done" not in b.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    interrupt_a, interrupt_b = a.interrupt, b.interrupt
+
+    def a_then_turns_stop_b(forward: bool = False) -> object:
+        result = interrupt_a(forward=forward)
+        b.request_stop()
+        return result
+
+    def late_b(forward: bool = False) -> object:
+        time.sleep(3)  # a ends and b would read the stop word at its next step (0.05 s)
+        return interrupt_b(forward=forward)
+
+    a.interrupt, b.interrupt = a_then_turns_stop_b, late_b  # type: ignore[method-assign]
+    _interrupt_all([a, b], forward=True)
+    for run in (a, b):
+        assert open_capture(run.path).status == "interrupted", run.plan.label

@@ -92,6 +92,9 @@ class FakeRun(CapturedRun):
             raise TimeoutError(self.plan.label)
         return self._collect()
 
+    def cancel(self) -> None:
+        pass  # a scripted run has no signal on the way to race a stop word
+
     def interrupt(self, forward: bool = False) -> RunResult:
         if self._result_cache is not None:
             return self._result_cache

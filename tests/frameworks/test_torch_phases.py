@@ -205,3 +205,38 @@ def test_optimizer_steps_inside_the_backward_make_one_step_per_backward(
     assert hooked.n_steps == after.n_steps == 5
     for field in ("params_fp", "loss_fp"):
         assert _step_fields(hooked, field) == _step_fields(after, field), field
+
+
+FAKE_DRY_RUN = """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters())
+    if DRY_RUN:  # a memory estimate: a whole training step on fake copies, nothing computed
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+            fake_opt = torch.optim.Adam(fake.parameters())
+            fake(torch.empty(3, 4)).pow(2).mean().backward()
+            fake_opt.step()
+            model(torch.empty(3, 4))  # the real model, called on fake input
+    for i in range(3):
+        loss = model(torch.ones(3, 4) * (i + 1)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    """
+
+
+def test_a_dry_run_under_the_scripts_fake_tensors_is_not_training(tmp_path: Path) -> None:
+    """Trial (faults round 13): a ``FakeTensorMode`` dry run before training (a model-size
+    or memory estimate) was taken as training: its model call started the first step and
+    nondet read state under the fake mode, exit 3 ("DataDependentOutputException"). Its
+    calls, backward and optimizer step now pass; the real steps are those of the loop."""
+    (tmp_path / "dry").mkdir()
+    (tmp_path / "plain").mkdir()
+    dry = capture(tmp_path / "dry", FAKE_DRY_RUN.replace("DRY_RUN", "True"))
+    plain = capture(tmp_path / "plain", FAKE_DRY_RUN.replace("DRY_RUN", "False"))
+    assert dry.n_steps == plain.n_steps == 3
+    for field in ("params_fp", "grads_fp", "loss_fp"):
+        assert _step_fields(dry, field) == _step_fields(plain, field), field

@@ -66,6 +66,7 @@ from nondet.frameworks.torch.state import (
     torch_facts,
 )
 from nondet.frameworks.torch.stepstate import GroupFps, StateFingerprints
+from nondet.frameworks.torch.tensors import faking
 from nondet.records import Kind, Phase
 
 _autograd_node = torch._C._current_autograd_node
@@ -191,7 +192,7 @@ class TorchBackend(StepLifecycle):
         @functools.wraps(original_opt_init)
         def optimizer_init(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
             original_opt_init(opt, *args, **kwargs)
-            if not self.disabled:
+            if not self.disabled and not faking():
                 with self.guarded():
                     held = STEP_THREAD.foreign()
                     (self.held_optimizers if held else self.optimizers).append(weakref.ref(opt))
@@ -220,7 +221,7 @@ class TorchBackend(StepLifecycle):
 
         @functools.wraps(original_backward)
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.disabled or self.paused or cuda.capturing():
+            if self.disabled or self.paused or cuda.capturing() or faking():
                 return original_backward(tensors, *args, **kwargs)
             with self.guarded():
                 self._before_backward(tensors)
@@ -286,6 +287,8 @@ class TorchBackend(StepLifecycle):
                     setattr(self.traced_roots, f"m{id(module)}", module)
                     self.module_stack.append(-1)  # replayed, with its pop, after the graph
                 return
+            if faking():
+                return  # a dry run under the script's fake tensors (Note [The script's ...])
             if not self.module_stack and not cuda.capturing():
                 self._root_call(module)
             mid = self.module_ids.get(id(module))
@@ -299,7 +302,7 @@ class TorchBackend(StepLifecycle):
     def _module_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling() and not self._traced_root(module):
             return  # its pre-hook pushed nothing (above)
-        if self.module_stack and not self.disabled and not self.paused:
+        if self.module_stack and not self.disabled and not self.paused and not faking():
             self.module_stack.pop()
             if self.forward_in_backward_at == len(self.module_stack):
                 self.forward_in_backward_at = None
@@ -384,7 +387,7 @@ class TorchBackend(StepLifecycle):
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         loop_end.pause()
-        if self.disabled or self.paused or cuda.capturing():  # Note [CUDA graphs]
+        if self.disabled or self.paused or cuda.capturing() or faking():  # Note [CUDA graphs]
             return
         if self._in_backward():
             self.stepped_in_backward = True
@@ -399,7 +402,7 @@ class TorchBackend(StepLifecycle):
                 self.grads = self._grad_snapshot()
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.disabled or self.paused or self.explicit or cuda.capturing():
+        if self.disabled or self.paused or self.explicit or cuda.capturing() or faking():
             return
         if _inside_another_step() or self._in_backward():
             return  # the step ends when the outermost optimizer's step (or backward) returns

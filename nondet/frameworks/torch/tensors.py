@@ -46,6 +46,22 @@ _TOLIST = torch._C.TensorBase.tolist
 _NUMPY = torch._C.TensorBase.numpy
 
 
+_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def faking() -> bool:
+    """Note [The script's fake tensors]
+    A ``FakeTensorMode`` of the script's is on: a dry run for shapes or memory (a model-size
+    estimate before training), where nothing is computed and no value can be read. Its
+    module calls, backwards and optimizer steps are not training: nondet's hooks let them
+    pass, as they do a CUDA graph's capture. Taken for training, the first model call
+    started the run's first step and read state under the fake mode (exit 3, "hooks
+    failed: DataDependentOutputException"). Not asked while Dynamo traces (it fakes
+    tensors itself; the hooks check ``is_compiling`` for that first)."""
+    return not torch.compiler.is_compiling() and _dispatch_mode(_FAKE) is not None
+
+
 def item(t: torch.Tensor) -> Any:
     """``t.item()`` through torch's own method (Note [Methods the script replaces])."""
     return _ITEM(t)

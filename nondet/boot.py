@@ -30,7 +30,7 @@ from nondet import (
     loop_end,
     orphan,
     own_group,
-    pids,
+    own_os,
     pyhooks,
     readback,
     seeding,
@@ -270,7 +270,7 @@ def _rank_hello() -> dict[str, int]:
         except ValueError:
             return default
     return {"rank": number("RANK", 0), "world_size": number("WORLD_SIZE", 1),
-            "local_rank": number("LOCAL_RANK", 0), "pid": pids.getpid()}
+            "local_rank": number("LOCAL_RANK", 0), "pid": own_os.getpid()}
 
 
 def _forget_session() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import select
 import struct
 import threading
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import fdguard, own_threads, pids
+from nondet import fdguard, own_os, own_threads
 
 #: Bound at import, before the script runs: a script that replaces ``json.dumps`` (a
 #: JSON policy, a monkeypatch for its own logging) must not change, or break, what nondet
@@ -129,7 +128,7 @@ class FrameWriter:
     def __init__(self, fd: int) -> None:
         self._fd = fd
         fdguard.claim(fd)
-        self._pid = pids.getpid()
+        self._pid = own_os.getpid()
         self._buffer = bytearray()
         self._broken = False  # the reader is gone (or the descriptor closed)
         self.parent_gone = False  # the reader is gone: EPIPE (the session stops the run)
@@ -139,7 +138,7 @@ class FrameWriter:
         self._flusher = False  # its thread started
 
     def send(self, kind: bytes, payload: bytes) -> None:
-        if pids.getpid() != self._pid:
+        if own_os.getpid() != self._pid:
             return  # a forked copy (checked before the lock, which a fork may copy held)
         with self._lock:
             self._buffer += _HEADER.pack(kind, len(payload))
@@ -151,7 +150,7 @@ class FrameWriter:
         self.send(kind, _dumps(obj, default=str).encode())
 
     def flush(self) -> None:
-        if pids.getpid() != self._pid:
+        if own_os.getpid() != self._pid:
             return
         with self._lock:
             self._deadline = None
@@ -161,7 +160,7 @@ class FrameWriter:
         """Leave the buffer for a later ``flush``, but have it written within ``seconds``
         whatever the script does meanwhile (it may sleep or evaluate for minutes after its
         last step: the parent must see that step)."""
-        if pids.getpid() != self._pid:
+        if own_os.getpid() != self._pid:
             return
         with self._lock:
             if self._deadline is None:
@@ -209,7 +208,7 @@ class FrameWriter:
                     self._broken = True  # closed or replaced, and not reopened: never write
                     break
                 try:
-                    view = view[os.write(fd, view):]
+                    view = view[own_os.write(fd, view):]
                 except OSError as exc:
                     if exc.errno != errno.EBADF or retries == 0:
                         raise
@@ -224,7 +223,7 @@ class FrameWriter:
 
     def close(self) -> None:
         """Flush and close the descriptor (a run that ends; tests that play one)."""
-        if pids.getpid() != self._pid:
+        if own_os.getpid() != self._pid:
             return
         with self._lock:
             self._deadline = None
@@ -278,7 +277,7 @@ def connect(path: str, hello: dict[str, Any], timeout: float = 60.0) -> tuple[in
     payload = _dumps(hello).encode()
     sock.sendall(_HEADER.pack(HELLO, len(payload)) + payload)
     data_fd = sock.detach()
-    return data_fd, os.dup(data_fd)
+    return data_fd, own_os.dup(data_fd)
 
 
 def stop_requested(fd: int) -> bool:
@@ -287,13 +286,13 @@ def stop_requested(fd: int) -> bool:
     if fd < 0:
         return False  # the script closed or replaced the pipe: never read its file
     try:
-        ready, _, _ = select.select([fd], [], [], 0)
+        ready, _, _ = own_os.select([fd], [], [], 0)
     except (OSError, ValueError):
         return False
     if not ready:
         return False
     try:
-        data = os.read(fd, 256)
+        data = own_os.read(fd, 256)
     except OSError:
         return False
     return STOP in data or not data
@@ -329,12 +328,12 @@ def wait_for_grant(fd: int, on_dump: Callable[[int, int], None],
             # a bounded wait even without a deadline: the script may close the pipe (from
             # C) while we wait, and the next turn reads it where it was reopened
             wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
-            ready, _, _ = select.select([fd], [], [], wait)
+            ready, _, _ = own_os.select([fd], [], [], wait)
             if not ready:
                 if deadline is not None and time.monotonic() >= deadline:
                     return FREE, 0
                 continue
-            data = os.read(fd, 256)
+            data = own_os.read(fd, 256)
         except (OSError, ValueError):
             return FREE, 0
         if not data:

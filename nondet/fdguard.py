@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from nondet import own_threads, pids
+from nondet import own_os, own_threads
 
 # The script may close every inherited descriptor (``os.closerange(3, ...)``, daemon code) or
 # ``dup2`` over ours, and then open files of its own that get the same numbers. Writing a
@@ -93,19 +93,19 @@ def _reopen(fd: int, claimed: tuple[int, int]) -> int:
     try:
         # O_NONBLOCK: opening a pipe's end waits for its other end; nondet's parent holds
         # it while it listens, and if it is gone there is nobody to talk to
-        number = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
+        number = own_os.open_fd(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return -1
     if _identity(number) != claimed:  # not our pipe (nondet's pid reused?): leave it
         _real(os.close)(number)
         return -1
-    os.set_blocking(number, True)
+    own_os.set_blocking(number, True)
     return number
 
 
 def _identity(fd: int) -> tuple[int, int] | None:
     try:
-        stat = os.fstat(fd)
+        stat = own_os.fstat(fd)
     except (OSError, ValueError):
         return None
     return stat.st_dev, stat.st_ino
@@ -123,10 +123,10 @@ def watch(fds: Iterable[int], interval: float = WATCH_SECONDS) -> None:
     watched = [fd for fd in fds if fd in _REOPEN]
     if not watched:
         return
-    pid = pids.getpid()
+    pid = own_os.getpid()
 
     def loop() -> None:
-        while pids.getpid() == pid:
+        while own_os.getpid() == pid:
             time.sleep(interval)
             for fd in watched:
                 if fd in _CLAIMED:
@@ -142,14 +142,14 @@ def install(fds: Iterable[int]) -> None:
     kept = frozenset(fd for fd in fds if fd >= 0)
     if not kept:
         return
-    pid = pids.getpid()
+    pid = own_os.getpid()
     real_close: Callable[[int], None] = os.close
     real_closerange: Callable[[int, int], None] = os.closerange
 
     def guarded(fd: int) -> bool:
         # still the pipe nondet was given: a number the script has dup2'ed its own file
         # onto is the script's to close
-        if pids.getpid() != pid:
+        if own_os.getpid() != pid:
             return False
         if fd in kept and ours(fd):
             return True
@@ -162,7 +162,7 @@ def install(fds: Iterable[int]) -> None:
         real_close(fd)
 
     def closerange(fd_low: int, fd_high: int) -> None:
-        if pids.getpid() != pid:
+        if own_os.getpid() != pid:
             real_closerange(fd_low, fd_high)
             return
         start = fd_low

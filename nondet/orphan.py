@@ -17,7 +17,7 @@ import os
 import signal
 import time
 
-from nondet import own_group, own_threads, pids
+from nondet import own_group, own_os, own_threads
 
 CHECK_SECONDS = 1.0
 
@@ -25,12 +25,12 @@ CHECK_SECONDS = 1.0
 def watch(interval: float = CHECK_SECONDS) -> None:
     """Start the check in this process (a forked copy has no such thread: its parent is
     the run, whose end it follows as its own script would have it)."""
-    parent, root, group = pids.getppid(), pids.getpid(), os.getpgrp()
+    parent, root, group = own_os.getppid(), own_os.getpid(), os.getpgrp()
 
     def loop() -> None:
-        while pids.getpid() == root:
+        while own_os.getpid() == root:
             time.sleep(interval)
-            if pids.getppid() != parent:
+            if own_os.getppid() != parent:
                 for pid in [p for p in own_group.run_processes(root, group) if p != root]:
                     try:
                         os.kill(pid, signal.SIGKILL)

@@ -1,7 +1,7 @@
 """Child side: a script that signals its own process group signals its own run.
 
 Cleanup code ends every process it started with one call: ``os.killpg(0, SIGTERM)``,
-``os.killpg(os.getpgid(pids.getpid()), SIGKILL)``, ``os.kill(0, sig)``. Run with ``python``
+``os.killpg(os.getpgid(own_os.getpid()), SIGKILL)``, ``os.kill(0, sig)``. Run with ``python``
 from a terminal, that group is the script and its workers. A run of nondet shares nondet's
 process group (so that Ctrl-C and a closing terminal reach the runs as they reach a plain
 script), and the same call reached nondet and the other run: nondet said "terminated
@@ -20,16 +20,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from nondet import pids, procstat
+from nondet import own_os, procstat
 
 
 def install() -> None:
     """Wrap ``os.killpg`` and ``os.kill`` in this run (its forked processes keep them).
     Only where the run shares its parent's process group: a single run under nondet, not a
     torchrun rank (its agent gives each worker a session of its own)."""
-    root, group = pids.getpid(), os.getpgrp()
+    root, group = own_os.getpid(), os.getpgrp()
     try:
-        if os.getpgid(pids.getppid()) != group:
+        if os.getpgid(own_os.getppid()) != group:
             return
     except OSError:
         return
@@ -55,7 +55,7 @@ def install() -> None:
 
 
 def _signal_run(root: int, group: int, sig: int, kill: Callable[[int, int], None]) -> None:
-    me = pids.getpid()
+    me = own_os.getpid()
     members = [pid for pid in run_processes(root, group) if pid != me]
     for pid in members:
         try:

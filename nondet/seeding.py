@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from nondet import channel, clock, pids, worker_seeds
+from nondet import channel, clock, own_os, worker_seeds
 from nondet import session as session_module
 from nondet.frameworks.base import Session
 
@@ -132,7 +132,7 @@ class SeedLog:
         # seed once per sample: the walk stays a few dict lookups)
         self.disabled = False
         self._pins = 0  # seeding calls pinned so far (see PINNED)
-        self._pid = pids.getpid()  # another pid with no session: a forked worker
+        self._pid = own_os.getpid()  # another pid with no session: a forked worker
         #: unseeded generators' sites by fact (pyhooks), which the workers' join
         self.unseeded_sites: dict[str, list[str]] = {}
         self._worker_unseeded: set[tuple[str, CodeType, int]] = set()  # written, per worker
@@ -199,7 +199,7 @@ class SeedLog:
             path = worker_seeds.path_for(self._session)
             key = (kind, frame.f_code, frame.f_lineno)
             if (self.disabled or not path or session_module.current() is not None
-                    or pids.getpid() == self._pid or key in self._worker_unseeded
+                    or own_os.getpid() == self._pid or key in self._worker_unseeded
                     or not self.is_users(frame)):
                 return
             self._worker_unseeded.add(key)
@@ -216,7 +216,7 @@ class SeedLog:
             # Another session (a recorded child's) or none: a forked child, whose frames
             # must not go down our pipe; a worker's call goes to the run's file instead.
             path = worker_seeds.path_for(self._session)
-            if current is None and path and pids.getpid() != self._pid:
+            if current is None and path and own_os.getpid() != self._pid:
                 package = _package(frame)
                 if package not in FRAMEWORK_PACKAGES:
                     worker_seeds.note(self, path, api, value, frame, _safe_text(value),

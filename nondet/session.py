@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from nondet import channel, fdguard, pids
+from nondet import channel, fdguard, own_os
 from nondet.frameworks.base import Backend, StopRun
 from nondet.records import (
     COMM_DTYPE,
@@ -114,7 +114,7 @@ class Session:
         self.backends: list[Backend] = []  # installed framework backends (see frameworks/)
         self.sources = SourceLocator(self)
         self.final: dict[str, Any] = {}  # final loss and weights digest, sent with END
-        self.pid = pids.getpid()
+        self.pid = own_os.getpid()
         self._free = False  # lockstep released: no more waiting at boundaries
         # STOP was read (by any thread): a script that still ends "complete" (the StopRun
         # ended a training thread, not the main one) must not wait for a second word

@@ -109,3 +109,28 @@ def test_hdf5_driver_in_the_environment_is_the_scripts_not_nondets(tmp_path: Pat
     assert [c.name for c in captures] == ["run-a.h5", "run-b.h5"], captures
     again = run_cli("diff", *map(str, captures), cwd=tmp_path, timeout=120, env=env)
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_a_script_that_replaces_the_os_functions_nondet_uses_is_still_recorded(
+        tmp_path: Path) -> None:
+    """Faults round 13: a sandbox's ``os.fstat`` refusing descriptors above 2 made nondet's
+    pipe guard lose the run's pipe: "no training step was observed", the script blamed; with
+    ``os.fstat = None`` the run failed inside nondet's code. nondet's run code now calls the
+    functions ``os`` and ``select`` had before the script ran."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, select\n"
+        "real_fstat = os.fstat\n"
+        "def sandboxed(fd, *args, **kwargs):\n"
+        "    if isinstance(fd, int) and fd > 2:\n"
+        "        raise OSError(9, 'sandboxed fstat')\n"
+        "    return real_fstat(fd, *args, **kwargs)\n"
+        "def refused(*args, **kwargs):\n"
+        "    raise OSError(1, 'refused by the sandbox')\n"
+        "os.fstat = sandboxed\n"
+        "os.write = lambda fd, data: len(data)  # swallowed\n"
+        "os.read = os.dup = select.select = refused\n"
+        + tiny_training(steps=3))
+    result = run_cli("run", "--no-verify", str(script), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "deterministic — 2 runs (3, 3 steps)" in result.stdout, result.stdout

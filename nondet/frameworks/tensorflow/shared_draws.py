@@ -27,7 +27,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from nondet import pids
+from nondet import own_os
 
 #: Capture note key (``capture_note.<key>``).
 NOTE_KEY = "keras_pydataset_shared_draws"
@@ -48,7 +48,7 @@ class SharedDraws:
 
     def __init__(self) -> None:
         self._page: mmap.mmap | None = None  # made by ``arm``, before a pool forks
-        self._parent = pids.getpid()
+        self._parent = own_os.getpid()
         # odd while the dataset's own on_epoch_begin/on_epoch_end run (in the main thread,
         # while worker threads may still call __getitem__): a generator they move is
         # not __getitem__'s draw, so a call that overlaps one counts for nothing
@@ -94,7 +94,7 @@ class SharedDraws:
         # while the main thread may still be inside on_epoch_begin, so a worker's copy of
         # ``epoch_hooks`` can be odd for good; its generators are its own copies, which
         # the parent's hooks never move.
-        return pids.getpid() != self._parent
+        return own_os.getpid() != self._parent
 
     def seen(self) -> str | None:
         """What a call moved ("self.rng", "NumPy's global generator"), if any did."""

@@ -202,13 +202,16 @@ def _children_of(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_sigterm_stops_the_runs_and_exits_143(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
+def test_sigterm_stops_the_runs_and_exits_143(tmp_path: Path, signum: int) -> None:
+    # SIGUSR1: Slurm's warning before a time limit (``--signal=USR1@60``); its default
+    # action ended nondet at once, exit 138 without a word (faults round 13)
     proc = subprocess.Popen([sys.executable, "-m", "nondet", "run", "-q", STEPS, "--steps",
                              "400", "--sleep", "0.05"], cwd=tmp_path,
                             env={**os.environ, "NO_COLOR": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _terminate_and_check(proc, tmp_path)
+        _terminate_and_check(proc, tmp_path, signum)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # a failed test leaves nothing behind
@@ -217,7 +220,8 @@ def test_sigterm_stops_the_runs_and_exits_143(tmp_path: Path) -> None:
         proc.communicate()
 
 
-def _terminate_and_check(proc: subprocess.Popen[str], tmp_path: Path) -> None:
+def _terminate_and_check(proc: subprocess.Popen[str], tmp_path: Path,
+                         signum: int = signal.SIGTERM) -> None:
     deadline = time.monotonic() + BOUND
     while time.monotonic() < deadline:
         time.sleep(0.2)
@@ -226,11 +230,11 @@ def _terminate_and_check(proc: subprocess.Popen[str], tmp_path: Path) -> None:
             break
     children = _children_of(proc.pid)
     assert proc.poll() is None and children, "the run ended before it could be terminated"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "terminated" in lines[0], stderr
+    assert len(lines) == 1 and f"terminated ({signal.Signals(signum).name})" in lines[0], stderr
     assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
     for label in "ab":
         capture = open_capture(_captured(tmp_path / ".nondet", f"run-{label}.h5"))

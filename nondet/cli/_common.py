@@ -159,14 +159,16 @@ def _internal_error(err: Console, exc: BaseException) -> NoReturn:
 
 #: Signals that end nondet as SIGTERM does. SIGHUP (a closed terminal or ssh session, ``kill
 #: -HUP``) killed nondet at once: its runs went on training as orphans and the captures were
-#: left open for writing, unreadable ("file is already open for write").
-TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+#: left open for writing, unreadable ("file is already open for write"). SIGUSR1 and SIGUSR2
+#: (Slurm's ``--signal=USR1@60`` before a job's time limit, ``scancel --signal``) ended nondet
+#: silently with exit 138 or 140: their default action too is to end the process.
+TERMINATING = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _terminate_on_sigterm() -> None:
-    """SIGTERM (CI cancel, `timeout`, `docker stop`) or SIGHUP ends nondet as Ctrl-C does:
-    the runs are interrupted and their captures closed (errors.Terminated), then exit 143
-    (the contract's one code for "terminated", whichever of the two it was)."""
+    """SIGTERM (CI cancel, `timeout`, `docker stop`), SIGHUP, SIGUSR1 or SIGUSR2 ends nondet
+    as Ctrl-C does: the runs are interrupted and their captures closed (errors.Terminated),
+    then exit 143 (the contract's one code for "terminated", whichever signal it was)."""
 
     def handler(signum: int, frame: object) -> None:
         for sig in TERMINATING:  # once: let the clean-up finish
@@ -176,7 +178,11 @@ def _terminate_on_sigterm() -> None:
 
     try:
         for sig in TERMINATING:
-            if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup nondet ...` stays so
+            current = signal.getsignal(sig)
+            if current is signal.SIG_DFL or (sig in (signal.SIGTERM, signal.SIGHUP)
+                                             and current is not signal.SIG_IGN):
+                # (`nohup nondet ...` keeps SIGHUP ignored; a handler someone set for
+                # SIGUSR1, faulthandler's, stays theirs)
                 signal.signal(sig, handler)
     except ValueError:
         pass  # not the main thread (nondet used as a library): leave signals alone

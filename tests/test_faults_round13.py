@@ -134,3 +134,16 @@ def test_a_script_that_replaces_the_os_functions_nondet_uses_is_still_recorded(
     result = run_cli("run", "--no-verify", str(script), cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "deterministic — 2 runs (3, 3 steps)" in result.stdout, result.stdout
+
+
+def test_an_empty_module_name_or_a_script_from_stdin_is_a_usage_error(tmp_path: Path) -> None:
+    """Faults round 13: ``nondet run -m '' base.py`` ran base.py; ``nondet run -`` said
+    "no such option: -" (python reads the script from stdin there)."""
+    script = tmp_path / "base.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    for args, said in ((("-m", "", str(script)), "-m needs a module name"),
+                       (("-",), "cannot read the script from standard input")):
+        for command in ("run", "check"):
+            result = run_cli(command, *args, cwd=tmp_path, timeout=60)
+            assert result.returncode == 2 and said in result.stderr, (command, result.stderr)
+            assert not (tmp_path / ".nondet").exists()  # refused before anything ran

@@ -211,6 +211,12 @@ def make_target(module: str | None, script_and_args: tuple[str, ...],
         target = launchline.parse_launch_line(script_and_args, module)
         return make_target(target.module, (*([target.script] if target.script else []),
                                            *target.args), launcher=target.launcher)
+    if module is not None and not module.strip():
+        # (an empty -m fell through to the next argument: `-m '' x.py` ran x.py)
+        raise click.UsageError("-m needs a module name, as `python -m package.module` does")
+    if module is None and script_and_args[:1] == ("-",):
+        raise click.UsageError("nondet cannot read the script from standard input (`python -`): "
+                               "it runs the script twice; save it to a file and name that")
     _refuse_unknown_option(module, script_and_args)
     if module:
         target = Target(script=None, module=module, args=tuple(script_and_args))

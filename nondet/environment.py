@@ -10,6 +10,7 @@ import platform
 from typing import Any
 
 from nondet import __version__
+from nondet.printable import LINE_MAX, clip
 
 #: Environment variables that change numerical results or their repeatability.
 DETERMINISM_VARIABLES = (
@@ -90,14 +91,17 @@ def cpu_model() -> str:
 
 
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, str]]:
-    """Keys whose values differ, in a stable order (missing values shown as "(absent)")."""
+    """Keys whose values differ, in a stable order (missing values shown as "(absent)").
+    Values are cut to a line's length: a capture's 5 MB value (crafted, or a variable that
+    holds a file) was printed whole, in the report's row and in ``check``'s drift error."""
     out = []
     for key in sorted(set(a) | set(b)):
         if key in INFORMATIONAL:
             continue
         va, vb = a.get(key, "(absent)"), b.get(key, "(absent)")
         if str(va) != str(vb):
-            out.append({"key": key, "a": str(va), "b": str(vb)})
+            out.append({"key": clip(key), "a": clip(str(va), LINE_MAX),
+                        "b": clip(str(vb), LINE_MAX)})
     return out
 
 

@@ -280,6 +280,34 @@ def test_pristine_pair_is_deterministic(pristine: Path, tmp_path: Path) -> None:
     assert _nondet("show", "--ops", "0", str(pristine), cwd=tmp_path).code == 0
 
 
+@pytest.mark.parametrize("numbers", [[-1, 0, 0, 0], [2, 1, 0, -1]], ids=["twice", "reversed"])
+def test_steps_numbered_twice_or_out_of_order_are_refused(
+        numbers: list[int], pristine: Path, tmp_path: Path) -> None:
+    """Faults round 13: every /steps row numbered 0, or the rows reversed, got a verdict
+    ("step 0, forward: runs diverge"); a run sends each step once, in order."""
+    ops = OpStream()
+    ops.add(0, "aten.mm.default", 30, 10, source="train.py:4")
+    steps = step_rows(*({"step": s, "loss": 1.0, "params_fp": 100} for s in numbers))
+    path = write_capture(tmp_path / "crafted.h5", steps, ops)
+    outcome = _nondet("diff", str(pristine), str(path), cwd=tmp_path)
+    _check(outcome, "crafted steps")
+    assert outcome.code == 2 and "step numbers are not increasing" in outcome.stderr, outcome
+
+
+def test_a_huge_environment_value_is_shown_cut(pristine: Path, tmp_path: Path) -> None:
+    """Faults round 13: a capture's 5 MB /env value was printed whole (one `env diff` row;
+    ``check``'s drift error was a 5 MB line)."""
+    ops = OpStream()
+    ops.add(0, "aten.mm.default", 30, 10, source="train.py:4")
+    steps = step_rows(*({"step": s, "loss": 1.0, "params_fp": 100} for s in (-1, 0)))
+    path = write_capture(tmp_path / "crafted.h5", steps, ops,
+                         env={"cpu_model": "9" * 5_000_000, "env.OMP_NUM_THREADS": "2"})
+    outcome = _nondet("diff", str(pristine), str(path), cwd=tmp_path)
+    _check(outcome, "huge env value")
+    row = next(line for line in outcome.stdout.splitlines() if "cpu_model" in line)
+    assert "999" in row and len(row) < 1000 and len(outcome.stdout) < 20_000, len(row)
+
+
 @pytest.mark.parametrize("special", ["fifo", "directory", "dev_zero", "socket", "symlink_fifo"])
 def test_special_files_are_refused_at_once(special: str, pristine: Path, tmp_path: Path) -> None:
     path = tmp_path / "capture.h5"

@@ -200,6 +200,10 @@ def check_index(index: np.ndarray, steps: np.ndarray, n_ops: int) -> None:
         raise Damaged("/op_index points outside /ops")
     if (steps["step"] < -1).any() or (index["step"] < -1).any():
         raise Damaged("a step number is below -1")
+    if (np.diff(steps["step"]) <= 0).any():
+        # a run sends its steps once each, in order (from -1, before training): rows
+        # numbered twice or out of order were compared by number and got a verdict
+        raise Damaged("/steps: its step numbers are not increasing")
     if len(index):
         _, which = np.unique(index["step"], return_inverse=True)
         per_step = np.bincount(which, weights=count.astype(np.float64))

@@ -406,6 +406,7 @@ def finding_facts(div: Divergence, capture: Capture,
     facts["entry.reads_clock"] = bool(
         div.kind == "entry" and div.source and _READS_CLOCK.search(capture.source_text(div.source)))
     facts["rng_op"] = div.rng_op
+    facts["op.accumulates"] = div.accumulates  # accumulate=True (index_put_, put_)
     facts["state.changed_outside_ops"] = div.changed_outside
     facts["localized"] = div.localized  # False: only the step is known, not the op
     # the script seeds torch itself: "seed it" is no fix for a random op that drew otherwise

@@ -224,6 +224,7 @@ def localize(a: Capture, b: Capture, steps: list[int]) -> Divergence | None:
         numel=int(row["numel"]) if int(row["numel"]) >= 0 else None,
         device=device_of(flags) if int(row["kind"]) == Kind.OP else None,
         rng_op=bool(flags & Flag.RNG),
+        accumulates=bool(flags & Flag.ACCUMULATES),
     )
 
 

@@ -48,6 +48,9 @@ class Flag(IntFlag):
     INPLACE = 64  # the op mutates an input
     CUDA = 256  # first output on a CUDA device
     OTHER_DEVICE = 512  # first output on neither CPU nor CUDA (mps, xpu, ...)
+    #: called with accumulate=True (index_put_, put_): whether repeated indices are summed
+    #: or overwritten decides the fix (put_ overwriting has no deterministic kernel)
+    ACCUMULATES = 1024
 
 
 def device_of(flags: int) -> str:

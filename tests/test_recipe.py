@@ -80,6 +80,23 @@ def test_cpu_advanced_indexing_backward() -> None:
     assert first.fix == "torch.use_deterministic_algorithms(True)" and first.applies_here
 
 
+@pytest.mark.parametrize(("device", "accumulates", "first"), [
+    ("cpu", True, "PT-PUT-CPU"), ("cpu", False, "PT-PUT"), ("cuda", False, "PT-PUT"),
+    ("cuda", True, "PT-PUT-CUDA")])
+def test_put_gets_the_fix_for_how_it_was_called(device: str, accumulates: bool,
+                                                first: str) -> None:
+    """PyTorch round 16: ``put_`` overwriting repeated indices (accumulate=False) got the
+    accumulate=True recipe first (the flag, under which it raises), and PT-PUT's code line
+    turned the overwrite into a sum. How the op was called is now a recorded fact."""
+    ids = _ids(op="aten.put_.default", device=device, phase="forward",
+               **{"op.accumulates": accumulates})
+    assert ids[0] == first, ids
+    fix = recipe.suggest({"framework": "torch", "torch_version": "2.13.0", "kind": "op",
+                          "op": "aten.put_.default", "device": device,
+                          "op.accumulates": accumulates})[0].fix
+    assert ("accumulate=True" in fix) == (accumulates and device == "cuda"), fix
+
+
 def test_a_loaded_tensor_that_differs_points_at_what_wrote_the_file() -> None:
     # a checkpoint written by an unseeded subprocess stage, read with torch.load: the first
     # fix was "[PY-THIRDPARTY-RNG] cv2.setRNGSeed(...) in the DataLoader worker_init_fn"

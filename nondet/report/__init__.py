@@ -78,6 +78,7 @@ class Divergence:
     entry_kind: str | None = None
     device: str | None = None  # of the op's first output
     rng_op: bool = False
+    accumulates: bool = False  # called with accumulate=True (index_put_, put_)
     #: the state the op read was changed after every op of the step before matched (a
     #: thread drew from the generator): ``finding.entered_next_step``
     changed_outside: bool = False

@@ -585,3 +585,27 @@ def test_training_on_the_meta_device_is_recorded_without_values(tmp_path: Path) 
             opt.zero_grad(); loss = m(x).pow(2).mean(); loss.backward(); opt.step()
         """)
     assert c.n_steps == 3 and c.status == "complete"
+
+
+def test_ops_called_with_accumulate_true_are_marked(tmp_path: Path) -> None:
+    """Which put_/index_put_ fix applies depends on accumulate (PT-PUT, PT-PUT-CPU)."""
+    c = capture(tmp_path, """
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        index = torch.tensor([0, 1, 1])
+        for _ in range(2):
+            t = model(torch.ones(2, 4)).detach().reshape(-1)
+            t.put_(index, torch.ones(3))                     # line 9
+            t.put_(index, torch.ones(3), accumulate=True)    # line 10
+            t.index_put_((index,), torch.ones(3), True)      # line 11
+            loss = model(torch.ones(2, 4) * t.sum()).sum()
+            opt.zero_grad(); loss.backward(); opt.step()
+        """)
+    marked = {(name, line): bool(flags & Flag.ACCUMULATES)
+              for name, _, _, line, flags in records(c, 0) if line in ("9", "10", "11")}
+    assert marked[("aten.put_.default", "9")] is False, marked
+    assert marked[("aten.put_.default", "10")] is True, marked
+    assert any(accumulated for (name, line), accumulated in marked.items()
+               if line == "11" and "index_put" in name), marked

@@ -61,7 +61,7 @@ from nondet.frameworks.torch import comm, cuda, shared
 from nondet.frameworks.torch import tensors as safe
 from nondet.frameworks.torch.cache import OP_DONE, OP_PENDING, OP_RUNNING, FingerprintCache
 from nondet.frameworks.torch.compiled import in_region
-from nondet.frameworks.torch.optable import OpInfo, aux_tensors, op_info
+from nondet.frameworks.torch.optable import OpInfo, accumulates, aux_tensors, op_info
 from nondet.frameworks.torch.shared import tensors_in
 from nondet.frameworks.torch.steprecords import TorchHost
 from nondet.frameworks.torch.tensors import StorageState
@@ -136,6 +136,8 @@ class OpRecorder(FingerprintCache):
             return self._view(func, args, kwargs, ctx)
 
         flags = info.flags
+        if info.accumulate is not None and accumulates(info, args, kwargs):
+            flags |= Flag.ACCUMULATES
         known_source: StorageState | None = None
         if info.from_storage:
             known_source = self._source_storage(args, kwargs)

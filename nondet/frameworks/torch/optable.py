@@ -120,6 +120,8 @@ class OpInfo:
     #: can be measured from kept copies
     measured: bool = True
     partly_written: tuple[int, ...] = ()  # outputs left uninitialized (PARTLY_WRITTEN)
+    #: where its ``accumulate`` argument is (position, name), if it has one (Flag.ACCUMULATES)
+    accumulate: tuple[int, str] | None = None
 
 
 
@@ -132,8 +134,11 @@ def op_info(func: Any, name_id: int) -> OpInfo:
     base = schema.name.split("::")[-1]
     mutated_args, mutated_kwargs, over_args, over_kwargs = set(), set(), set(), set()
     positional = 0
+    accumulate = None
     for arg in schema.arguments:
         written = arg.alias_info is not None and arg.alias_info.is_write
+        if arg.name == "accumulate" and str(arg.type) == "bool":
+            accumulate = (-1 if arg.kwarg_only else positional, arg.name)
         if arg.kwarg_only:
             if written:
                 mutated_kwargs.add(arg.name)
@@ -158,5 +163,14 @@ def op_info(func: Any, name_id: int) -> OpInfo:
                   frozenset(over_args), frozenset(over_kwargs), uninit, int(flags),
                   from_storage, handle, base in MOVE_OPS, pointwise, name_code(str(func)),
                   AUX_OUTPUTS.get(base, ()), comm.is_comm(func),
-                  not (pointwise or uninit or from_storage), PARTLY_WRITTEN.get(base, ()))
+                  not (pointwise or uninit or from_storage), PARTLY_WRITTEN.get(base, ()),
+                  accumulate)
+
+
+def accumulates(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """The op was called with accumulate=True (its schema's default is False)."""
+    assert info.accumulate is not None
+    position, name = info.accumulate
+    value = args[position] if 0 <= position < len(args) else kwargs.get(name, False)
+    return value is True
 

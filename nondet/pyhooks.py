@@ -109,6 +109,9 @@ def install(session: Session) -> None:
     np.random.seed = log.wrap("np.random.seed", np_seed, seeding.first_arg)
     standin.install(np.random, "RandomState", _recording_random_state(log, note, use))
     standin.install(np.random, "SeedSequence", _noting_seed_sequence(log, note))
+    for name in _BIT_GENERATORS:
+        if isinstance(getattr(np.random, name, None), type):
+            standin.install(np.random, name, _noting_bit_generator(log, note, name))
 
     original_random_init = random.Random.__init__
 
@@ -351,6 +354,40 @@ def _noting_seed_sequence(log: seeding.SeedLog, note: Any) -> type:
             super().__init__(entropy, **kwargs)
 
     return standin.finish(SeedSequence, base)
+
+
+#: NumPy's bit generators, which a script may seed directly
+#: (``np.random.Generator(np.random.PCG64(seed))``); they make their SeedSequence in C.
+_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+
+
+def _noting_bit_generator(log: seeding.SeedLog, note: Any, name: str) -> type:
+    """``np.random.PCG64`` (and the other bit generators) recording the seed it is made
+    with, as ``SeedSequence`` does: ``Generator(PCG64(int(time.time())))`` drew different
+    numbers in each run and the value they made got the OpenCV recipe, the seed never
+    seen (trial round 16). A SeedSequence or another bit generator's state given as the
+    seed was recorded where it was made; no seed at all reads the OS: a note."""
+    import numpy as np
+
+    base = getattr(np.random, name)
+    meta = standin.metaclass_for(base)
+    given = np.random.SeedSequence  # (nondet's stand-in: an instance of the original too)
+
+    class BitGenerator(base, metaclass=meta):  # type: ignore[misc,valid-type,metaclass]
+        __slots__ = ()  # the C layout of the bit generator (standin module docstring)
+
+        def __init__(self, seed: Any = None, *args: Any, **kwargs: Any) -> None:
+            if not log.nested():
+                caller = sys._getframe(1)
+                if seed is None:
+                    note("numpy.unseeded_generator", caller)
+                elif not isinstance(seed, given):
+                    if seeding.PINNED is not None:  # as random.Random(x)
+                        (seed,), _ = log.pinned((seed,), {}, caller)
+                    log.record(f"np.random.{name}", seed, caller)
+            super().__init__(seed, *args, **kwargs)
+
+    return standin.finish(BitGenerator, base)
 
 
 def _stdlib_prefix() -> str:

@@ -17,6 +17,7 @@ code always sees the stand-in.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -43,13 +44,42 @@ def metaclass_for(base: type) -> type:
 
 
 def finish(stand_in: type, base: type) -> type:
-    """Mark ``stand_in`` (made with ``metaclass_for(base)``) and give it the original's
-    names."""
+    """Mark ``stand_in`` (made with ``metaclass_for(base)``), give it the original's names,
+    and make its instances pickle and copy as the original's (see ``_reducing_as``)."""
     setattr(stand_in, _MARK, True)
     stand_in.__module__ = base.__module__
     stand_in.__qualname__ = base.__qualname__
     stand_in.__name__ = base.__name__
+    stand_in.__reduce_ex__ = _reducing_as(stand_in, base)  # type: ignore[method-assign]
     return stand_in
+
+
+def _reducing_as(stand_in: type, base: type) -> Any:
+    """``__reduce_ex__`` that names the original class where the original's would name
+    ``type(self)``. A stand-in lives where nondet installed it (``np.random.PCG64``), but
+    pickle finds classes by their module (``numpy.random._pcg64``), which holds the
+    original: ``pickle.dumps`` and ``copy.deepcopy`` of a ``SeedSequence``, a bit generator,
+    a ``Generator`` over one or a ``torch.Generator`` raised "not the same object" in the
+    script under nondet only. The copy is an instance of the original, which answers every
+    ``isinstance`` check the stand-in does."""
+
+    original: Any = base.__reduce_ex__  # the unbound slot wrapper: (self, protocol)
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        reduced = original(self, protocol)
+        # (where the stand-in is what the module holds, ``datetime.datetime``, pickle
+        # finds it there: only the original would be "not the same object")
+        found = getattr(sys.modules.get(base.__module__), base.__qualname__, None)
+        if found is stand_in or not isinstance(reduced, tuple) or len(reduced) < 2:
+            return reduced
+        make, args, *rest = reduced
+        if make is stand_in:
+            make = base
+        if isinstance(args, tuple):
+            args = tuple(base if arg is stand_in else arg for arg in args)
+        return (make, args, *rest)
+
+    return __reduce_ex__
 
 
 #: (owner, attribute, original, stand-in) of every ``install``

@@ -70,6 +70,7 @@ def session(monkeypatch: pytest.MonkeyPatch) -> FakeSession:
     """A session whose hooks are all undone after the test (monkeypatch restores)."""
     for owner, name in ((np.random, "default_rng"), (np.random, "seed"),
                         (np.random, "RandomState"), (np.random, "SeedSequence"),
+                        *((np.random, name) for name in pyhooks._BIT_GENERATORS),
                         (random, "seed")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
     monkeypatch.setattr(random.Random, "__init__", random.Random.__init__)
@@ -700,3 +701,60 @@ def test_seed_texts_of_ordinary_seeds_are_those_earlier_captures_hold() -> None:
         f"SeedSequence:{seeding._digest(repr((5, ())).encode())}"
     assert seeding.seed_value([1, 2]) == f"ints:{seeding._digest(repr([1, 2]).encode())}"
     assert seeding.seed_value(10**5000).startswith("int:")
+
+
+def test_a_bit_generator_made_with_a_seed_is_a_seeding_call(session: FakeSession) -> None:
+    """``np.random.Generator(np.random.PCG64(int(time.time())))``: the bit generator makes
+    its SeedSequence in C, so the clock seed was never seen and the value it drew got the
+    OpenCV recipe (stop 37's PyTorch round left it). Made from a SeedSequence, the seed is
+    the sequence's own record; made with none, the OS seeds it: a note."""
+    np.random.PCG64(18)  # bit-generator-here
+    np.random.Generator(np.random.MT19937(19))  # under-a-generator
+    np.random.PCG64(np.random.SeedSequence(20))  # from-a-sequence
+    np.random.Philox()  # from-the-os
+    assert session.seeds() == [
+        ("np.random.PCG64", _line_of("bit-generator-here"), "", ["18"]),
+        ("np.random.MT19937", _line_of("under-a-generator"), "", ["19"]),
+        ("np.random.SeedSequence", _line_of("from-a-sequence"), "", ["20"]),
+    ]
+    assert session.facts.get("numpy.unseeded_generator") == [_line_of("from-the-os")]
+    assert not session.meta
+
+
+PICKLED = """
+    import copy, datetime, pickle
+    import numpy as np
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = model(torch.ones(1, 2)).sum()
+        opt.zero_grad(); loss.backward(); opt.step()
+    made = [datetime.datetime(2020, 1, 2), np.random.RandomState(1),
+            torch.Generator().manual_seed(3), np.random.SeedSequence(1), np.random.PCG64(1),
+            np.random.MT19937(2), np.random.Generator(np.random.PCG64(5))]
+    for x in made:
+        for copied in (pickle.loads(pickle.dumps(x)), copy.deepcopy(x), copy.copy(x)):
+            state = getattr(copied, "get_state", getattr(copied, "__getstate__", None))
+            print(type(x).__qualname__, isinstance(copied, type(x)), repr(state())[:60])
+"""
+
+
+def test_what_nondet_stands_in_for_pickles_and_copies_as_without_it(tmp_path: Path) -> None:
+    """A ``SeedSequence``, a bit generator, a ``Generator`` over one and a ``torch.Generator``
+    made under nondet could not be pickled or deep-copied ("it's not the same object as
+    numpy.random.bit_generator.SeedSequence"): the script failed under nondet only. The
+    classes nondet stands in for pickle as the originals."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(PICKLED))
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=120, cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    done = subprocess.run([sys.executable, "-m", "nondet", "run", "-q", "--no-verify",
+                           str(script)], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = next((tmp_path / ".nondet").glob("*/run-a.log")).read_text()
+    assert [line for line in log.splitlines() if "Warning" not in line] == \
+        plain.stdout.splitlines()

@@ -8,6 +8,7 @@ with an END message that says how the run ended.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import random
 import runpy
@@ -15,6 +16,7 @@ import signal
 import sys
 import threading
 import traceback
+from types import TracebackType
 from typing import Any
 
 from nondet import (
@@ -231,7 +233,14 @@ def _uncaught(exc: BaseException) -> str:
             tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
             or tb.tb_frame.f_globals.get("__name__") == "runpy"):
         tb = tb.tb_next
+    tb = _without_own_frames(tb)
     exc = exc.with_traceback(tb)
+    seen = {id(exc)}
+    chained = exc.__cause__ or exc.__context__
+    while chained is not None and id(chained) not in seen:  # "During handling of ..." too
+        seen.add(id(chained))
+        chained.with_traceback(_without_own_frames(chained.__traceback__))
+        chained = chained.__cause__ or chained.__context__
     text = "".join(traceback.format_exception(exc))
     hook = sys.excepthook
     if hook is not sys.__excepthook__:
@@ -246,6 +255,25 @@ def _uncaught(exc: BaseException) -> str:
     except (OSError, ValueError, AttributeError):  # closed (or None): the run still says why
         pass
     return text
+
+
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _without_own_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback without the frames of nondet's wrappers the exception passed through
+    (``torch.autograd.backward``, a Keras layer's call): the script's error showed nondet's
+    code between its own frames, read as nondet failing. The innermost frame stays, wherever
+    it is: where the exception was raised."""
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    kept = [frame for i, frame in enumerate(frames) if i == len(frames) - 1
+            or not frame.tb_frame.f_code.co_filename.startswith(_OWN_DIR)]
+    for outer, inner in itertools.pairwise(kept):
+        outer.tb_next = inner
+    return kept[0] if kept else None
 
 
 def _quiet_stop_in_threads() -> None:

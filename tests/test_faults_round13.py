@@ -147,3 +147,20 @@ def test_an_empty_module_name_or_a_script_from_stdin_is_a_usage_error(tmp_path: 
             result = run_cli(command, *args, cwd=tmp_path, timeout=60)
             assert result.returncode == 2 and said in result.stderr, (command, result.stderr)
             assert not (tmp_path / ".nondet").exists()  # refused before anything ran
+
+
+def test_a_scripts_traceback_shows_none_of_nondets_frames(tmp_path: Path) -> None:
+    """TensorFlow round 13: a script's error passing through nondet's wrappers (a Keras
+    layer's call, ``torch.autograd.backward``) showed nondet's frames between the script's
+    own, read as nondet failing. Here the common ``backward()`` on a detached loss."""
+    script = tmp_path / "train.py"
+    script.write_text(tiny_training(steps=2) + "try:\n"
+                      "    model(torch.ones(1, 8)).sum().detach().backward()\n"
+                      "except RuntimeError as exc:\n"
+                      "    raise ValueError('the loss lost its graph') from exc\n")
+    result = run_cli("run", "--no-verify", str(script), cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    log = next((tmp_path / ".nondet").glob("*/run-a.log")).read_text()
+    assert "does not require grad" in log and "the loss lost its graph" in log, log
+    assert "torch/autograd" in log  # torch's own frames stay, as plain Python shows them
+    assert "nondet" not in log.replace(str(tmp_path), ""), log

@@ -315,3 +315,27 @@ def test_tensorflow_findings_get_the_scripts_own_evidence(kind: str, facts: dict
     found = recipe.suggest({"framework": "tensorflow", "tensorflow_version": "2.21.0",
                             "kind": kind, **facts}, limit=10)
     assert found[0].recipe.id == expected, [s.recipe.id for s in found]
+
+
+@pytest.mark.parametrize("facts", [
+    {"kind": "entry", "entry_kind": "external", "op": "parameter 0.weight"},
+    {"kind": "op", "op": "aten.zeros_like.default", "phase": "optimizer",
+     "state.changed_outside_ops": True}], ids=["parameter entry", "changed outside"])
+def test_a_tensor_changed_outside_the_ops_in_a_script_with_threads_is_the_threads(
+        facts: dict[str, object]) -> None:
+    """Trial round 17: a ``threading.Thread`` shrinking a weight in place while the main
+    thread trained got PT-HOGWILD ("several processes update shared-memory parameters")
+    for a one-process script, the thread never named. Without threads: still Hogwild."""
+    assert _ids(**facts, **{"python.threads": True})[:2] == ["PY-THREAD-WORK", "PT-HOGWILD"]
+    assert _ids(**facts, **{"python.threads": False})[0] == "PT-HOGWILD"
+
+
+def test_an_op_whose_inputs_matched_in_a_script_with_threads_also_names_them() -> None:
+    """The same thread's write landing between nondet's hash of an input and the op's read:
+    a deterministic ``addmm`` got only ``set_num_threads(1)``, which did not help. The
+    op's own causes come first; the threads are among the three shown."""
+    ids = _ids(op="aten.addmm.default", device="cpu", phase="forward", explained=True,
+               **{"python.threads": True})
+    assert ids[0] == "PT-CPU-THREADS" and "PY-THREAD-WORK" in ids[:3], ids
+    assert "PY-THREAD-WORK" not in _ids(op="aten.addmm.default", device="cpu",
+                                        phase="forward", explained=True)

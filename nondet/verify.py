@@ -65,6 +65,15 @@ class Outcome:
     confirmed: int = 0  # pairs it held in, when re-checked
 
 
+
+#: Why a suggestion without an intervention was not tried, by the kind of its fix (an
+#: environment variable was called "a code change").
+_NOT_APPLIED = {
+    "code": "a code change: cannot be applied from outside",
+    "env": "an environment setting nondet has no switch for: set it and run nondet again",
+    "advice": "advice, not a change nondet can make: not tried",
+}
+
 def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
            run_pair: RunPair, stage: Callable[[str], None],
            op_steps: list[int] | None = None, finding_step: int | None = None,
@@ -88,7 +97,7 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
     for suggestion in suggestions:
         ids = suggestion.recipe.apply
         if not ids:
-            suggestion.verify_note = "a code change: cannot be applied from outside"
+            suggestion.verify_note = _NOT_APPLIED.get(suggestion.fix_kind, _NOT_APPLIED["code"])
             continue
         if winner is not None:
             continue  # not tried: an earlier fix was verified

@@ -411,3 +411,18 @@ def test_one_interop_thread_holds_against_the_scripts_own_call() -> None:
     pytest.importorskip("torch")
     assert _probe_child(_INTEROP, "torch.one_interop_thread") == ["1"]
     assert _probe_child(_INTEROP, "") == ["2"]
+
+
+def test_a_fix_nondet_cannot_apply_is_named_by_its_kind(tmp_path: Path) -> None:
+    """Trial round 17: LIB-MKL's fix is an environment variable (``MKL_CBWR=AUTO``), yet
+    its note said "a code change"; PT-HOGWILD's is advice."""
+    first = tuple(open_capture(p) for p in _pair(tmp_path, [1, 2], [1, 3]))
+
+    def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...]) -> tuple[RunResult, RunResult]:
+        raise AssertionError("nothing here can be applied from outside")
+
+    env, advice, code = verify.verify(_suggestions("LIB-MKL", "PT-HOGWILD", "PT-PUT"), first,
+                                      run_pair, lambda _text: None)[0]
+    assert env.verify_note.startswith("an environment setting nondet has no switch for")
+    assert advice.verify_note.startswith("advice, not a change nondet can make")
+    assert code.verify_note == "a code change: cannot be applied from outside"

@@ -329,13 +329,3 @@ def test_a_tensor_changed_outside_the_ops_in_a_script_with_threads_is_the_thread
     assert _ids(**facts, **{"python.threads": True})[:2] == ["PY-THREAD-WORK", "PT-HOGWILD"]
     assert _ids(**facts, **{"python.threads": False})[0] == "PT-HOGWILD"
 
-
-def test_an_op_whose_inputs_matched_in_a_script_with_threads_also_names_them() -> None:
-    """The same thread's write landing between nondet's hash of an input and the op's read:
-    a deterministic ``addmm`` got only ``set_num_threads(1)``, which did not help. The
-    op's own causes come first; the threads are among the three shown."""
-    ids = _ids(op="aten.addmm.default", device="cpu", phase="forward", explained=True,
-               **{"python.threads": True})
-    assert ids[0] == "PT-CPU-THREADS" and "PY-THREAD-WORK" in ids[:3], ids
-    assert "PY-THREAD-WORK" not in _ids(op="aten.addmm.default", device="cpu",
-                                        phase="forward", explained=True)

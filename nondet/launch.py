@@ -66,6 +66,7 @@ class CapturedRun(RunStream):
         self._stop_sent = False
         self._interrupted = False
         self._cancelled = False  # nondet itself is ending (Ctrl-C, SIGTERM): see cancel()
+        self._freed = False  # let go on its own while cancelled (request_stop)
         self._proc: subprocess.Popen[bytes] | None = None
         self._threads: list[threading.Thread] = []
         self._result_cache: RunResult | None = None
@@ -124,9 +125,16 @@ class CapturedRun(RunStream):
                              store_every=STORE_SECONDS)
 
     def request_stop(self) -> None:
-        """Ask the child to stop at its next step boundary (idempotent). Not while nondet
-        is being cancelled and the child has not ended: its signal says how it ended."""
-        if self._stop_sent or (self._cancelled and self.end is None):
+        """Ask the child to stop at its next step boundary (idempotent). While nondet is
+        being cancelled and the child has not ended, it is let go on its own instead (FREE):
+        its signal says how it ended, and one waiting for its turn (a script that finishes
+        its step on the signal) must not wait for a word that never comes."""
+        if self._stop_sent:
+            return
+        if self._cancelled and self.end is None:
+            if not self._freed:
+                self._freed = True
+                self.send_control(channel.FREE)
             return
         self._stop_sent = True
         self.send_control(channel.STOP)

@@ -87,6 +87,9 @@ class Suggestion:
     verified_with: str = ""  # the intervention id under which the runs repeated
     parts_again: int | None = None  # verified for this source; another parts them here
     verified_captures: tuple[str, ...] = ()  # the verifying pair (to localize parts_again)
+    #: the verifying pair repeated to where the runs with every fix would stop (the end of
+    #: the script): it answers ``nondet.sources``' "do the runs now repeat?" itself
+    ran_on: bool = False
 
     def to_json(self) -> dict[str, Any]:
         r = self.recipe

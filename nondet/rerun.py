@@ -49,6 +49,10 @@ class PipelineSteps:
             return pipeline._run_pair(self.target, plans, self._with(apply + ids, folder),
                              self.progress, judge=narrow.until_training_differs)
 
+        # the verifying pair runs on as far as run_on would (sources.every_source)
+        steps = self.options.budget.steps
         return verify.verify(suggestions, pair, run_fixed, self.progress.stage,
                              narrow.op_steps_of(pair[0]), finding_step,
-                             self.options.budget.pairs)
+                             self.options.budget.pairs, run_on=True,
+                             run_on_stop=(steps - 1 if steps is not None
+                                          else pipeline._first_plan(self.options)[1]))

@@ -5,8 +5,9 @@ A job can have more than one independent source of nondeterminism (data order an
 atomic-add kernel, say). Fixing the first one only moves the first difference. So once a
 fix is verified for the first finding, the pair is run again with every fix so far applied,
 for the whole script (or ``--verify-steps`` / ``--max-steps`` steps), stopping a few steps
-after they part. If they repeat, the fixes together are the combined fix, verified over
-those steps, with their step-time cost against the first pair's (the same invocation).
+after they part (the pair that verified the last fix, where it ran on that far itself:
+``verify``'s ``run_on``). If they repeat, the fixes together are the combined fix, verified
+over those steps, with their step-time cost against the first pair's (the same invocation).
 If they part, that is the next source: narrowed, measured and explained with the earlier
 fixes applied, and its suggestions verified with the earlier fixes kept applied.
 
@@ -109,6 +110,13 @@ def every_source(first: Source, pair: tuple[Capture, Capture], steps: Steps, out
         if last.fix.parts_again is not None:
             # the verifying pair already ran on with every fix and parted: localize from it
             a, b = (open_capture(p) for p in last.fix.verified_captures)
+        elif last.fix.ran_on:
+            # the verifying pair ran on with every fix and repeated: the answer, no new pair
+            a, b = (open_capture(p) for p in last.fix.verified_captures)
+            combined = _combined(sources, applied)
+            combined.verified, combined.verified_steps = True, _training_steps(a, b)
+            combined.cost_ratio = verify.ratio(_step_time_upto(a, b, first_last), base_time)
+            return sources, combined, written
         else:
             stage(f"running on with {interventions.describe(applied)}: do the runs now "
                   "repeat?")

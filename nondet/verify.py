@@ -4,7 +4,10 @@ the runs now repeat.
 For each suggestion in rank order, each intervention its recipe lists
 (``nondet.interventions``) is applied to two new runs, which record what the first two
 recorded (so step times compare like with like) and stop as soon as their step rows
-part, or after the last step the first two runs compared. The first intervention under
+part, or after the last step the first two runs compared (or, with ``run_on``, where the
+search for another source would stop its runs with every fix: the pair that verifies a
+fix then also answers whether the runs now repeat, one pair of runs fewer for a job with
+one source). The first intervention under
 which both runs repeat bitwise over those steps verifies its suggestion; verification
 stops there and that suggestion ranks first. A fix that makes the script fail did not
 help (its error line is kept), and the next is tried; one the child could not apply
@@ -36,6 +39,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from nondet import compare, interventions
+from nondet.channel import COMPLETE
 from nondet.errors import ScriptFailed
 from nondet.recipe import Suggestion
 from nondet.runspec import Plan, RunResult
@@ -63,6 +67,7 @@ class Outcome:
     moved_to: str = ""  # they parted at the finding's step, first at this later op
     unstable: str = ""  # held in the first pair, not in a later one (--verify-pairs)
     confirmed: int = 0  # pairs it held in, when re-checked
+    ran_on: bool = False  # it repeated as far as the runs with every fix would go
 
 
 
@@ -77,12 +82,19 @@ _NOT_APPLIED = {
 def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
            run_pair: RunPair, stage: Callable[[str], None],
            op_steps: list[int] | None = None, finding_step: int | None = None,
-           pairs: int = 1, upto: int | None = None) -> tuple[list[Suggestion], list[str]]:
+           pairs: int = 1, upto: int | None = None, run_on: bool = False,
+           run_on_stop: int | None = None) -> tuple[list[Suggestion], list[str]]:
     """The suggestions with ``verified``, steps and cost filled in (the verified one first),
     and the captures the verification runs wrote. With ``pairs`` > 1 a fix is verified only
     if it holds in that many pairs (``--verify-pairs``: a race may miss one pair by chance).
     ``upto``: the last step the runs with a fix go to, when the first pair went further
-    than a verification needs (a torchrun job runs to its end: ``nondet.job_fixes``)."""
+    than a verification needs (a torchrun job runs to its end: ``nondet.job_fixes``).
+
+    ``run_on``: each fix's first pair does not stop after the steps it needs but runs on
+    to ``run_on_stop`` (None: the script's end), still ending a few steps after its runs
+    part. Where the fix holds, that pair is also the one ``nondet.sources`` would run next
+    to see whether the runs now repeat with it (``Suggestion.ran_on``), a pair of runs
+    saved; where it does not, it stops as soon as the runs part, as before."""
     a, b = first
     last = _last_common_step(a.steps, b.steps)
     if last is None or compare.parted(a.steps, b.steps) is None:
@@ -111,8 +123,10 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
             if outcome is None:
                 stage(f"verifying a fix: both runs again with {interventions.describe([fix_id])}")
                 number = len(tried) + 1
+                runs_on = run_on and finding_step is not None  # parts_again needs the step
                 outcome = _try(fix_id, str(number), last, op_steps, run_pair,
-                               (finding_step, original))
+                               (finding_step, original), runs_on,
+                               None if run_on_stop is None else max(last, run_on_stop))
                 written += outcome.captures
                 for k in range(2, pairs + 1):
                     if not _holds(outcome, finding_step):
@@ -142,7 +156,8 @@ def verify(suggestions: Sequence[Suggestion], first: tuple[Capture, Capture],
                     + (f" ({'; '.join(notes)})" if notes else ""))
                 if removed:
                     suggestion.parts_again = outcome.parted_at
-                    suggestion.verified_captures = outcome.captures
+                suggestion.verified_captures = outcome.captures
+                suggestion.ran_on = outcome.ran_on
                 suggestion.cost_ratio = ratio(outcome.step_time, base_time)
                 suggestion.verified_with = fix_id
                 winner = suggestion
@@ -230,11 +245,14 @@ def _failure(outcome: Outcome) -> str:
 
 def _try(fix_id: str, number: str, last: int, op_steps: list[int] | None,
          run_pair: RunPair, finding: tuple[int | None, OpPlace | None] = (None, None),
-         ) -> Outcome:
+         runs_on: bool = False, on_to: int | None = None) -> Outcome:
     """One pair with the intervention. ``finding``: the finding's step and the op that
-    first parted the first pair there, to tell a difference that moved to a later op."""
-    plans = (Plan(f"a-fix{number}", op_steps, stop_after=last),
-             Plan(f"b-fix{number}", op_steps, stop_after=last))
+    first parted the first pair there, to tell a difference that moved to a later op.
+    ``runs_on``: the pair goes past ``last``, on to step ``on_to`` (None: the script's
+    end), unless its runs part."""
+    stop_after = on_to if runs_on else last
+    plans = (Plan(f"a-fix{number}", op_steps, stop_after=stop_after),
+             Plan(f"b-fix{number}", op_steps, stop_after=stop_after))
     try:
         ra, rb = run_pair(plans, (fix_id,))
     except ScriptFailed as exc:
@@ -255,11 +273,17 @@ def _try(fix_id: str, number: str, last: int, op_steps: list[int] | None,
         if parted.step == step and original is not None and not not_applied:
             moved = _moved(ca, cb, step, original)
     # A pair that parted at the finding's step ran no step that repeated, only op-captured
-    # ones: its step time says nothing of what the fix costs
-    cost = None if moved else step_time(ca.steps, cb.steps)
+    # ones: its step time says nothing of what the fix costs. Like with like: the steps the
+    # first pair ran (a pair that ran on has later ones, which cost less than the first).
+    cost = None if moved else step_time(ca.steps[ca.steps["step"] <= last],
+                                        cb.steps[cb.steps["step"] <= last])
+    # It ran as far as a pair run on with the fix would: the script's end, or the step asked
+    ran_on = runs_on and parted is None and not not_applied and common is not None and (
+        ra.status == rb.status == COMPLETE if on_to is None else common >= on_to)
     return Outcome(repeated and not not_applied, steps, cost,
                    captures=captures, not_applied=not_applied,
-                   parted_at=None if parted is None else parted.step, moved_to=moved)
+                   parted_at=None if parted is None else parted.step, moved_to=moved,
+                   ran_on=ran_on)
 
 
 def _name(step: int | None) -> str:

@@ -3,6 +3,7 @@ captures, with the pipeline's steps replaced by a fake that records what it was 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from nondet import recipe, sources, verify
@@ -133,6 +134,40 @@ def test_each_source_is_found_with_the_earlier_fixes_applied_and_combined(
             "steps, step time 1.20x)") in summary_line(report)
     assert [s["first_divergence"]["step"] for s in report.to_json()["sources"]] == [0, 2]
     assert report.to_json()["combined_fix"]["verified_steps"] == 6
+
+
+def test_a_verifying_pair_that_ran_to_the_end_is_the_run_with_every_fix(
+        tmp_path: Path) -> None:
+    """One source: the pair that verified its fix ran on to the script's end and repeated,
+    so it already answers "do the runs repeat with every fix?"; no pair of runs is spent
+    asking again (each such job ran 2 runs more before). A pair that stopped short of the
+    end (stopped, not complete) answers nothing, and the search runs on itself."""
+    files = _Files(tmp_path)
+    pa, pb = files.pair(SAME, [1, 102, 103, 104, 105, 106])  # parts at step 1, one source
+    pair = (open_capture(pa), open_capture(pb))
+    for status, runs_on_itself in (("complete", False), ("stopped", True)):
+        stops: list[int | None] = []
+
+        def run_pair(plans: tuple[Plan, Plan], ids: tuple[str, ...], status: str = status,
+                     stops: list[int | None] = stops) -> tuple[RunResult, RunResult]:
+            stops.append(plans[0].stop_after)
+            results = _results(*files.pair(SAME, SAME))
+            return replace(results[0], status=status), replace(results[1], status=status)
+
+        (fix, *_), _ = verify.verify(_suggestions("PT-GETITEM-CPU"), pair, run_pair,
+                                     lambda _t: None, None, 1, run_on=True)
+        assert stops == [None]  # on to the end, not stopped after the first pair's step 5
+        assert fix.verified is True and fix.ran_on is (not runs_on_itself)
+        job = _Job(files)
+        job._pair = lambda applied, wall=1.0: files.pair(  # type: ignore[method-assign]
+            SAME, SAME, wall)  # repeats with the fix
+        found, combined, more = sources.every_source(
+            sources.Source(Divergence("op", 1, "backward"), [fix]), pair, job, tmp_path,
+            sources.Budget(), lambda _t: None)
+        assert len(found) == 1 and combined is not None and combined.verified is True
+        assert combined.verified_steps == 6
+        assert bool(job.ran_on) is runs_on_itself, status
+        assert len(more) == (2 if runs_on_itself else 0)
 
 
 def test_a_source_without_a_verifiable_fix_ends_the_search_and_says_so(tmp_path: Path) -> None:

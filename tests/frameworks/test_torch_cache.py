@@ -140,3 +140,16 @@ def test_derived_fingerprints_packed_at_once_have_the_step_end_value() -> None:
             assert fp.value is not None and fp.value == expected.value, (func, scalars)
             assert expected.meta == (info.code, *safe.describe(out),
                                      *(scalar_value(s) for s in scalars))
+
+
+def test_resizing_like_another_tensor_leaves_uninitialized_memory_it_overwrites() -> None:
+    """Trial round 18: linear_operator's conjugate gradients ``resize_as_`` a fresh tensor
+    and ``copy_`` into it at once; the bytes ``resize_as_`` left differed between the runs
+    and were noted as a difference "that never reached training". ``resize_as_`` is
+    ``resize_`` to another tensor's size: its output is uninitialized memory, as
+    ``resize_``'s is."""
+    from nondet.frameworks.torch.optable import op_info
+
+    for func in (torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default):
+        info = op_info(func, 0)
+        assert info.uninit_output and 0 in info.overwritten_args, func

@@ -16,14 +16,14 @@ OVERWRITE_OPS = frozenset(
     {
         "fill_", "zero_", "copy_", "set_", "uniform_", "normal_", "random_", "bernoulli_",
         "exponential_", "geometric_", "cauchy_", "log_normal_", "_foreach_zero_",
-        "_foreach_copy_", "detach_", "resize_",
+        "_foreach_copy_", "detach_", "resize_", "resize_as_",
     }
 )
 #: Ops whose output is uninitialized memory (see Note [Uninitialized memory]).
 UNINIT_OPS = frozenset(
     {
         "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-        "empty_permuted", "resize_", "_empty_affine_quantized",
+        "empty_permuted", "resize_", "resize_as_", "_empty_affine_quantized",
         "_empty_per_channel_affine_quantized",
     }
 )

@@ -33,10 +33,13 @@ def named_state(roots: list[torch.nn.Module],
     params, buffers = _module_tensors(roots, param_names, with_buffers=True)
     _add_loose(params, live, param_names, owner_names or {})
     optim: Named = []
-    for opt in live:
-        members = {id(t) for group in opt.param_groups for t in group["params"]}
-        for name, t in params.values():
-            if id(t) not in members:
+    # Parameter by parameter, not optimizer by optimizer: pyro makes one optimizer per
+    # parameter as it first steps it, in the order of a set of tensors (their addresses),
+    # so the optimizers' order differs between runs whose state is the same (trial 18).
+    members = [{id(t) for group in opt.param_groups for t in group["params"]} for opt in live]
+    for name, t in params.values():
+        for opt, ids in zip(live, members, strict=True):
+            if id(t) not in ids:
                 continue
             state = opt.state.get(t, {})
             for key in sorted(state, key=str):

@@ -283,3 +283,53 @@ def test_optimizer_state_is_named_in_parameter_order_whatever_order_optimizers_w
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["verdict"] == "deterministic", result.stdout
+
+
+PER_PARAMETER_OPTIMIZERS = """
+    import random
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    class ClippedAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad.clamp_(-0.01, 0.01)  # in place, as pyro's ClippedAdam does
+            return super().step(closure)
+
+    optimizers = {}
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    for _ in range(4):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        params = list(model.parameters())
+        random.SystemRandom().shuffle(params)  # as pyro's set of tensors: another order
+        for p in params:
+            if p not in optimizers:  # made just before it first steps, as pyro does
+                optimizers[p] = ClippedAdam([p], lr=0.05)
+            optimizers[p].step()
+            p.grad = None
+    print(float(sum(p.detach().sum() for p in model.parameters())))
+"""
+
+
+def test_optimizers_stepped_one_after_another_in_any_order_are_one_step(
+        tmp_path: Path) -> None:
+    """Trial round 18: pyro steps one optimizer per parameter, in an order that differs
+    between runs; each optimizer step ended a step, so the runs were compared halfway
+    through the update (another parameter updated in each) and a deterministic script was
+    called nondeterministic, with 4 steps per iteration (Note [Optimizer groups])."""
+    pytest.importorskip("torch")
+    import json
+    import textwrap
+
+    from tests.conftest import run_cli
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(PER_PARAMETER_OPTIMIZERS))
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", str(script), cwd=tmp_path,
+                     timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["steps"] for r in report["runs"]] == [4, 4]  # iterations, not optimizer steps

@@ -67,6 +67,7 @@ from nondet.frameworks.torch.state import (
 )
 from nondet.frameworks.torch.stepstate import GroupFps, StateFingerprints
 from nondet.frameworks.torch.tensors import faking
+from nondet.frameworks.torch.updates import FreshGrads
 from nondet.records import Kind, Phase
 
 _autograd_node = torch._C._current_autograd_node
@@ -115,6 +116,9 @@ class TorchBackend(StepLifecycle):
         self.paused = False  # while nondet itself runs torch ops
         self.optimizer_made = False  # boundaries then come from optimizer steps
         self.update_pending = False  # hand-written update: step ends at the next forward
+        # an optimizer step left gradients for others: the step goes on (updates.py)
+        self.optimizer_pending = False
+        self.fresh = FreshGrads()
         self.backward_calls = 0  # the script's backward calls now running (nested too)
         # an optimizer stepped inside the running backward: the step ends when it returns
         # (Note [Optimizer steps inside a backward])
@@ -394,8 +398,9 @@ class TorchBackend(StepLifecycle):
             return
         self.phase = Phase.OPTIMIZER
         # the step's gradients are those the outermost optimizer got, not what a wrapper
-        # made of them for its inner one (LARS rescales them)
-        if not self.explicit and not _inside_another_step():
+        # made of them for its inner one (LARS rescales them), or the first of a group
+        # (pyro's ClippedAdam clips each gradient in place as it steps its parameter)
+        if not self.explicit and not _inside_another_step() and not self.optimizer_pending:
             with self.guarded():
                 if vars(self.traced_roots):
                     self._adopt_traced_roots()
@@ -407,6 +412,11 @@ class TorchBackend(StepLifecycle):
         if _inside_another_step() or self._in_backward():
             return  # the step ends when the outermost optimizer's step (or backward) returns
         with self.guarded():
+            live = [opt for opt in (ref() for ref in self.optimizers) if opt is not None]
+            if self.fresh.others_left(optimizer, live, len(self.optimizers)):
+                # Note [Optimizer groups] in updates.py: the update goes on
+                self.update_pending = self.optimizer_pending = True
+                return
             self.boundary()
 
     def _in_backward(self) -> bool:
@@ -424,6 +434,7 @@ class TorchBackend(StepLifecycle):
         loop_end.pause()
         if _autograd_node() is None:  # a backward of the script's own, not a nested one:
             self.forward_in_backward_at = None  # no recomputation can still be running
+            self.fresh.backward_began(self._update_params(), len(self.optimizers))
         if vars(self.traced_roots):
             self._adopt_traced_roots()
         if self.update_pending:
@@ -614,8 +625,16 @@ class TorchBackend(StepLifecycle):
 
     # -- boundaries ------------------------------------------------------------------------------
     def boundary(self) -> None:
-        self.update_pending = False
+        self.update_pending = self.optimizer_pending = False
         super().boundary()
+
+    def _update_params(self) -> list[torch.Tensor]:
+        """The parameters an update may step: the roots' and the optimizers'."""
+        params = {id(p): p for root in self.roots for p in root.parameters()}
+        for opt in (ref() for ref in self.optimizers):
+            if opt is not None:
+                params.update((id(p), p) for group in opt.param_groups for p in group["params"])
+        return list(params.values())
 
     def _end_pending_step(self) -> None:
         if self.update_pending:  # a hand-written update that no later forward closed

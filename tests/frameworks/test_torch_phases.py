@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -243,6 +244,22 @@ def test_a_dry_run_under_the_scripts_fake_tensors_is_not_training(tmp_path: Path
 
 
 
+def _deterministic_run(tmp_path: Path, source: str) -> dict[str, Any]:
+    """The JSON report of ``nondet run`` on ``source``, once it said "deterministic"."""
+    import json
+    import textwrap
+
+    from tests.conftest import run_cli
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(source))
+    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", str(script), cwd=tmp_path,
+                     timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report: dict[str, Any] = json.loads((tmp_path / "r.json").read_text())
+    return report
+
+
 OPTIMIZERS_MADE_IN_ANY_ORDER = """
     import random
     import torch
@@ -270,19 +287,8 @@ def test_optimizer_state_is_named_in_parameter_order_whatever_order_optimizers_w
     """Trial round 18: pyro makes one optimizer per parameter as it first steps it, in the
     order of a set of tensors (their addresses), so the optimizers' order differed between
     the runs and so did the optimizer state's fingerprint, values the same (a false alarm)."""
-    pytest.importorskip("torch")
-    import json
-    import textwrap
-
-    from tests.conftest import run_cli
-
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(OPTIMIZERS_MADE_IN_ANY_ORDER))
-    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", str(script), cwd=tmp_path,
-                     timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert report["verdict"] == "deterministic", result.stdout
+    report = _deterministic_run(tmp_path, OPTIMIZERS_MADE_IN_ANY_ORDER)
+    assert report["verdict"] == "deterministic"
 
 
 PER_PARAMETER_OPTIMIZERS = """
@@ -320,16 +326,5 @@ def test_optimizers_stepped_one_after_another_in_any_order_are_one_step(
     between runs; each optimizer step ended a step, so the runs were compared halfway
     through the update (another parameter updated in each) and a deterministic script was
     called nondeterministic, with 4 steps per iteration (Note [Optimizer groups])."""
-    pytest.importorskip("torch")
-    import json
-    import textwrap
-
-    from tests.conftest import run_cli
-
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(PER_PARAMETER_OPTIMIZERS))
-    result = run_cli("run", "-q", "--no-verify", "--json", "r.json", str(script), cwd=tmp_path,
-                     timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "r.json").read_text())
+    report = _deterministic_run(tmp_path, PER_PARAMETER_OPTIMIZERS)
     assert [r["steps"] for r in report["runs"]] == [4, 4]  # iterations, not optimizer steps

@@ -85,6 +85,23 @@ def test_deterministic_script_exits_0_with_identical_runs(tmp_path: Path) -> Non
     assert report["runs"][0]["final_params_fp"] == report["runs"][1]["final_params_fp"]
 
 
+def test_an_output_option_after_the_script_is_named_as_the_scripts(tmp_path: Path) -> None:
+    """Trial round 18: `nondet run train.py --json r.json` passed --json to a script that
+    ignores arguments it does not know: no report, and no word why."""
+    from tests.conftest import tiny_training
+
+    script = tmp_path / "train.py"
+    script.write_text(tiny_training(2))
+    result = run_cli("run", "-q", "--no-verify", str(script), "--json", "r.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert ("nondet: note: --json after the script is the script's argument; for nondet's "
+            "report, put --json before the script") in result.stderr
+    assert not (tmp_path / "r.json").exists()  # the script's argument, as before
+    given = run_cli("run", "-q", "--no-verify", "--json", "own.json", str(script), "--json",
+                    "r.json", cwd=tmp_path)
+    assert given.returncode == 0 and "note: --json" not in given.stderr, given.stderr
+
+
 def test_module_form_runs_like_python_dash_m(tmp_path: Path) -> None:
     package = tmp_path / "pkg"
     package.mkdir()

@@ -51,6 +51,7 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
     started = time.monotonic()
     try:
         target = make_target(module, script_and_args)
+        _note_own_options_after_script(app, target.args, json_path, html_path)
         check_output_file(json_path, "--json")
         check_html_file(html_path)
         check_distinct({"--json": json_path, "--html": html_path})
@@ -73,3 +74,15 @@ def run(app: App, *, module: str | None, seed: int, out_dir: Path, json_path: Pa
         write_output("--json", json_path, lambda: json_file.write(report, json_path))
     write_html(html_path, report, source_root(target))
     return int(report.exit_code)
+
+
+def _note_own_options_after_script(app: App, args: tuple[str, ...], json_path: Path | None,
+                                   html_path: Path | None) -> None:
+    """``nondet run train.py --json r.json`` hands ``--json`` to the script, as ``python``
+    would; a script that ignores arguments it does not know then leaves no report and no
+    word (trial round 18). One line says so, where nondet's own option was not given."""
+    for option, given in (("--json", json_path), ("--html", html_path)):
+        if given is None and any(a == option or a.startswith(option + "=") for a in args):
+            app.err.print(f"nondet: note: {option} after the script is the script's argument; "
+                          f"for nondet's report, put {option} before the script",
+                          highlight=False, markup=False)

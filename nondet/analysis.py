@@ -415,6 +415,7 @@ def finding_facts(div: Divergence, capture: Capture,
     # Keras ran several steps per traced call: their op records are the first step's
     facts["tf.steps_per_execution"] = bool(capture.facts.get("capture_note.steps_per_execution"))
     facts["child_process"] = bool(div.process)  # found in a process the script started
+    facts["seed.in_loader_worker"] = seed_diff.in_loader_worker(capture, div)
     for key, value in capture.env.items():
         if key.endswith("_version"):
             facts[key] = value

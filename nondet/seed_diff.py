@@ -115,7 +115,9 @@ def seed_divergence(a: Capture, b: Capture, div: Divergence | None) -> Divergenc
         notes.append(f"the seed was read from the clock at {site}"
                      + (f" ({text})" if text else "")
                      + f": both runs' seeds equal that line's reading of the wall clock "
-                     f"(in {unit}); take the seed from a constant or the command line there")
+                     f"(in {unit}); take the seed from "
+                     + ("torch.initial_seed() there (each worker's own, repeating)"
+                        if _in_loader_worker(a, diff) else "a constant or the command line there"))
     if diff.library:
         notes.append(f"the call is made by {diff.library}, called from {diff.site or '?'}")
     if _in_worker(a, diff):
@@ -144,6 +146,19 @@ def _site_facts(capture: Capture, diff: SeedDifference) -> list[dict[str, Any]]:
 def _in_worker(capture: Capture, diff: SeedDifference) -> bool:
     """``diff``'s calls were made in forked worker processes (``worker_seeds``)."""
     return any(value.get("worker") is True for value in _site_facts(capture, diff))
+
+
+def _in_loader_worker(capture: Capture, diff: SeedDifference) -> bool:
+    return any(value.get("loader_worker") is True for value in _site_facts(capture, diff))
+
+
+def in_loader_worker(capture: Capture, div: Divergence) -> bool:
+    """A seed finding whose call ran in torch DataLoader workers (``worker_seeds``): the
+    fix is the worker's own seed, not a constant every worker would share."""
+    return div.kind == "seed" and any(
+        value.get("loader_worker") is True for key, value in capture.facts.items()
+        if key.startswith(SEED_FACT_PREFIX) and isinstance(value, dict)
+        and value.get("api") == div.op and (value.get("site") or None) == div.source)
 
 
 def clock_origin(capture: Capture, diff: SeedDifference) -> tuple[str, str] | None:

@@ -312,12 +312,15 @@ class SeedLog:
         return value
 
     def next_pin(self, frame: FrameType, seed: Any = None) -> int | None:
-        """The next pinned seed for a call from ``frame`` in place of ``seed`` (``PINNED``
-        plus the call number), None for calls that are not recorded (``call_site``) or
-        without the pin_seeds fix."""
+        """The next pinned seed for a call from ``frame`` in place of ``seed`` (``PINNED``,
+        in a DataLoader worker the worker's own seed, plus the call number), None for calls
+        that are not recorded (``call_site``) or without the pin_seeds fix."""
         if PINNED is None or self.call_site(frame, seed) is None:
             return None
-        value = (PINNED + self._pins) % 2**31
+        # a DataLoader worker seeds from the seed torch gave it, as the fix says: one pinned
+        # constant would give every worker the same stream (DATA-PT-WORKER-SEED-VARIES)
+        worker = worker_seeds.loader_worker_seed() if own_os.getpid() != self._pid else None
+        value = ((PINNED if worker is None else worker) + self._pins) % 2**31
         self._pins += 1
         return value
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -82,7 +83,8 @@ def note(log: SeedLog, path: str, api: str, value: Any, frame: FrameType,
                   "library": "" if own else log.library_frame(frame, package),
                   "package": "" if own else package,
                   "step": int(log.step()), "value": seed_text,
-                  "clock": list(origin) if origin is not None else None}
+                  "clock": list(origin) if origin is not None else None,
+                  "loader": loader_worker_seed() is not None}
         data = (_dumps(record) + "\n").encode("utf-8", "surrogatepass")
         if len(data) > _MAX_LINE:
             return
@@ -93,6 +95,20 @@ def note(log: SeedLog, path: str, api: str, value: Any, frame: FrameType,
             os.close(fd)
     except Exception:
         pass
+
+
+def loader_worker_seed() -> int | None:
+    """In a torch DataLoader worker, the seed torch gave it: ``base_seed + worker_id``, with
+    ``base_seed`` drawn from the run's seeded torch RNG (or the loader's ``generator=``), so
+    it differs between workers and repeats between runs (what ``torch.initial_seed()``
+    returns there). None elsewhere, a Pool worker included. Never raises."""
+    data = sys.modules.get("torch.utils.data")  # never imported here: a torch run has it
+    get_worker_info = getattr(data, "get_worker_info", None)
+    try:
+        info = get_worker_info() if get_worker_info is not None else None
+        return None if info is None else int(info.seed)
+    except Exception:
+        return None
 
 
 #: Lines that name where a worker made an unseeded generator (``api``: the pyhooks fact)
@@ -124,17 +140,19 @@ def collect(session: Session, first_seq: int, prefix: str) -> dict[str, Any]:
                 made.append(session.string(sid))
             continue
         key = (record["api"], session.string(sid), record["library"], record["package"])
-        sites.setdefault(key, []).append((record["step"], record["value"], record["clock"]))
+        sites.setdefault(key, []).append((record["step"], record["value"], record["clock"],
+                                          record.get("loader") is True))
     facts: dict[str, Any] = dict(unseeded)
     seq = first_seq
     for n, ((api, site, library, package), calls) in enumerate(sorted(sites.items())):
         calls.sort(key=lambda c: (c[0], c[1]))
         rows = []
-        for step, value, _ in calls:
+        for step, value, _, _ in calls:
             seq += 1
             rows.append([seq, step, value])
         data: dict[str, Any] = {"api": api, "site": site, "library": library,
-                                "package": package, "calls": rows, "worker": True}
+                                "package": package, "calls": rows, "worker": True,
+                                "loader_worker": all(c[3] for c in calls)}
         origins = {tuple(c[2]) for c in calls if c[2] is not None}
         if len(origins) == 1 and all(c[2] is not None for c in calls):
             filename, line, how = next(iter(origins))

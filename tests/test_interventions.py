@@ -31,6 +31,7 @@ def test_every_recipe_names_known_interventions() -> None:
     ("TF-DATA-STAGE-ORDER", "tf.data_deterministic"),
     ("TF-BIASADDGRAD", "tf.op_determinism"),
     ("PY-SEED-VARIES", "seeding.pin_seeds"),
+    ("DATA-PT-WORKER-SEED-VARIES", "seeding.pin_seeds"),
     ("KERAS-PYDATASET-WORKERS", "keras.pydataset_one_worker"),
 ])
 def test_recipes_say_how_their_fix_is_applied(recipe_id: str, first: str) -> None:

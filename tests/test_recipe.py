@@ -121,6 +121,16 @@ def test_unseeded_numpy_generator() -> None:
                 **{"numpy.unseeded_generator": True})[0] == "PY-NP-GENERATOR"
 
 
+def test_a_seed_that_varies_in_dataloader_workers_gets_the_workers_own_seed() -> None:
+    # a constant (PY-SEED-VARIES) repeats, but gives every worker the same stream
+    worker = _ids(kind="seed", phase="other", op="np.random.seed", framework="torch",
+                  **{"seed.in_loader_worker": True})
+    assert worker[:2] == ["DATA-PT-WORKER-SEED-VARIES", "PY-SEED-VARIES"]
+    main = _ids(kind="seed", phase="init", op="np.random.seed", framework="torch",
+                **{"seed.in_loader_worker": False})
+    assert main[0] == "PY-SEED-VARIES" and "DATA-PT-WORKER-SEED-VARIES" not in main
+
+
 def test_custom_op_and_uninitialized_reads_and_rng() -> None:
     assert _ids(op="fixtures.racy_sum.default", device="cpu", custom_op=True)[0] == "CUSTOM-OP"
     assert _ids(op="aten.add.Tensor", device="cpu", reads_uninitialized=True)[0] == "PT-UNINIT"

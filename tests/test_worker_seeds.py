@@ -95,3 +95,59 @@ def test_lines_that_do_not_parse_are_left_out(tmp_path: Path) -> None:
     facts = _facts_from([good, {**good, "line": "5"}, {**good, "clock": [1, 2]}], tmp_path, "a")
     [(_, data)] = facts.items()
     assert [c[2] for c in data["calls"]] == ["7"]  # type: ignore[index]
+
+
+class _Noise:
+    """A dataset that draws its samples from NumPy's global generator."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        return int(np.random.randint(2**30))
+
+
+def _seed_from_pid(worker_id: int) -> None:
+    session_module._CURRENT = None  # what boot's at-fork hook does in a worker
+    np.random.seed(os.getpid())  # pid-seeded-worker
+
+
+def test_the_pin_seeds_fix_gives_each_dataloader_worker_its_own_seed(
+        session: FakeSession, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Trial round 18: a ``worker_init_fn`` seeding from the pid got the constant-seed fix,
+    verified by pinning every worker's call to one constant: both workers then drew the
+    same numbers (duplicated augmentations), and the fix the report gave would do the
+    same. Under the fix a DataLoader worker now seeds from the seed torch gave it
+    (``torch.initial_seed()`` there), as DATA-PT-WORKER-SEED-VARIES says: the workers
+    differ, and each repeats between runs."""
+    import torch
+
+    monkeypatch.setattr(seeding, "PINNED", 1000)
+    np.random.seed(3)  # the main process's own call (creates the run's seed log)
+
+    def batches() -> list[int]:
+        torch.manual_seed(0)  # the run's seed: each worker's seed is drawn from it
+        loader = torch.utils.data.DataLoader(_Noise(), batch_size=4, num_workers=2,  # type: ignore[arg-type]
+                                             worker_init_fn=_seed_from_pid)
+        return [int(x) for batch in loader for x in batch]
+
+    first, again = batches(), batches()
+    assert first == again  # repeats from run to run
+    assert first[:4] != first[4:]  # the two workers' samples differ
+    seeding.collect_workers(session)  # type: ignore[arg-type]
+    worker = [v for v in session.facts.values() if v.get("worker")]
+    assert [(v["site"], v["loader_worker"]) for v in worker] == [
+        (_line_of("pid-seeded-worker"), True)]
+    assert len({c[2] for c in worker[0]["calls"]}) == 2  # two seeds, each twice
+    assert not session.meta  # no hook error
+
+
+def test_a_worker_that_is_no_dataloader_worker_keeps_the_pinned_constant(
+        session: FakeSession, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    monkeypatch.setattr(seeding, "PINNED", 1000)
+    np.random.seed(3)
+    _in_worker(lambda: np.random.seed(os.getpid()))  # a Pool worker, say
+    seeding.collect_workers(session)  # type: ignore[arg-type]
+    worker = [v for v in session.facts.values() if v.get("worker")]
+    assert [(v["loader_worker"], [c[2] for c in v["calls"]]) for v in worker] == [
+        (False, ["1001"])]

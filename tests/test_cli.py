@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -181,7 +182,8 @@ def test_sigint_forwarded_twice_by_timeout_leaves_readable_captures(tmp_path: Pa
     for attempt in range(2):
         out = tmp_path / f"out{attempt}"
         proc = subprocess.Popen(["timeout", "120", sys.executable, "-m", "nondet", "run", "-q",
-                                 "--out", str(out), STEPS, "--steps", "400", "--sleep",
+                                 "--out", str(out), "--json", f"r{attempt}.json", STEPS,
+                                 "--steps", "400", "--sleep",
                                  "0.05"], cwd=tmp_path, env={**os.environ, "NO_COLOR": "1"},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -199,6 +201,10 @@ def test_sigint_forwarded_twice_by_timeout_leaves_readable_captures(tmp_path: Pa
         for label in "ab":
             capture = open_capture(out / "latest" / f"run-{label}.h5")
             assert capture.status == "interrupted", (label, capture.status)
+        # the JSON names them, for `nondet diff` (it said `captures: []`)
+        report = json.loads((tmp_path / f"r{attempt}.json").read_text())
+        assert report["exit_code"] == 130 and [Path(c).name for c in report["captures"]] == [
+            "run-a.h5", "run-b.h5"], report
 
 
 def test_the_terminal_foreground_is_told_from_a_job_without_one() -> None:

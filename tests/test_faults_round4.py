@@ -183,6 +183,10 @@ def test_a_run_without_a_verdict_still_writes_its_json(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "r.json").read_text())
     assert (report["verdict"], report["exit_code"]) == ("error", 2)
     assert "the script failed in run a" in report["notes"][0]
+    # the captures written before it failed are listed, as a report with a verdict lists them
+    # (they were left out: `captures: []`, so CI had nothing to point `nondet diff` at)
+    assert report["captures"], report
+    assert all((tmp_path / c).is_file() and c.endswith(".h5") for c in report["captures"])
     missing = run_cli("run", "-q", "--json", "mine.json", "gone.py", cwd=tmp_path, timeout=60)
     assert missing.returncode == 2 and "script not found" in missing.stderr
     assert (tmp_path / "mine.json").read_text() == "the user's"  # never over a user's file

@@ -8,7 +8,7 @@ import os
 import stat
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from nondet import outdir
-from nondet.errors import NondetError, Terminated
+from nondet.errors import NondetError
 from nondet.exitcodes import EPILOG
 
 if TYPE_CHECKING:  # runspec (and the session config) loads only for run and check
@@ -413,8 +413,9 @@ def invocation(out_dir: Path) -> Iterator[Path]:
     made = outdir.start(out_dir)
     try:
         yield made.path
-    except (KeyboardInterrupt, Terminated) as exc:
-        exc.kept_in = made.path  # type: ignore[union-attr]  # where the message points
+    except BaseException as exc:  # where the message and the error's JSON point
+        with suppress(Exception):
+            exc.kept_in = made.path  # type: ignore[attr-defined]
         raise
     finally:
         outdir.finish(made)

@@ -31,6 +31,21 @@ def failure_code(exc: BaseException) -> ExitCode:
     return ExitCode.INTERNAL
 
 
+def captures_kept(exc: BaseException) -> list[str]:
+    """The capture files the failed invocation wrote (``kept_in``: its own directory), so
+    a CI job that timed out or whose script failed in one run can still ``nondet diff``
+    the steps both runs recorded. Never raises: the error itself is what matters."""
+    seen: BaseException | None = exc
+    while seen is not None and not hasattr(seen, "kept_in"):
+        seen = seen.__cause__ or seen.__context__  # click's Abort wraps the interrupt
+    if seen is None:
+        return []
+    try:
+        return [str(p) for p in sorted(Path(seen.kept_in).rglob("*.h5")) if p.is_file()]
+    except Exception:
+        return []
+
+
 def _known(code: int) -> ExitCode:
     return ExitCode(code) if code in {int(c) for c in ExitCode} else ExitCode.USAGE
 
@@ -59,7 +74,8 @@ def write_failure(exc: BaseException, name: str, seconds: float, junit_path: Pat
     else:
         message = str(exc)
     message = display(message)
-    failed = Report(verdict="error", exit_code=code, runs=[], command=name, notes=[message])
+    failed = Report(verdict="error", exit_code=code, runs=[], command=name, notes=[message],
+                    captures=captures_kept(exc))
     writers: list[tuple[Path | None, str, Any]] = [
         (junit_path, "--junit", lambda p: junit.write(failed, p, name, seconds, error=message)),
         (json_path, "--json", lambda p: json_file.write(failed, p)),

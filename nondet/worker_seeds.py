@@ -127,7 +127,7 @@ def collect(session: Session, first_seq: int, prefix: str) -> dict[str, Any]:
         lines = Path(path).read_bytes().splitlines()[:MAX_LINES]
     finally:
         Path(path).unlink(missing_ok=True)
-    sites: dict[tuple[str, str, str, str], list[tuple[int, str, Any]]] = {}
+    sites: dict[tuple[str, str, str, str], list[tuple[int, str, Any, bool]]] = {}
     unseeded: dict[str, list[str]] = {}
     for raw in lines:
         record = _parse(raw)

@@ -122,3 +122,24 @@ def test_entry_kinds_are_reported_as_entries(tmp_path: Path) -> None:
     assert div.op == "torch.from_numpy" and div.phase == "forward"
     facts = analysis.finding_facts(div, ca)
     assert recipe.suggest(facts)[0].recipe.id == "PY-NP-GENERATOR"
+
+
+def test_findings_say_what_a_run_did_without_none_or_a_repeated_init() -> None:
+    """Trial round 18: a run whose op stream ended first read "run a executed None", and an
+    entry at init "init, init, record #0"."""
+    from nondet.exitcodes import ExitCode
+    from nondet.report import Divergence, Report
+
+    def shown(div: Divergence) -> str:
+        found = Report(verdict="nondeterministic", exit_code=ExitCode.NONDETERMINISTIC,
+                       runs=[], first_divergence=div)
+        return "\n".join(text.lines(found))
+
+    ended = shown(Divergence("structure", 3, "forward", op=None, op_b="aten.add.Tensor",
+                             op_index=12))
+    assert "record #12: run a recorded no more ops, run b executed aten.add.Tensor" in ended
+    assert "None" not in ended
+    entry = shown(Divergence("entry", None, "init", op="weight", op_index=0))
+    assert "init, record #0" in entry and "init, init" not in entry
+    later = shown(Divergence("entry", 2, "data", op="batch", op_index=0))
+    assert "step 2, data, record #0" in later

@@ -120,6 +120,11 @@ def _verdict(report: Report) -> str:
     return f"[bold red]nondet: nondeterministic[/] — {where}{phase}{rank}: {what}"
 
 
+def _executed(op: str | None) -> str:
+    """What one run did at a record where the runs' op streams part (None: its ops ended)."""
+    return "recorded no more ops" if op is None else f"executed {escape(op)}"
+
+
 def _entry_label(div: Divergence) -> str:
     if div.entry_kind == "dataloader":
         return "a DataLoader batch"
@@ -145,7 +150,8 @@ def _finding(div: Divergence) -> list[str]:
         out += [_row("finding", head), _row("", why)]
     elif div.kind == "entry":
         record = f", record #{div.op_index}" if div.op_index is not None else ""
-        out += [_row("finding", f"{step}, {escape(div.phase)}{record}: "
+        phase = "" if div.phase == step else f", {escape(div.phase)}"  # not "init, init"
+        out += [_row("finding", f"{step}{phase}{record}: "
                                 f"[bold]{escape(_entry_label(div))}[/]"),
                 _row("", "this value came from outside the recorded ops and differs between "
                          "runs")]
@@ -168,8 +174,8 @@ def _finding(div: Divergence) -> list[str]:
     elif div.kind == "structure" and div.op_index is None:
         out += [_row("finding", f"{step}: only one run got here (the note says which)")]
     elif div.kind == "structure":
-        out += [_row("finding", f"{step}, record #{div.op_index}: run a executed "
-                                f"{escape(str(div.op))}, run b {escape(str(div.op_b))}")]
+        out += [_row("finding", f"{step}, record #{div.op_index}: run a "
+                                f"{_executed(div.op)}, run b {_executed(div.op_b)}")]
     else:
         fields = ", ".join(div.step_fields) or "state"
         out += [_row("finding", f"{step}, {escape(div.phase)}: {escape(fields)} differ"),

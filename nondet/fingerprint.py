@@ -52,7 +52,11 @@ MASK64 = (1 << 64) - 1
 #: (tensorflow/traced.py, Note [Readers of a loop's lists]); TensorFlow's state hash folds
 #: the variables in the order of their names, not of their creation
 #: (tensorflow/backend.py, Note [Variables in the order of their names]).
-SCHEME = "7"
+#: 8: torch parameters no root module owns yet (the init row of an optimizer made before
+#: the first forward; loose parameters) are folded in the order of their names, not of the
+#: optimizers holding them, and are named after a variable, list, tuple or dict holding
+#: them (torch/state.py ``_add_loose``, torch/owners.py).
+SCHEME = "8"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device
 _CHUNK_KEY_OFFSET = 1 << 40  # chunk weights come from a disjoint part of the key stream

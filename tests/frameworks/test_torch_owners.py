@@ -42,12 +42,25 @@ def test_an_optimizer_given_parameters_in_another_order_has_the_same_state_order
     assert optim == [f"{n}:momentum_buffer" for n in names]
 
 
-def test_parameters_no_module_variable_owns_keep_their_slot_names() -> None:
-    w = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.SGD([w], lr=0.1)
+def test_parameters_no_variable_holds_keep_their_slot_names() -> None:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
     found = owners.owner_names(opt.param_groups[0]["params"], {}, sys._getframe())
     named, _, _ = named_state([], [weakref.ref(opt)], {}, found)
     assert [n for n, _ in named] == ["optimizer0.group0.param0"]
+
+
+def test_loose_parameters_are_named_after_their_container_then_their_variable() -> None:
+    ws = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    table = {"bias": torch.nn.Parameter(torch.zeros(2))}
+    w = ws[1]  # a variable of its own too: the list's name wins (a loop's would name all)
+    scale = torch.nn.Parameter(torch.ones(1))
+    opts = [torch.optim.SGD([p], lr=0.1) for p in (scale, table["bias"], ws[2], w, ws[0])]
+    found: dict[int, str] = {}
+    for opt in opts:  # one call per optimizer, as the backend makes them
+        found.update(owners.owner_names(opt.param_groups[0]["params"], {}, sys._getframe()))
+    named, _, _ = named_state([], [weakref.ref(o) for o in opts], {}, found)
+    # in the order of their names, not of the optimizers
+    assert [n for n, _ in named] == ["scale", "table['bias']", "ws[0]", "ws[1]", "ws[2]"]
 
 
 def test_a_lazy_modules_parameters_join_the_state_once_materialized() -> None:

@@ -291,6 +291,41 @@ def test_optimizer_state_is_named_in_parameter_order_whatever_order_optimizers_w
     assert report["verdict"] == "deterministic"
 
 
+LOOSE_PARAMETERS_IN_ANY_ORDER = """
+    import random
+    import torch
+    torch.manual_seed(0)
+    ws = [torch.nn.Parameter(torch.randn(4) * (i + 1)) for i in range(4)]  # no module
+    first = ws[:2]
+    random.SystemRandom().shuffle(first)  # as list(set(ws)): memory addresses' order
+    opt = torch.optim.Adam(first, lr=0.1)
+    per_parameter = {}
+    for step in range(4):
+        loss = sum((w ** 2).sum() * (i + 1) for i, w in enumerate(ws))
+        loss.backward()
+        if not per_parameter:  # one each for the rest, made at the first update, as pyro does
+            rest = ws[2:]
+            random.SystemRandom().shuffle(rest)
+            per_parameter = {w: torch.optim.SGD([w], lr=0.05) for w in rest}
+        opt.step()
+        for o in per_parameter.values():
+            o.step()
+        for w in ws:
+            w.grad = None
+    print(float(sum(w.detach().sum() for w in ws)))
+"""
+
+
+def test_parameters_no_module_owns_are_named_after_their_list_in_any_optimizer_order(
+        tmp_path: Path) -> None:
+    """Parameters no module owns were named by optimizer slot and folded in slot order: an
+    optimizer given them in a set's order (memory addresses), or one optimizer each made
+    in such an order, made a deterministic script nondeterministic (``aten.zeros_like`` at
+    the first Adam step). They are now ``ws[0]``..., folded in the order of those names."""
+    report = _deterministic_run(tmp_path, LOOSE_PARAMETERS_IN_ANY_ORDER)
+    assert [r["steps"] for r in report["runs"]] == [4, 4]
+
+
 PER_PARAMETER_OPTIMIZERS = """
     import random
     import torch

@@ -9,7 +9,10 @@ which differs from run to run while every value repeats. The init row then "diff
 deterministic script (a false alarm), and optimizer state, kept in slot order, differed at
 every step. Here the parameters are named after the module that owns them, found among the
 variables of the frames that made the optimizer (``model.0.weight``), so the init row lists
-them in that module's order; optimizer state follows the parameters' order (state.py).
+them in the order of those names, whatever the order the optimizers were made in (pyro
+makes one per parameter, in a set's order); parameters no module owns are named after the
+variable, list, tuple or dict that holds them (``ws[2]``). Optimizer state follows the
+parameters' order (state.py).
 The optimizer given a set, or groups listed in another order than their modules', is a fact
 with its line: an order-sensitive sum over the list (``clip_grad_norm_``, a foreach or
 fused update) then gets PY-TENSOR-SET-ORDER first (the set's order is its cause).
@@ -38,6 +41,7 @@ def owner_names(params: Iterable[torch.Tensor], named: dict[int, str],
     found: dict[int, str] = {}
     seen: set[int] = set()  # modules already listed (one module, many variables)
     depth = 0
+    first = frame
     while frame is not None and wanted and depth < _DEPTH:
         for var, value in _locals(frame):
             # type(), not isinstance(): a proxy's __class__ may raise or lie; only real
@@ -49,12 +53,63 @@ def owner_names(params: Iterable[torch.Tensor], named: dict[int, str],
                 members = list(cast(torch.nn.Module, value).named_parameters())
             except Exception:  # a module whose parameters cannot be listed yet: not an owner
                 continue
-            for path, p in members:
-                if id(p) in wanted:
-                    wanted.discard(id(p))
-                    found[id(p)] = f"{var}.{path}"
+            _name_all(found, named, wanted, [(f"{var}.{path}", p) for path, p in members])
         frame, depth = frame.f_back, depth + 1
+    # then parameters no module owns, in a list, tuple or dict (``ws[2]``), else in a
+    # variable of their own: optimizers made one per parameter in a set's order were named
+    # by optimizer slot, a false alarm (Note [Parameters an optimizer is given in another
+    # order]). A module's name comes first, then a container's: a loop's variable (``w``
+    # of ``for w in set(ws)``) names every parameter alike
+    for containers in (True, False):
+        frame, depth = first, 0
+        while frame is not None and wanted and depth < _DEPTH:
+            variables = _locals(frame)
+            # not an optimizer's own frames: their ``params`` is the list in slot order
+            if not any(var == "self" and issubclass(type(value), torch.optim.Optimizer)
+                       for var, value in variables):
+                for var, value in variables:
+                    _name_all(found, named, wanted, _held_tensors(var, value, containers))
+            frame, depth = frame.f_back, depth + 1
     return found
+
+
+def _name_all(found: dict[int, str], named: dict[int, str], wanted: set[int],
+              members: list[tuple[str, torch.Tensor]]) -> None:
+    """An owner of a wanted parameter names all its parameters at once, in its own order:
+    the order ``state._add_loose`` folds an owner's parameters in, whichever optimizer
+    (made in whatever order) holds them."""
+    if not any(id(p) in wanted for _, p in members):
+        return
+    for path, p in members:
+        if id(p) not in named and id(p) not in found:
+            found[id(p)] = path
+        wanted.discard(id(p))
+
+
+#: Items of a container variable looked at for loose parameters (a dataset's list of
+#: tensors is no place for them, and must cost nothing).
+_MAX_ITEMS = 256
+
+
+def _held_tensors(var: str, value: object, containers: bool) -> list[tuple[str, torch.Tensor]]:
+    """The tensors in a variable's list, tuple or dict (exact built-in types: no user code
+    runs), or with ``containers`` False the variable's own tensor, with their paths."""
+    kind = type(value)
+    if not containers:
+        return [(var, cast(torch.Tensor, value))] if issubclass(kind, torch.Tensor) else []
+    if kind is list or kind is tuple:
+        items = cast(Sequence[object], value)
+        if len(items) > _MAX_ITEMS:
+            return []
+        return [(f"{var}[{i}]", cast(torch.Tensor, t)) for i, t in enumerate(items)
+                if issubclass(type(t), torch.Tensor)]
+    if kind is dict:
+        entries = cast(dict[object, object], value)
+        if len(entries) > _MAX_ITEMS:
+            return []
+        return [(f"{var}[{k!r}]", cast(torch.Tensor, t)) for k, t in list(entries.items())
+                if type(k) is str and issubclass(type(t), torch.Tensor)]
+    return []
 
 
 def _locals(frame: FrameType) -> list[tuple[str, object]]:

@@ -4,6 +4,7 @@ versions and determinism switches in force. Plain functions over torch objects: 
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +27,7 @@ def named_state(roots: list[torch.nn.Module],
                 owner_names: dict[int, str] | None = None) -> tuple[Named, Named, Named]:
     """Named parameters, buffers and optimizer state, in a stable order. Parameters an
     optimizer updates but no root module owns are named after their owner's variable
-    (``owner_names``, in its order), else after their optimizer slot; optimizer state
+    (``owner_names``), in the order of those names, else after their optimizer slot; optimizer state
     follows the parameters' order, never the slot order (Note [Parameters an optimizer is
     given in another order] in owners.py)."""
     live = [opt for opt in (ref() for ref in optimizers) if opt is not None]
@@ -79,10 +80,16 @@ def _module_tensors(roots: list[torch.nn.Module], param_names: dict[int, str],
     return params, buffers
 
 
+#: Where an owner's name ends in a parameter's: ``model.0.weight``, ``ws[2]``.
+_OWNER = re.compile(r"[.\[]")
+
+
 def _add_loose(params: dict[int, tuple[str, torch.Tensor]], live: list[torch.optim.Optimizer],
                param_names: dict[int, str], owners: dict[int, str]) -> None:
-    """Parameters the optimizers update that no root module owns, after the roots' own."""
-    loose: list[tuple[int, int, str, torch.Tensor]] = []  # (owner rank, slot, name, p)
+    """Parameters the optimizers update that no root module owns, after the roots' own:
+    named ones (``param_names``, ``owners``) by their owner's name and in its order, then
+    the rest in optimizer slot order."""
+    loose: list[tuple[int, int, str, torch.Tensor]] = []  # (0 if named, slot, name, p)
     seen = set(params)
     for oi, opt in enumerate(live):
         for gi, group in enumerate(opt.param_groups):
@@ -91,10 +98,14 @@ def _add_loose(params: dict[int, tuple[str, torch.Tensor]], live: list[torch.opt
                     continue
                 seen.add(id(t))
                 name = param_names.get(id(t)) or owners.get(id(t))
-                rank = 0 if name else 1  # named ones first, in their owner's order
-                loose.append((rank, len(loose), name or f"optimizer{oi}.group{gi}.param{pi}", t))
-    order = {name: i for i, name in enumerate(owners.values())}
-    loose.sort(key=lambda x: (x[0], order.get(x[2], x[1]) if x[0] == 0 else x[1]))
+                slot = f"optimizer{oi}.group{gi}.param{pi}"
+                loose.append((0 if name else 1, len(loose), name or slot, t))
+    # named ones by their owner's name, then in that owner's order (owners.py names all of
+    # an owner's at once), not in the order of the optimizers that hold them: those may be
+    # made in another order in every run (pyro's, one per parameter, in a set's)
+    within = {pid: i for i, pid in enumerate(owners)}
+    loose.sort(key=lambda x: (x[0], _OWNER.split(x[2], 1)[0] if x[0] == 0 else "",
+                              within.get(id(x[3]), x[1]) if x[0] == 0 else x[1]))
     for _, _, name, t in loose:
         params[id(t)] = (name, t)
 

@@ -11,7 +11,10 @@ end the step; the step ends at the optimizer step that leaves none, or, as a han
 update does, at the next forward, backward or batch. Only parameters some optimizer holds
 count (a parameter the script never steps, though it has a gradient, holds no step open),
 except while optimizers are still being made after that backward: pyro makes each one
-just before it first steps it.
+just before it first steps it. The parameters of an optimizer made after the backward
+began count too when they have a gradient: no module owns them (they were not listed when
+the backward began), and one optimizer each made at the first update otherwise split that
+update into a step per optimizer.
 """
 
 from __future__ import annotations
@@ -54,10 +57,15 @@ class FreshGrads:
         stepped.update(id(p) for group in optimizer.param_groups for p in group["params"])
         waiting = [p for p in self._params
                    if id(p) not in stepped and _grad_key(p) != self._keys.get(id(p))]
+        if made > self._made:  # optimizers are still being made: any parameter counts,
+            # those of an optimizer made since the backward too (no module owns them, so the
+            # backward's start did not list them): one with a gradient is waiting
+            return bool(waiting) or any(
+                p.grad is not None for opt in list(optimizers)[self._made:]
+                for group in opt.param_groups for p in group["params"]
+                if id(p) not in stepped and id(p) not in self._keys)
         if not waiting:
             return False
-        if made > self._made:  # optimizers are still being made: any parameter counts
-            return True
         held = {id(p) for opt in optimizers for group in opt.param_groups
                 for p in group["params"]}
         return any(id(p) in held for p in waiting)

@@ -296,20 +296,21 @@ LOOSE_PARAMETERS_IN_ANY_ORDER = """
     import torch
     torch.manual_seed(0)
     ws = [torch.nn.Parameter(torch.randn(4) * (i + 1)) for i in range(4)]  # no module
-    first = ws[:2]
-    random.SystemRandom().shuffle(first)  # as list(set(ws)): memory addresses' order
-    opt = torch.optim.Adam(first, lr=0.1)
-    per_parameter = {}
+    rest = ws[2:]
+    random.SystemRandom().shuffle(rest)  # as list(set(ws)): memory addresses' order
+    # one optimizer each, made before the first forward: the first made starts training
+    per_parameter = {w: torch.optim.SGD([w], lr=0.05) for w in rest}
+    opt = None
     for step in range(4):
         loss = sum((w ** 2).sum() * (i + 1) for i, w in enumerate(ws))
         loss.backward()
-        if not per_parameter:  # one each for the rest, made at the first update, as pyro does
-            rest = ws[2:]
-            random.SystemRandom().shuffle(rest)
-            per_parameter = {w: torch.optim.SGD([w], lr=0.05) for w in rest}
-        opt.step()
+        if opt is None:  # made at the first update, given a set's order
+            first = ws[:2]
+            random.SystemRandom().shuffle(first)
+            opt = torch.optim.Adam(first, lr=0.1)
         for o in per_parameter.values():
             o.step()
+        opt.step()
         for w in ws:
             w.grad = None
     print(float(sum(w.detach().sum() for w in ws)))
@@ -321,7 +322,9 @@ def test_parameters_no_module_owns_are_named_after_their_list_in_any_optimizer_o
     """Parameters no module owns were named by optimizer slot and folded in slot order: an
     optimizer given them in a set's order (memory addresses), or one optimizer each made
     in such an order, made a deterministic script nondeterministic (``aten.zeros_like`` at
-    the first Adam step). They are now ``ws[0]``..., folded in the order of those names."""
+    the first Adam step). They are now ``ws[0]``..., folded by owner in its order; the
+    first optimizer made lists its owner's every parameter at init; an optimizer made after
+    the backward joins its update (the first update was three steps)."""
     report = _deterministic_run(tmp_path, LOOSE_PARAMETERS_IN_ANY_ORDER)
     assert [r["steps"] for r in report["runs"]] == [4, 4]
 

@@ -135,6 +135,7 @@ class TorchBackend(StepLifecycle):
         self.param_names: dict[int, str] = {}  # id(tensor) -> "encoder.weight"
         # parameters an optimizer got before their model was called: "model.0.weight"
         self.owner_names: dict[int, str] = {}
+        self.owner_held: dict[int, weakref.ref[torch.Tensor]] = {}  # owners.owner_names
         self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         # made on another thread while the step owner ran: out of the step state until the
         # owner changes (Note [State made on another thread] in frameworks/step_thread.py)
@@ -202,7 +203,7 @@ class TorchBackend(StepLifecycle):
                     (self.held_optimizers if held else self.optimizers).append(weakref.ref(opt))
                     self.owner_names.update(owners.owner_names(
                         (p for group in opt.param_groups for p in group["params"]),
-                        self.param_names, sys._getframe(1)))
+                        self.param_names, sys._getframe(1), self.owner_held))
                     order = {pid: i for i, pid in enumerate(
                         dict.fromkeys([*self.param_names, *self.owner_names]))}
                     if owners.given_a_set(args, kwargs) or owners.set_ordered(
@@ -552,7 +553,8 @@ class TorchBackend(StepLifecycle):
     def _named_state(self) -> tuple[Tensors, Tensors, Tensors]:
         """The step state's named tensors (Note [State made on another thread])."""
         self._join_held()
-        return named_state(self.roots, self.optimizers, self.param_names, self.owner_names)
+        return named_state(self.roots, self.optimizers, self.param_names, self.owner_names,
+                           self.owner_held)
 
     def _join_held(self) -> None:
         """Held state joins once the step count has changed owner since it was held, or is
@@ -567,7 +569,8 @@ class TorchBackend(StepLifecycle):
 
     def _grad_snapshot(self) -> GroupFps:
         self._join_held()
-        params = named_params(self.roots, self.optimizers, self.param_names, self.owner_names)
+        params = named_params(self.roots, self.optimizers, self.param_names, self.owner_names,
+                              self.owner_held)
         with self.paused_capture():
             return self.state_fps.named([(n, p.grad) for n, p in params if p.grad is not None],
                                         detailed=self.session.captures_ops())
@@ -602,7 +605,7 @@ class TorchBackend(StepLifecycle):
     def _final_params_fp(self) -> int | None:
         params, _, _ = named_state(self._end_roots(),
                                    self.optimizers + self.held_optimizers, self.param_names,
-                                   self.owner_names)
+                                   self.owner_names, self.owner_held)
         with self.paused_capture():
             # Read afresh, never from the fingerprint cache: another process (Hogwild workers
             # on shared memory) or thread may have changed them without bumping the version

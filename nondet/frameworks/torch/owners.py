@@ -21,6 +21,7 @@ fused update) then gets PY-TENSOR-SET-ORDER first (the set's order is its cause)
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable, Sequence
 from types import FrameType
 from typing import cast
@@ -33,10 +34,12 @@ _DEPTH = 8
 
 
 def owner_names(params: Iterable[torch.Tensor], named: dict[int, str],
-                frame: FrameType | None) -> dict[int, str]:
+                frame: FrameType | None,
+                held: dict[int, weakref.ref[torch.Tensor]] | None = None) -> dict[int, str]:
     """``id(parameter) -> "model.0.weight"`` for the parameters not in ``named``, found in
     the nn.Module variables of ``frame`` and the frames that called it; in each module's
-    own parameter order (dicts keep it)."""
+    own parameter order (dicts keep it). ``held`` gets every trainable tensor of the owners
+    found, which the state lists from then on (``state.named_state``)."""
     wanted = {id(p) for p in params if id(p) not in named}
     found: dict[int, str] = {}
     seen: set[int] = set()  # modules already listed (one module, many variables)
@@ -53,7 +56,8 @@ def owner_names(params: Iterable[torch.Tensor], named: dict[int, str],
                 members = list(cast(torch.nn.Module, value).named_parameters())
             except Exception:  # a module whose parameters cannot be listed yet: not an owner
                 continue
-            _name_all(found, named, wanted, [(f"{var}.{path}", p) for path, p in members])
+            _name_all(found, named, wanted, [(f"{var}.{path}", p) for path, p in members],
+                      held)
         frame, depth = frame.f_back, depth + 1
     # then parameters no module owns, in a list, tuple or dict (``ws[2]``), else in a
     # variable of their own: optimizers made one per parameter in a set's order were named
@@ -68,21 +72,27 @@ def owner_names(params: Iterable[torch.Tensor], named: dict[int, str],
             if not any(var == "self" and issubclass(type(value), torch.optim.Optimizer)
                        for var, value in variables):
                 for var, value in variables:
-                    _name_all(found, named, wanted, _held_tensors(var, value, containers))
+                    _name_all(found, named, wanted, _held_tensors(var, value, containers),
+                              held)
             frame, depth = frame.f_back, depth + 1
     return found
 
 
 def _name_all(found: dict[int, str], named: dict[int, str], wanted: set[int],
-              members: list[tuple[str, torch.Tensor]]) -> None:
+              members: list[tuple[str, torch.Tensor]],
+              held: dict[int, weakref.ref[torch.Tensor]] | None) -> None:
     """An owner of a wanted parameter names all its parameters at once, in its own order:
     the order ``state._add_loose`` folds an owner's parameters in, whichever optimizer
-    (made in whatever order) holds them."""
+    (made in whatever order) holds them. Its trainable ones go to ``held``: one optimizer
+    per parameter made in a set's order before the first forward started training with
+    another parameter in each run's init row."""
     if not any(id(p) in wanted for _, p in members):
         return
     for path, p in members:
         if id(p) not in named and id(p) not in found:
             found[id(p)] = path
+            if held is not None and p.requires_grad:
+                held[id(p)] = weakref.ref(p)
         wanted.discard(id(p))
 
 

@@ -24,7 +24,9 @@ _NP_DTYPES: dict[torch.dtype, Any] = {}  # NumPy's dtype for each torch dtype to
 def named_state(roots: list[torch.nn.Module],
                 optimizers: list[weakref.ref[torch.optim.Optimizer]],
                 param_names: dict[int, str],
-                owner_names: dict[int, str] | None = None) -> tuple[Named, Named, Named]:
+                owner_names: dict[int, str] | None = None,
+                held: dict[int, weakref.ref[torch.Tensor]] | None = None
+                ) -> tuple[Named, Named, Named]:
     """Named parameters, buffers and optimizer state, in a stable order. Parameters an
     optimizer updates but no root module owns are named after their owner's variable
     (``owner_names``), in the order of those names, else after their optimizer slot; optimizer state
@@ -32,7 +34,7 @@ def named_state(roots: list[torch.nn.Module],
     given in another order] in owners.py)."""
     live = [opt for opt in (ref() for ref in optimizers) if opt is not None]
     params, buffers = _module_tensors(roots, param_names, with_buffers=True)
-    _add_loose(params, live, param_names, owner_names or {})
+    _add_loose(params, live, param_names, owner_names or {}, held or {})
     optim: Named = []
     # Parameter by parameter, not optimizer by optimizer: pyro makes one optimizer per
     # parameter as it first steps it, in the order of a set of tensors (their addresses),
@@ -51,12 +53,13 @@ def named_state(roots: list[torch.nn.Module],
 def named_params(roots: list[torch.nn.Module],
                  optimizers: list[weakref.ref[torch.optim.Optimizer]],
                  param_names: dict[int, str],
-                 owner_names: dict[int, str] | None = None) -> Named:
+                 owner_names: dict[int, str] | None = None,
+                 held: dict[int, weakref.ref[torch.Tensor]] | None = None) -> Named:
     """``named_state``'s parameters alone (the gradients' snapshot at the optimizer step
     needs no buffers or optimizer state)."""
     live = [opt for opt in (ref() for ref in optimizers) if opt is not None]
     params, _ = _module_tensors(roots, param_names, with_buffers=False)
-    _add_loose(params, live, param_names, owner_names or {})
+    _add_loose(params, live, param_names, owner_names or {}, held or {})
     return list(params.values())
 
 
@@ -85,7 +88,8 @@ _OWNER = re.compile(r"[.\[]")
 
 
 def _add_loose(params: dict[int, tuple[str, torch.Tensor]], live: list[torch.optim.Optimizer],
-               param_names: dict[int, str], owners: dict[int, str]) -> None:
+               param_names: dict[int, str], owners: dict[int, str],
+               held: dict[int, weakref.ref[torch.Tensor]]) -> None:
     """Parameters the optimizers update that no root module owns, after the roots' own:
     named ones (``param_names``, ``owners``) by their owner's name and in its order, then
     the rest in optimizer slot order."""
@@ -100,6 +104,13 @@ def _add_loose(params: dict[int, tuple[str, torch.Tensor]], live: list[torch.opt
                 name = param_names.get(id(t)) or owners.get(id(t))
                 slot = f"optimizer{oi}.group{gi}.param{pi}"
                 loose.append((0 if name else 1, len(loose), name or slot, t))
+    for pid, ref in list(held.items()):  # the rest of their owners' (owners.py)
+        t = ref()
+        if t is None or id(t) != pid or pid in seen or pid not in owners \
+                or not holds_values(t):
+            continue
+        seen.add(pid)
+        loose.append((0, len(loose), owners[pid], t))
     # named ones by their owner's name, then in that owner's order (owners.py names all of
     # an owner's at once), not in the order of the optimizers that hold them: those may be
     # made in another order in every run (pyro's, one per parameter, in a set's)

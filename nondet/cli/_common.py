@@ -121,14 +121,12 @@ def _kept(exc: BaseException) -> str:
     """Where an interrupted invocation's captures are and how to read them: the steps both
     runs recorded still answer the question (a script that trains and then never ends is
     stopped with Ctrl-C; the message said only "interrupted")."""
-    seen: BaseException | None = exc
-    while seen is not None and not hasattr(seen, "kept_in"):
-        seen = seen.__cause__ or seen.__context__  # click's Abort wraps the interrupt
-    if seen is None:
-        return ""
+    from nondet.cli.failure import kept_folder
     from nondet.outdir import display
 
-    folder = Path(seen.kept_in)
+    folder = kept_folder(exc)
+    if folder is None:
+        return ""
     pair = [folder / f"run-{label}.h5" for label in "ab"]
     if not all(p.is_file() for p in pair):
         return f"; they are in {display(folder)}"

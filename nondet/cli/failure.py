@@ -35,15 +35,22 @@ def captures_kept(exc: BaseException) -> list[str]:
     """The capture files the failed invocation wrote (``kept_in``: its own directory), so
     a CI job that timed out or whose script failed in one run can still ``nondet diff``
     the steps both runs recorded. Never raises: the error itself is what matters."""
-    seen: BaseException | None = exc
-    while seen is not None and not hasattr(seen, "kept_in"):
-        seen = seen.__cause__ or seen.__context__  # click's Abort wraps the interrupt
-    if seen is None:
+    folder = kept_folder(exc)
+    if folder is None:
         return []
     try:
-        return [str(p) for p in sorted(Path(seen.kept_in).rglob("*.h5")) if p.is_file()]
+        return [str(p) for p in sorted(folder.rglob("*.h5")) if p.is_file()]
     except Exception:
         return []
+
+
+def kept_folder(exc: BaseException) -> Path | None:
+    """The invocation directory an error left (``kept_in``, set as it left the directory's
+    ``with``), also where it wraps another (click's Abort wraps the interrupt)."""
+    seen: BaseException | None = exc
+    while seen is not None and not hasattr(seen, "kept_in"):
+        seen = seen.__cause__ or seen.__context__
+    return None if seen is None else Path(seen.kept_in)
 
 
 def _known(code: int) -> ExitCode:

@@ -281,7 +281,8 @@ def _earlier_data_note(a: Capture, b: Capture, step: int, op_steps: list[int]) -
                            op_steps)
     what = f"{named.op} at {named.source}" if named.kind == "entry" and named.op \
         and named.source else "data"
-    return [f"{what} entered with different values earlier, at step {earlier}, without "
+    when = "at init" if earlier == INIT_STEP else f"at step {earlier}"  # not "step -1"
+    return [f"{what} entered with different values earlier, {when}, without "
             "changing the training state then; if the script keeps it (a replay buffer, a "
             "cache) and uses it later, that is where this difference came from"]
 

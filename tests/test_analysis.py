@@ -282,3 +282,16 @@ def test_data_that_differed_earlier_without_reaching_training_is_noted(tmp_path:
     found = analysis.compare_pair(*captures)
     assert found.first_divergence is not None and found.first_divergence.step == 3
     assert any("earlier, at step 1" in n for n in found.notes), found.notes
+
+
+def test_data_that_differed_at_init_is_named_at_init_not_step_minus_1(tmp_path: Path) -> None:
+    # trial round 19: "entered with different values earlier, at step -1"
+    rows = [{"step": -1, "data_fp": 1, "params_fp": 5}, {"step": 0, "params_fp": 6},
+            {"step": 1, "params_fp": 7}]
+    a = write_capture(tmp_path / "a.h5", step_rows(*rows))
+    rows[0]["data_fp"], rows[2]["params_fp"] = 2, 8  # data differs at init, state at step 1
+    b = write_capture(tmp_path / "b.h5", step_rows(*rows))
+    report = analysis.compare_captures(open_capture(a), open_capture(b))
+    assert report.first_divergence is not None and report.first_divergence.step == 1
+    notes = [n for n in report.notes if "entered with different values earlier" in n]
+    assert len(notes) == 1 and "earlier, at init, without" in notes[0], report.notes

@@ -122,3 +122,24 @@ def test_a_batch_of_unknown_length_traces_no_branches() -> None:
     traced = tf.function(HASHER.content).get_concrete_function(
         tf.TensorSpec([None, 28, 28, 1], tf.float32))
     assert len(traced.graph.as_graph_def().library.function) <= 2
+
+
+@pytest.mark.parametrize("n", [1, 3, 64])
+def test_strings_are_hashed_by_content_on_every_path(n: int) -> None:
+    """Note [Strings] (trial round 19): a string batch that differed was not hashed, so the
+    ``StringLookup`` reading it was blamed as if its inputs had matched."""
+    from nondet.frameworks.tensorflow.hashing import hashable
+
+    words = tf.constant([f"user{i}" for i in range(n)])
+    assert hashable(words)
+    eager = int(HASHER.content(words).numpy()) & MASK64
+    assert eager == host(words) & MASK64
+    unknown = tf.function(HASHER.content).get_concrete_function(tf.TensorSpec([None], tf.string))
+    assert int(unknown(words).numpy()) & MASK64 == eager
+    shaped = tf.reshape(words, [1, n])
+    plan = static_plan(shaped)
+    planned = tf.function(lambda x: HASHER.content_planned(x, plan)).get_concrete_function(
+        tf.TensorSpec(None, tf.string))
+    assert int(planned(shaped).numpy()) & MASK64 == host(shaped) & MASK64
+    other = tf.constant([f"user{i}" for i in reversed(range(n))] if n > 1 else ["user9"])
+    assert host(other) != host(words)  # another order, or another string: another number

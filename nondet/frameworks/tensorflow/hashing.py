@@ -22,11 +22,31 @@ HASHABLE = frozenset({
 })
 _INT_OF_SIZE = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
 
+#: Note [Strings]
+#: String tensors (ids, tokens, file names a tf.data pipeline hands the model) are hashed
+#: as one int64 per string, its 64-bit FarmHash fingerprint (``StringToHashBucketFast``,
+#: stable across processes and versions) modulo this. They were not hashed at all, so the
+#: first op reading a string batch that differed (a ``StringLookup``'s table lookup)
+#: looked as if every input had matched and was blamed (trial round 19).
+_STRING_BUCKETS = 2**63 - 1
+
 
 def hashable(t: Any) -> bool:
     """A dense tensor of a dtype we can hash (sparse and ragged values are composites of
     dense tensors, hashed where their components are made)."""
-    return isinstance(t, tf.Tensor) and t.dtype in HASHABLE
+    return isinstance(t, tf.Tensor) and (t.dtype in HASHABLE or t.dtype == tf.string)
+
+
+def _numbers(t: tf.Tensor) -> tf.Tensor:
+    """``t`` itself, or a string tensor's int64 fingerprints, same shape (Note [Strings])."""
+    if t.dtype == tf.string:
+        return tf.strings.to_hash_bucket_fast(t, _STRING_BUCKETS)
+    return t
+
+
+def _element_bytes(t: Any) -> int:
+    """Bytes per element as hashed: 8 for a string (its fingerprint)."""
+    return 8 if t.dtype == tf.string else int(t.dtype.size)
 
 
 _eager_hasher: GraphHasher | None = None
@@ -36,13 +56,14 @@ def on_host_and_small(t: Any) -> bool:
     """An eager tensor that NumPy can hash right away: in host memory, at most a chunk
     (``.numpy()`` copies the whole tensor)."""
     return ("CPU" in (getattr(t, "device", "") or "CPU")
-            and t.dtype.size * (t.shape.num_elements() or 0) <= CHUNK_WORDS * 8)
+            and _element_bytes(t) * (t.shape.num_elements() or 0) <= CHUNK_WORDS * 8)
 
 
 def host(t: Any) -> int:
     """Content sum of an eager tensor via NumPy (CPU). ``.numpy()`` copies the whole tensor:
     tensors over a chunk are hashed with TF ops instead, chunk by chunk (the same number)."""
     global _eager_hasher
+    t = _numbers(t)
     if t.dtype.size * (t.shape.num_elements() or 0) > CHUNK_WORDS * 8:
         if _eager_hasher is None:  # made on first need: it holds a chunk of keys
             _eager_hasher = GraphHasher()
@@ -67,7 +88,7 @@ class GraphHasher:
                                           name="nondet_chunk_keys")
 
     def content(self, t: tf.Tensor) -> tf.Tensor:
-        return _words(t, self._sum)
+        return _words(_numbers(t), self._sum)
 
     # plain ops: nothing for autograph to change (it mis-converted the helpers it calls)
     @tf.autograph.experimental.do_not_convert  # type: ignore[untyped-decorator]
@@ -75,6 +96,7 @@ class GraphHasher:
         """``content(t)`` for a tensor whose static shape gave ``plan`` (``static_plan``),
         traced without knowing the shape: the same number, with no branch on the size."""
         word, chunked = plan
+        t = _numbers(t)
         words = None if chunked else _direct_words(t, word)
         if words is None:
             return _as_words(_flat(t), word, lambda w: self._sum(w, chunked))
@@ -175,7 +197,7 @@ def static_plan(t: tf.Tensor) -> Plan | None:
     (None: decided from the size when the graph runs)."""
     if not t.shape.is_fully_defined():
         return None
-    nbytes = t.shape.num_elements() * t.dtype.size  # bool: one byte; complex: both parts
+    nbytes = t.shape.num_elements() * _element_bytes(t)  # bool: 1 byte; complex: both parts
     word = word_size(nbytes)
     return word, nbytes // word > CHUNK_WORDS
 

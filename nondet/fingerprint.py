@@ -55,7 +55,9 @@ MASK64 = (1 << 64) - 1
 #: 8: torch parameters no root module owns yet (the init row of an optimizer made before
 #: the first forward; loose parameters) are folded in the order of their names, not of the
 #: optimizers holding them, and are named after a variable, list, tuple or dict holding
-#: them (torch/state.py ``_add_loose``, torch/owners.py).
+#: them (torch/state.py ``_add_loose``, torch/owners.py); TensorFlow string tensors are
+#: hashed (tensorflow/hashing.py, Note [Strings]): a step row's data and op records of a
+#: model fed strings hold them.
 SCHEME = "8"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device

@@ -53,11 +53,11 @@ MASK64 = (1 << 64) - 1
 #: the variables in the order of their names, not of their creation
 #: (tensorflow/backend.py, Note [Variables in the order of their names]).
 #: 8: torch parameters no root module owns yet (the init row of an optimizer made before
-#: the first forward; loose parameters) are folded in the order of their names, not of the
-#: optimizers holding them, and are named after a variable, list, tuple or dict holding
-#: them (torch/state.py ``_add_loose``, torch/owners.py); TensorFlow string tensors are
-#: hashed (tensorflow/hashing.py, Note [Strings]): a step row's data and op records of a
-#: model fed strings hold them.
+#: the first forward; loose parameters) are folded by owner name and in the owner's order,
+#: not in the order of the optimizers holding them, and are named after a variable, list,
+#: tuple or dict holding them (torch/state.py ``_add_loose``, torch/owners.py);
+#: TensorFlow string tensors are hashed (tensorflow/hashing.py, Note [Strings]): a step
+#: row's data and op records of a model fed strings hold them.
 SCHEME = "8"
 
 CHUNK_WORDS = 1 << 20  # 8 MiB of int64 scratch per device

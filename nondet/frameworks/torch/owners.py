@@ -9,7 +9,7 @@ which differs from run to run while every value repeats. The init row then "diff
 deterministic script (a false alarm), and optimizer state, kept in slot order, differed at
 every step. Here the parameters are named after the module that owns them, found among the
 variables of the frames that made the optimizer (``model.0.weight``), so the init row lists
-them in the order of those names, whatever the order the optimizers were made in (pyro
+them by owner, in the owner's order, whatever the order the optimizers were made in (pyro
 makes one per parameter, in a set's order); parameters no module owns are named after the
 variable, list, tuple or dict that holds them (``ws[2]``). Optimizer state follows the
 parameters' order (state.py).

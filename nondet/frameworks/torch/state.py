@@ -29,9 +29,11 @@ def named_state(roots: list[torch.nn.Module],
                 ) -> tuple[Named, Named, Named]:
     """Named parameters, buffers and optimizer state, in a stable order. Parameters an
     optimizer updates but no root module owns are named after their owner's variable
-    (``owner_names``), in the order of those names, else after their optimizer slot; optimizer state
-    follows the parameters' order, never the slot order (Note [Parameters an optimizer is
-    given in another order] in owners.py)."""
+    (``owner_names``), by owner and in the owner's order, else after their optimizer slot;
+    optimizer state follows the parameters' order, never the slot order (Note [Parameters
+    an optimizer is given in another order] in owners.py). ``held``: the owners' other
+    trainable tensors (owners.py); entries that died or that a root module now holds are
+    dropped from it, so it costs nothing once the model has been called."""
     live = [opt for opt in (ref() for ref in optimizers) if opt is not None]
     params, buffers = _module_tensors(roots, param_names, with_buffers=True)
     _add_loose(params, live, param_names, owner_names or {}, held or {})
@@ -106,8 +108,10 @@ def _add_loose(params: dict[int, tuple[str, torch.Tensor]], live: list[torch.opt
                 loose.append((0 if name else 1, len(loose), name or slot, t))
     for pid, ref in list(held.items()):  # the rest of their owners' (owners.py)
         t = ref()
-        if t is None or id(t) != pid or pid in seen or pid not in owners \
-                or not holds_values(t):
+        if t is None or id(t) != pid or pid in params:
+            del held[pid]  # gone, or listed with its root module's from now on
+            continue
+        if pid in seen or pid not in owners or not holds_values(t):
             continue
         seen.add(pid)
         loose.append((0, len(loose), owners[pid], t))

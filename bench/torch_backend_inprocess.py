@@ -2,6 +2,7 @@
 
     python bench/torch_backend_inprocess.py step|ops [--reference] [--rounds N]
                                             [--block K] [--threads N] [--parts] [--count]
+                                            [--profile]
 
 ``bench/torch_inprocess.py`` drives the op recorder alone; this runs the real
 ``TorchBackend`` on a real ``Session`` (its frames written to a pipe that a thread drains):
@@ -10,10 +11,13 @@ sent) and, with ``ops``, the dispatch mode at every step. Blocks of ``--block`` 
 steps (the backend's hooks taken out of torch's hook tables and the backend paused) and
 captured steps alternate; the first step of each block is left out (a captured step after
 plain ones reads state the recorder did not see written). Median main-thread CPU time per
-step of each, torch on ``--threads`` threads (1: the ratios do not move with other
-processes' load as wall time does). ``--parts``: thread CPU per step inside each hook;
-``--count``: op records per step by phase and name. Not measured: the parent process
-(storing the rows), which a real captured run has on another core.
+step of each, and median wall time, torch on ``--threads`` threads (1: the ratios do not
+move with other processes' load as wall time does; but the plain step is then about twice
+as long as on the 2 threads ``bench/bench.py`` runs, while nondet's step-end work, NumPy on
+one thread, stays the same, so the 1-thread ratio is the lower one). ``--parts``: thread
+CPU per step inside each hook; ``--count``: op records per step by phase and name;
+``--profile``: cProfile of the captured steps (``SORT``, ``TOP``: its order and length).
+Not measured: the parent process (storing the rows), which a real captured run has on another core.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--parts", action="store_true")
     parser.add_argument("--count", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the captured steps: the top functions by own time")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
 
@@ -136,26 +142,44 @@ def main() -> None:
             for (module, name), saved in tables.items():
                 getattr(module, name).update(saved)
 
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile() if opts.profile else None
     cpu: dict[str, list[float]] = {"plain": [], "captured": []}
+    wall: dict[str, list[float]] = {"plain": [], "captured": []}
     captured_steps = 0
     spent.clear()
     calls.clear()
     for i in range(opts.rounds + 1):
         for kind in ("plain", "captured") if i % 2 else ("captured", "plain"):
             for j in range(opts.block):
-                c0 = time.thread_time()
+                profiling = profiler is not None and kind == "captured" and i >= 1
+                if profiling:
+                    profiler.enable()  # type: ignore[union-attr]
+                c0, w0 = time.thread_time(), time.perf_counter()
                 (plain if kind == "plain" else step)(i * opts.block + j)
+                if profiling:
+                    profiler.disable()  # type: ignore[union-attr]
                 if i >= 1 and j >= 1:
                     cpu[kind].append(time.thread_time() - c0)
+                    wall[kind].append(time.perf_counter() - w0)
                 captured_steps += kind == "captured"
     base, captured = statistics.median(cpu["plain"]), statistics.median(cpu["captured"])
+    wall_base = statistics.median(wall["plain"])
+    wall_captured = statistics.median(wall["captured"])
     print(f"{'reference' if opts.reference else 'narrow'} model, {opts.mode}, "
           f"{opts.threads} thread(s), {opts.rounds} rounds of {opts.block}: plain "
           f"{1e3 * base:.2f} ms, captured {1e3 * captured:.2f} ms cpu "
-          f"({captured / base:.3f}x, +{1e3 * (captured - base):.2f} ms)")
+          f"({captured / base:.3f}x, +{1e3 * (captured - base):.2f} ms); wall plain "
+          f"{1e3 * wall_base:.2f} ms, captured {1e3 * wall_captured:.2f} ms "
+          f"({wall_captured / wall_base:.3f}x)")
     for label in sorted(spent, key=lambda k: -spent[k]):
         print(f"  {label:32s} {1e6 * spent[label] / captured_steps:7.0f} us per step "
               f"({calls[label] / captured_steps:.1f} calls)")
+    if profiler is not None:
+        order, top = os.environ.get("SORT", "tottime"), int(os.environ.get("TOP", "30"))
+        pstats.Stats(profiler).sort_stats(order).print_stats(top)
     if records:
         steps = records.pop(("", ""))
         by_phase: collections.Counter[str] = collections.Counter()

@@ -353,8 +353,13 @@ def _where(facts: dict[str, Any], fact: str) -> str | None:
 
 def note(facts: dict[str, Any]) -> str | None:
     """The report's note for a capture's set iterations (None: none)."""
-    return _salted(facts, FACT, "iterates a set: a set of strings iterates in an order that "
-                   "follows", "", "sorted(...) gives the set one order")
+    # The scan cannot tell what the set holds: a set of tensors, modules or other objects
+    # iterates in their hash order too, which is their memory addresses (address_note)
+    return _salted(facts, FACT, "iterates a set: a set iterates in its items' hash order, "
+                   "which for strings follows", "", "sorted(...) gives the set one order (a "
+                   "set of tensors, modules or other objects follows their memory addresses "
+                   "instead, which can differ between plain runs: iterate a list, or sort by a "
+                   "stable key such as a name)")
 
 
 def hash_note(facts: dict[str, Any]) -> str | None:

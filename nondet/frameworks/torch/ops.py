@@ -64,7 +64,8 @@ from nondet.frameworks.torch.compiled import in_region
 from nondet.frameworks.torch.optable import OpInfo, accumulates, aux_tensors, op_info
 from nondet.frameworks.torch.shared import tensors_in
 from nondet.frameworks.torch.steprecords import TorchHost
-from nondet.frameworks.torch.tensors import StorageState
+from nondet.frameworks.torch.tensors import _FAKE, StorageState
+from nondet.frameworks.torch.tensors import _dispatch_mode as _fake_mode
 from nondet.records import Flag, Kind, Phase
 
 __all__ = ["CaptureMode", "OpRecorder", "TorchHost", "tensors_in"]
@@ -418,8 +419,6 @@ _PARAMETER = torch.nn.Parameter
 _BACKWARD = int(Phase.BACKWARD)
 _OP = Kind.OP
 
-_fake_mode = torch._C._get_dispatch_mode
-_FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 #: Op namespaces that compute nothing (profiler ranges): not recorded.
 _PASS_THROUGH = frozenset({"profiler"})

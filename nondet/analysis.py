@@ -121,7 +121,11 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
     notes += kids.notes
     deterministic = replace(deterministic, notes=notes,
                             op_records=op_records + kids.op_records)
-    if step_div is None and not final_differs and a.n_steps == 0 and b.n_steps == 0:
+    if not final_differs and a.n_steps == 0 and b.n_steps == 0 and (
+            step_div is None or not (kids.divergence or kids.trained)):
+        # No step in either run: never "deterministic" (DESIGN: exit 2), even where the
+        # init rows differ (a loop nondet saw no step of, whose batches differed: it said
+        # "deterministic, the difference never reached training", trial round 20)
         if kids.divergence is not None:
             return replace(deterministic, verdict="nondeterministic",
                            exit_code=ExitCode.NONDETERMINISTIC,
@@ -183,7 +187,8 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
         raise NondetError(
             "no training step was observed in either run, so nothing was compared (no "
             "optimizer step, no backward-and-update, no nondet.step()); check that the script "
-            "trains with these arguments, or mark its steps with nondet.step()")
+            "trains with these arguments, or mark its steps with nondet.step()"
+            + _before_any_step(a, b, step_div, common_op_steps))
     if step_div is None:
         # Step-level state matches; op records may still show a difference that did not
         # reach any step-level fingerprint (e.g. a discarded tensor).
@@ -344,6 +349,21 @@ def _check_same_scheme(a: Capture, b: Capture) -> None:
         f"{made[0]} and {made[1]} compute fingerprints differently: the same tensor has "
         "another fingerprint under each, so every step would differ; capture both runs with "
         "the same nondet version (a baseline: write it again with --update-baseline)")
+
+
+def _before_any_step(a: Capture, b: Capture, step_div: compare.StepDivergence | None,
+                     op_steps: list[int]) -> str:
+    """What already differed in runs with no step (their init rows), as the end of the
+    "no training step" line: where values entered, to look at once steps are marked."""
+    if step_div is None:
+        return ""
+    div = localize(a, b, op_steps) if op_steps else None
+    if div is None:
+        div = from_step_rows(a, b, step_div, op_steps)
+    what = div.op or (", ".join(div.step_fields) if div.step_fields else "a value")
+    where = f" at {div.source}" if div.source else ""
+    return (f"; values already differ between the runs ({what}{where}), which nondet "
+            "cannot place without steps")
 
 
 def _check_steps_compared(a: Capture, b: Capture, both_ended: bool) -> None:

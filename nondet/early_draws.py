@@ -58,7 +58,8 @@ PYTHON_GLOBAL = Kind("python_random", "the script draws from Python's random mod
 #: Brownian motion) varies with every plain run.
 NUMPY_GLOBAL = Kind("numpy_random", "the script draws from NumPy's global random generator "
                     "(np.random.*)",
-                    frozenset({"np.random.seed", "keras.utils.set_random_seed"}),
+                    frozenset({"np.random.seed", "np.random.set_state",
+                               "keras.utils.set_random_seed"}),
                     never_seeded_note=True,
                     never_seeded_fix="[PY-NP-GENERATOR]: call np.random.seed(0) at the start "
                                      "of the script, or draw from np.random.default_rng(seed)")

@@ -106,6 +106,16 @@ def test_numpy_draws_after_the_scripts_own_seed_are_told_nothing(tmp_path: Path)
     assert notes == []
 
 
+def test_a_global_state_the_script_sets_is_its_seeding(tmp_path: Path) -> None:
+    """Trial round 20 (ctgan): ``@random_state`` sets NumPy's global state from its
+    ``set_random_state(0)`` generator around ``fit`` (``np.random.set_state``), and the
+    script was told it "draws from NumPy's global random generator and never seeds it";
+    its plain runs repeat."""
+    notes, _ = _numpy_notes(tmp_path,
+                            "np.random.set_state(np.random.RandomState(0).get_state())")
+    assert notes == []
+
+
 def test_a_numpy_draw_before_the_scripts_seed_is_told_with_that_call(tmp_path: Path) -> None:
     notes, _ = _numpy_notes(tmp_path, "seed = int(np.random.randint(1, 100))  # EARLY\n"
                                       "np.random.seed(seed)")

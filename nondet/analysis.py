@@ -243,7 +243,14 @@ def compare_pair(a: Capture, b: Capture) -> Comparison:
     return replace(deterministic, verdict="nondeterministic",
                    exit_code=ExitCode.NONDETERMINISTIC, first_divergence=div,
                    growth=[] if div.process else  # the main process's steps
-                   growth(a, b, step_div.step if step_div else (div.step or 0)))
+                   _growth_shown(a, b, step_div.step if step_div else (div.step or 0)))
+
+
+def _growth_shown(a: Capture, b: Capture, first: int) -> list[GrowthRow]:
+    """The growth rows, or none where no step of them differs (a difference found only in
+    the final parameters, after the last step: a table of identical steps said nothing)."""
+    rows = growth(a, b, first)
+    return rows if any(r.differing for r in rows) else []
 
 
 

@@ -64,8 +64,7 @@ from nondet.frameworks.torch.compiled import in_region
 from nondet.frameworks.torch.optable import OpInfo, accumulates, aux_tensors, op_info
 from nondet.frameworks.torch.shared import tensors_in
 from nondet.frameworks.torch.steprecords import TorchHost
-from nondet.frameworks.torch.tensors import _FAKE, StorageState
-from nondet.frameworks.torch.tensors import _dispatch_mode as _fake_mode
+from nondet.frameworks.torch.tensors import FAKE, StorageState, dispatch_mode
 from nondet.records import Flag, Kind, Phase
 
 __all__ = ["CaptureMode", "OpRecorder", "TorchHost", "tensors_in"]
@@ -419,7 +418,6 @@ _PARAMETER = torch.nn.Parameter
 _BACKWARD = int(Phase.BACKWARD)
 _OP = Kind.OP
 
-
 #: Op namespaces that compute nothing (profiler ranges): not recorded.
 _PASS_THROUGH = frozenset({"profiler"})
 
@@ -455,7 +453,7 @@ class CaptureMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if (not self.recorder.active or func.namespace in _PASS_THROUGH or in_region()
-                or _fake_mode(_FAKE) is not None):
+                or dispatch_mode(FAKE) is not None):
             # (fake tensors: ``torch.export`` or a compiler tracing shapes, not a computation;
             # reading their sizes would specialize a dynamic dimension, and failed the export)
             return func(*args, **kwargs)

@@ -46,8 +46,9 @@ _TOLIST = torch._C.TensorBase.tolist
 _NUMPY = torch._C.TensorBase.numpy
 
 
-_dispatch_mode = torch._C._get_dispatch_mode
-_FAKE = torch._C._TorchDispatchModeKey.FAKE
+#: the script's (or a compiler's) FakeTensorMode, if one is on: ``dispatch_mode(FAKE)``
+dispatch_mode = torch._C._get_dispatch_mode
+FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
 def faking() -> bool:
@@ -59,7 +60,7 @@ def faking() -> bool:
     started the run's first step and read state under the fake mode (exit 3, "hooks
     failed: DataDependentOutputException"). Not asked while Dynamo traces (it fakes
     tensors itself; the hooks check ``is_compiling`` for that first)."""
-    return not torch.compiler.is_compiling() and _dispatch_mode(_FAKE) is not None
+    return not torch.compiler.is_compiling() and dispatch_mode(FAKE) is not None
 
 
 def item(t: torch.Tensor) -> Any:

@@ -158,12 +158,85 @@ def main() -> int:
     seeding.collect_workers(session)  # seeding calls of forked DataLoader workers
     status = frameworks.finish_all(session, status)
     session.finish(status, code, error)
+    _flush_streams()
+    if status == channel.STOPPED:
+        _end_stopped_run(code)
+    return code
+
+
+def _flush_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):  # closed or replaced by the script
             pass
-    return code
+
+
+def _end_stopped_run(code: int) -> None:
+    """End a run nondet stopped at a step boundary, its END sent: run the script's
+    ``atexit`` functions (a logger's flush, ``multiprocessing`` ending its workers), then
+    leave without Python's finalization, which has nothing left to record and can hang.
+
+    Finalization frees what the stopped script still held, in no set order. A tf.data
+    iterator stopped mid-epoch with a ``numpy_function`` in flight is destroyed while the
+    main thread holds the GIL, and waits for its prefetch thread, which needs the GIL: the
+    process never exited and nondet waited two minutes per run to end it (the
+    ``string_ids`` fixture: 4.5 min for 40 s of CPU). A plain run never meets this: its
+    dataset ends before it exits. The script's non-daemon threads are not waited for
+    either: nondet told them to stop too."""
+    try:
+        with _StopRunUnraisable():
+            atexit._run_exitfuncs()  # each once: Python clears them
+    except BaseException:  # Ctrl-C, StopRun: the run is over, its exit goes on
+        pass
+    _flush_streams()
+    _flush_open_files()
+    own_os.exit_now(code)
+
+
+def _flush_open_files() -> None:
+    """Write out what the script wrote to files it never closed (a log opened at the top):
+    finalization would have, ``os._exit`` drops it. Text layers first: they hand their
+    text to the binary buffer under them."""
+    import gc
+    import io
+
+    texts, buffers = [], []
+    for obj in gc.get_objects():
+        if isinstance(obj, io.TextIOWrapper):
+            texts.append(obj)
+        elif isinstance(obj, (io.BufferedWriter, io.BufferedRandom)):
+            buffers.append(obj)
+    for file in (*texts, *buffers):
+        try:
+            if not file.closed:
+                file.flush()
+        except Exception:  # closed under us, a broken pipe, a full disk: as finalization
+            pass
+
+
+class _StopRunUnraisable:
+    """While active, ``StopRun`` reported as unraisable (Python ignores an exception
+    raised in an ``atexit`` function or ``__del__``) is noted in ``seen`` and kept out of
+    the script's output; anything else goes to the hook that was there."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous = sys.unraisablehook
+
+    def __enter__(self) -> _StopRunUnraisable:
+        self._previous = sys.unraisablehook
+        sys.unraisablehook = self._hook
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.unraisablehook = self._previous
+
+    def _hook(self, info: Any) -> None:
+        if isinstance(info.exc_value, StopRun):
+            self.seen = True
+        else:
+            self._previous(info)
 
 
 def _run_as_main(script: str) -> None:
@@ -200,26 +273,16 @@ def _python_shutdown(status: str, code: int) -> tuple[str, int]:
     boundary in there (``StopRun``, which Python reports as an ignored exception and nondet
     keeps out of the script's output), or ``interrupted`` by a Ctrl-C while it waited."""
     stopped = False
-    previous = sys.unraisablehook
-
-    def unraisable(info: Any) -> None:
-        nonlocal stopped
-        if isinstance(info.exc_value, StopRun):
-            stopped = True
-        else:
-            previous(info)
-
-    sys.unraisablehook = unraisable
     try:
-        threading._shutdown()  # type: ignore[attr-defined]  # Python's own, at exit
-        atexit._run_exitfuncs()
+        with _StopRunUnraisable() as unraisable:
+            threading._shutdown()  # type: ignore[attr-defined]  # Python's own, at exit
+            atexit._run_exitfuncs()
+        stopped = unraisable.seen
     except StopRun:
         stopped = True
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as main's: let the run say how it ended
         return "interrupted", 130
-    finally:
-        sys.unraisablehook = previous
     return ("stopped" if stopped else status), code
 
 

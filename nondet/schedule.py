@@ -241,7 +241,9 @@ class Lockstep(_SingleRuns):
                     on_hold(a, b)
             finally:
                 turns.release()  # whatever happened, no run is left waiting for a word
-            results = (self._collect(a), self._collect(b))
+            # one grace for both: two runs that hang at exit waited one after the other
+            deadline = time.monotonic() + self.exit_grace
+            results = (self._collect(a, deadline), self._collect(b, deadline))
         except BaseException as exc:
             # Ctrl-C reached the children too; anything else (SIGTERM, a bug) did not.
             _interrupt_all(started, forward=not isinstance(exc, KeyboardInterrupt))
@@ -257,11 +259,11 @@ class Lockstep(_SingleRuns):
                     raise ScriptFailed(f"{exc}{hint}", details=exc.details) from None
             raise
 
-    def _collect(self, run: Run) -> RunResult:
-        """The run has ended or been told to stop: it exits within the grace period, or
-        is ended by signal (its capture is closed either way); sooner if it goes idle
-        without exiting (it waits at exit for a process it started: ``end_if_idle``)."""
-        deadline = time.monotonic() + self.exit_grace
+    def _collect(self, run: Run, deadline: float) -> RunResult:
+        """The run has ended or been told to stop: it exits by ``deadline`` (the grace
+        period), or is ended by signal (its capture is closed either way); sooner if it
+        goes idle without exiting (it waits at exit for a process it started:
+        ``end_if_idle``)."""
         while True:
             try:
                 return run.wait(timeout=max(min(1.0, deadline - time.monotonic()), 0.01))
